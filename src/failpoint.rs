@@ -1,0 +1,46 @@
+//! One failpoint for every filesystem mutation of publication, commit and recovery.
+//!
+//! Built only with `--features failpoints`; otherwise [`hit`] is an inline no-op and release
+//! builds carry nothing. Under the feature, every call counts one point, in order, and the
+//! environment steers what happens at point N (0-based):
+//!
+//! * `AIRLOCK_FAILPOINT_CRASH_AT=N`: `abort()` at point N, as a kill -9 would stop the daemon.
+//! * `AIRLOCK_FAILPOINT_ERROR_AT=N` with `AIRLOCK_FAILPOINT_ERRNO=EIO|ENOSPC|EXDEV|EINVAL`:
+//!   point N fails with that errno instead of mutating anything.
+//! * `AIRLOCK_FAILPOINT_LOG=FILE`: append `N NAME` for every point reached, so that a harness
+//!   learns how many points a call has and what each one is.
+
+/// Marks one filesystem mutation named `name` (such as `publish.exchange`).
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn hit(_name: &'static str) -> std::io::Result<()> {
+    Ok(())
+}
+
+#[cfg(feature = "failpoints")]
+pub fn hit(name: &'static str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    let var = |k: &str| std::env::var(k).ok();
+    if let Some(log) = var("AIRLOCK_FAILPOINT_LOG") {
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+            let _ = writeln!(f, "{n} {name}");
+            let _ = f.sync_all();
+        }
+    }
+    if var("AIRLOCK_FAILPOINT_CRASH_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {
+        std::process::abort();
+    }
+    if var("AIRLOCK_FAILPOINT_ERROR_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {
+        let errno = match var("AIRLOCK_FAILPOINT_ERRNO").as_deref() {
+            Some("ENOSPC") => libc::ENOSPC,
+            Some("EXDEV") => libc::EXDEV,
+            Some("EINVAL") => libc::EINVAL,
+            _ => libc::EIO,
+        };
+        return Err(std::io::Error::from_raw_os_error(errno));
+    }
+    Ok(())
+}

@@ -1,0 +1,661 @@
+//! Reading and validating the policy directory. Every problem is collected, with the file,
+//! line and column it comes from, before the daemon serves anything.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::model::*;
+
+/// One problem in one policy file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostic {
+    pub file: PathBuf,
+    /// 1-based; 0 when the problem is about the file as a whole.
+    pub line: usize,
+    pub col: usize,
+    pub message: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: {}", self.file.display(), self.message)
+        } else {
+            write!(
+                f,
+                "{}:{}:{}: {}",
+                self.file.display(),
+                self.line,
+                self.col,
+                self.message
+            )
+        }
+    }
+}
+
+/// Every problem found in a policy directory.
+#[derive(Debug, thiserror::Error)]
+#[error("{} error(s) in the policy:\n{}", .0.len(), render(.0))]
+pub struct PolicyErrors(pub Vec<Diagnostic>);
+
+fn render(d: &[Diagnostic]) -> String {
+    d.iter()
+        .map(|d| format!("  {d}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Reads `dir/airlock.toml`, `dir/profiles/*.toml` and `dir/tools/*.toml`.
+pub fn load(dir: &Path) -> Result<Policy, PolicyErrors> {
+    let mut cx = Cx::default();
+    let daemon = load_daemon(&mut cx, &dir.join("airlock.toml"));
+    let mut profiles = BTreeMap::new();
+    for path in toml_files(&mut cx, &dir.join("profiles")) {
+        if let Some(p) = load_profile(&mut cx, &path) {
+            profiles.insert(p.name.clone(), p);
+        }
+    }
+    let mut tools = super::builtins();
+    for path in toml_files(&mut cx, &dir.join("tools")) {
+        if let Some((tool, name_span, text)) = load_tool(&mut cx, &path, &profiles) {
+            if let Some(prev) = tools.get(&tool.name) {
+                let what = match &prev.source {
+                    Some(p) => format!("already declared in {}", p.display()),
+                    None => "the name of a built-in tool".to_string(),
+                };
+                cx.at(&path, &text, name_span, format!("duplicate tool name {:?}: {what}", tool.name));
+            } else {
+                tools.insert(tool.name.clone(), tool);
+            }
+        }
+    }
+    if cx.diags.is_empty() {
+        Ok(Policy {
+            dir: dir.to_path_buf(),
+            daemon: daemon.unwrap_or_default(),
+            profiles,
+            tools,
+        })
+    } else {
+        Err(PolicyErrors(cx.diags))
+    }
+}
+
+#[derive(Default)]
+struct Cx {
+    diags: Vec<Diagnostic>,
+}
+
+impl Cx {
+    fn file(&mut self, file: &Path, message: impl Into<String>) {
+        self.diags.push(Diagnostic {
+            file: file.to_path_buf(),
+            line: 0,
+            col: 0,
+            message: message.into(),
+        });
+    }
+
+    fn at(&mut self, file: &Path, text: &str, span: std::ops::Range<usize>, message: impl Into<String>) {
+        let (line, col) = line_col(text, span.start);
+        self.diags.push(Diagnostic {
+            file: file.to_path_buf(),
+            line,
+            col,
+            message: message.into(),
+        });
+    }
+
+    fn read(&mut self, path: &Path) -> Option<String> {
+        match std::fs::read_to_string(path) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                self.file(path, format!("cannot read: {e}"));
+                None
+            }
+        }
+    }
+
+    fn parse<T: serde::de::DeserializeOwned>(&mut self, path: &Path, text: &str) -> Option<T> {
+        match toml::from_str::<T>(text) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let message = e.message().trim().to_string();
+                match e.span() {
+                    Some(span) => self.at(path, text, span, message),
+                    None => self.file(path, message),
+                }
+                None
+            }
+        }
+    }
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+fn toml_files(cx: &mut Cx, dir: &Path) -> Vec<PathBuf> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
+        Err(e) => {
+            cx.file(dir, format!("cannot list: {e}"));
+            return Vec::new();
+        }
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    files.sort();
+    files
+}
+
+// ---- airlock.toml -------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDaemonFile {
+    daemon: Option<RawDaemon>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDaemon {
+    socket: Option<PathBuf>,
+    socket_mode: Option<Spanned<String>>,
+    socket_group: Option<String>,
+    workspace: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
+    max_message_size: Option<Spanned<Size>>,
+    max_connections: Option<usize>,
+    max_concurrent_calls: Option<usize>,
+    audit_ring: Option<usize>,
+    cgroup: Option<PathBuf>,
+}
+
+fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
+    if !path.exists() {
+        return Some(DaemonConfig::default());
+    }
+    let text = cx.read(path)?;
+    let raw: RawDaemonFile = cx.parse(path, &text)?;
+    let mut d = DaemonConfig::default();
+    let Some(r) = raw.daemon else { return Some(d) };
+    if let Some(v) = r.socket {
+        d.socket = v;
+    }
+    if let Some(mode) = r.socket_mode {
+        match u32::from_str_radix(mode.get_ref().trim_start_matches("0o"), 8) {
+            Ok(m) if m <= 0o777 => d.socket_mode = m,
+            _ => cx.at(path, &text, mode.span(), format!("socket_mode {:?} is not an octal mode such as \"0660\"", mode.get_ref())),
+        }
+    }
+    d.socket_group = r.socket_group;
+    if let Some(v) = r.workspace {
+        d.workspace = v;
+    }
+    if let Some(v) = r.state_dir {
+        d.state_dir = v;
+    }
+    if let Some(v) = r.max_message_size {
+        match v.get_ref().bytes(&text, v.span()) {
+            Ok(n) if n >= 1024 => d.max_message_bytes = n as usize,
+            Ok(_) => cx.at(path, &text, v.span(), "max_message_size must be at least 1KiB"),
+            Err(m) => cx.at(path, &text, v.span(), m),
+        }
+    }
+    if let Some(v) = r.max_connections {
+        d.max_connections = v.max(1);
+    }
+    if let Some(v) = r.max_concurrent_calls {
+        d.max_concurrent_calls = v.max(1);
+    }
+    if let Some(v) = r.audit_ring {
+        d.audit_ring = v.max(1);
+    }
+    d.cgroup = r.cgroup;
+    Some(d)
+}
+
+/// A byte size: an integer, or a string such as "4MiB", "512k", "1G".
+#[derive(Deserialize, Clone)]
+#[serde(untagged)]
+enum Size {
+    Int(u64),
+    Text(String),
+}
+
+impl Size {
+    fn bytes(&self, _text: &str, _span: std::ops::Range<usize>) -> Result<u64, String> {
+        match self {
+            Size::Int(n) => Ok(*n),
+            Size::Text(s) => parse_size(s),
+        }
+    }
+}
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size such as \"4MiB\""))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return Err(format!("{s:?} has an unknown unit (use B, KiB, MiB, GiB)")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// A duration such as "20s", "500ms", "2m", "1h".
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration such as \"20s\" or \"500ms\""))?;
+    let d = match unit.trim() {
+        "ms" => Duration::from_millis(n),
+        "s" | "" => Duration::from_secs(n),
+        "m" | "min" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        _ => return Err(format!("{s:?} has an unknown unit (use ms, s, m or h)")),
+    };
+    Ok(d)
+}
+
+// ---- profiles/NAME.toml -------------------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProfile {
+    landlock: Option<RawLandlock>,
+    seccomp: Option<RawSeccomp>,
+    network: Option<RawNetwork>,
+    limits: Option<RawLimits>,
+    env: Option<RawEnv>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLandlock {
+    abi: Option<Spanned<u8>>,
+    best_effort: Option<bool>,
+    #[serde(default)]
+    read: Vec<Spanned<PathBuf>>,
+    #[serde(default)]
+    exec: Vec<Spanned<PathBuf>>,
+    #[serde(default)]
+    write: Vec<Spanned<PathBuf>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSeccomp {
+    mode: SeccompMode,
+    syscalls: Vec<Spanned<String>>,
+    errno: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNetwork {
+    allow: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    cpu: Option<Spanned<String>>,
+    address_space: Option<Spanned<Size>>,
+    file_size: Option<Spanned<Size>>,
+    open_files: Option<u64>,
+    processes: Option<u64>,
+    memory: Option<Spanned<Size>>,
+    output: Option<Spanned<Size>>,
+    grace: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEnv {
+    #[serde(default)]
+    keep: Vec<String>,
+    #[serde(default)]
+    set: BTreeMap<String, String>,
+}
+
+/// The errno names a profile may use for filtered syscalls.
+pub const ERRNOS: &[(&str, i32)] = &[
+    ("EPERM", libc::EPERM),
+    ("EACCES", libc::EACCES),
+    ("ENOSYS", libc::ENOSYS),
+    ("EINVAL", libc::EINVAL),
+];
+
+fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
+    let name = path.file_stem()?.to_string_lossy().into_owned();
+    let text = cx.read(path)?;
+    let raw: RawProfile = cx.parse(path, &text)?;
+    let before = cx.diags.len();
+    let mut landlock = LandlockProfile {
+        abi: 6,
+        best_effort: false,
+        read: Vec::new(),
+        exec: Vec::new(),
+        write: Vec::new(),
+    };
+    if let Some(l) = raw.landlock {
+        if let Some(abi) = l.abi {
+            if !(1..=7).contains(abi.get_ref()) {
+                cx.at(path, &text, abi.span(), format!("landlock abi {} is not one this build knows (1 to 7)", abi.get_ref()));
+            }
+            landlock.abi = *abi.get_ref();
+        }
+        landlock.best_effort = l.best_effort.unwrap_or(false);
+        for (list, out) in [(l.read, &mut landlock.read), (l.exec, &mut landlock.exec), (l.write, &mut landlock.write)] {
+            for p in list {
+                if !p.get_ref().is_absolute() {
+                    cx.at(path, &text, p.span(), format!("{:?} is not an absolute path", p.get_ref()));
+                }
+                out.push(p.into_inner());
+            }
+        }
+    }
+    let seccomp = match raw.seccomp {
+        Some(s) => {
+            let errno = s.errno.map(|e| {
+                if !ERRNOS.iter().any(|(n, _)| n == e.get_ref()) {
+                    cx.at(path, &text, e.span(), format!("errno {:?} is not one of EPERM, EACCES, ENOSYS, EINVAL", e.get_ref()));
+                }
+                e.into_inner()
+            });
+            for sc in &s.syscalls {
+                if crate::sandbox::syscall_known(sc.get_ref()).is_none() {
+                    cx.at(path, &text, sc.span(), format!("unknown syscall {:?} on this architecture", sc.get_ref()));
+                }
+            }
+            SeccompProfile {
+                mode: s.mode,
+                syscalls: s.syscalls.into_iter().map(Spanned::into_inner).collect(),
+                errno: errno.unwrap_or_else(|| "EPERM".into()),
+            }
+        }
+        None => SeccompProfile {
+            mode: SeccompMode::Deny,
+            syscalls: Vec::new(),
+            errno: "EPERM".into(),
+        },
+    };
+    let mut limits = Limits::default();
+    if let Some(l) = raw.limits {
+        let mut size = |v: Option<Spanned<Size>>, out: &mut u64| {
+            if let Some(v) = v {
+                match v.get_ref().bytes(&text, v.span()) {
+                    Ok(n) => *out = n,
+                    Err(m) => cx.at(path, &text, v.span(), m),
+                }
+            }
+        };
+        size(l.address_space, &mut limits.address_space_bytes);
+        size(l.file_size, &mut limits.file_size_bytes);
+        size(l.memory, &mut limits.memory_bytes);
+        let mut out = limits.output_bytes as u64;
+        size(l.output, &mut out);
+        limits.output_bytes = out as usize;
+        if let Some(v) = l.open_files {
+            limits.open_files = v;
+        }
+        if let Some(v) = l.processes {
+            limits.processes = v;
+        }
+        if let Some(v) = l.cpu {
+            match parse_duration(v.get_ref()) {
+                Ok(d) if d.as_secs() >= 1 => limits.cpu_seconds = d.as_secs(),
+                Ok(_) => cx.at(path, &text, v.span(), "cpu limit must be at least 1s"),
+                Err(m) => cx.at(path, &text, v.span(), m),
+            }
+        }
+        if let Some(v) = l.grace {
+            match parse_duration(v.get_ref()) {
+                Ok(d) if d <= Duration::from_secs(60) => limits.grace = d,
+                Ok(_) => cx.at(path, &text, v.span(), "grace must be at most 60s"),
+                Err(m) => cx.at(path, &text, v.span(), m),
+            }
+        }
+    }
+    let env = raw
+        .env
+        .map(|e| EnvProfile {
+            keep: e.keep,
+            set: e.set,
+        })
+        .unwrap_or_default();
+    if cx.diags.len() != before {
+        return None;
+    }
+    Some(Profile {
+        name,
+        landlock,
+        seccomp,
+        network: raw.network.is_some_and(|n| n.allow),
+        limits,
+        env,
+    })
+}
+
+// ---- tools/NAME.toml ----------------------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTool {
+    name: Spanned<String>,
+    description: Option<String>,
+    capability: Capability,
+    command: Spanned<Vec<Spanned<String>>>,
+    protocol: Option<Protocol>,
+    timeout: Option<Spanned<String>>,
+    profile: Option<Spanned<String>>,
+    #[serde(default)]
+    params: BTreeMap<String, Spanned<RawParam>>,
+    annotations: Option<RawAnnotations>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawParam {
+    #[serde(rename = "type")]
+    ty: ParamType,
+    description: Option<String>,
+    required: Option<bool>,
+    default: Option<toml::Value>,
+    path: Option<PathRole>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAnnotations {
+    destructive: Option<bool>,
+    idempotent: Option<bool>,
+}
+
+/// The longest timeout a tool may declare.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+type LoadedTool = (Tool, std::ops::Range<usize>, String);
+
+fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> Option<LoadedTool> {
+    let text = cx.read(path)?;
+    let raw: RawTool = cx.parse(path, &text)?;
+    let before = cx.diags.len();
+    let name = raw.name.get_ref().clone();
+    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+        cx.at(path, &text, raw.name.span(), format!("tool name {name:?} must be letters, digits, '_' or '-'"));
+    }
+    let mut params = BTreeMap::new();
+    for (pname, p) in &raw.params {
+        if pname == "session" {
+            cx.at(path, &text, p.span(), "\"session\" is reserved: every write tool takes it, and {session} names it in command");
+            continue;
+        }
+        let rp = p.get_ref();
+        if rp.path.is_some() && rp.ty != ParamType::String {
+            cx.at(path, &text, p.span(), format!("path parameter {pname:?} must have type \"string\", not {:?}", rp.ty.as_str()));
+        }
+        if rp.path == Some(PathRole::Output) && raw.capability == Capability::Read {
+            cx.at(path, &text, p.span(), format!("output parameter {pname:?} needs capability = \"write\""));
+        }
+        let default = match &rp.default {
+            None => None,
+            Some(v) => match serde_json::to_value(v) {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    cx.at(path, &text, p.span(), format!("default of {pname:?}: {e}"));
+                    None
+                }
+            },
+        };
+        params.insert(
+            pname.clone(),
+            Param {
+                ty: rp.ty,
+                description: rp.description.clone().unwrap_or_default(),
+                required: rp.required.unwrap_or(default.is_none()),
+                default,
+                path: rp.path,
+            },
+        );
+    }
+    let command: Vec<String> = raw.command.get_ref().iter().map(|s| s.get_ref().clone()).collect();
+    match command.first() {
+        None => cx.at(path, &text, raw.command.span(), "command is empty"),
+        Some(exe) if !Path::new(exe).is_absolute() => {
+            cx.at(path, &text, raw.command.get_ref()[0].span(), format!("executable {exe:?} must be an absolute path"));
+        }
+        Some(_) => {}
+    }
+    for part in raw.command.get_ref() {
+        for ph in placeholders(part.get_ref()) {
+            let known = params.contains_key(ph) || (ph == "session" && raw.capability == Capability::Write);
+            if !known {
+                cx.at(path, &text, part.span(), format!("placeholder {{{ph}}} names no parameter"));
+            }
+        }
+    }
+    let timeout = match &raw.timeout {
+        None => Duration::from_secs(30),
+        Some(t) => match parse_duration(t.get_ref()) {
+            Ok(d) if d.is_zero() => {
+                cx.at(path, &text, t.span(), "timeout must be more than zero");
+                Duration::ZERO
+            }
+            Ok(d) if d > MAX_TIMEOUT => {
+                cx.at(path, &text, t.span(), "timeout must be at most 24h");
+                d
+            }
+            Ok(d) => d,
+            Err(m) => {
+                cx.at(path, &text, t.span(), m);
+                Duration::ZERO
+            }
+        },
+    };
+    let profile = match &raw.profile {
+        None => "default".to_string(),
+        Some(p) => p.get_ref().clone(),
+    };
+    if !profiles.contains_key(&profile) {
+        let span = raw.profile.as_ref().map_or(raw.name.span(), |p| p.span());
+        let known: Vec<&str> = profiles.keys().map(String::as_str).collect();
+        cx.at(path, &text, span, format!("unknown profile {profile:?} (known: {})", known.join(", ")));
+    }
+    if cx.diags.len() != before {
+        return None;
+    }
+    let ann = raw.annotations.as_ref();
+    let annotations = Annotations {
+        read_only: raw.capability == Capability::Read,
+        destructive: ann.and_then(|a| a.destructive).unwrap_or(raw.capability == Capability::Write),
+        idempotent: ann.and_then(|a| a.idempotent).unwrap_or(false),
+    };
+    let tool = Tool {
+        name,
+        description: raw.description.unwrap_or_default(),
+        capability: raw.capability,
+        exec: Some(ExternalTool {
+            command,
+            protocol: raw.protocol.unwrap_or(Protocol::Argv),
+            timeout,
+            profile,
+        }),
+        builtin: None,
+        params,
+        annotations,
+        source: Some(path.to_path_buf()),
+    };
+    Some((tool, raw.name.span(), text))
+}
+
+/// The `{name}` placeholders in one argv element.
+pub fn placeholders(s: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some(start) = rest.find('{') {
+        let after = &rest[start + 1..];
+        match after.find('}') {
+            Some(end) => {
+                let name = &after[..end];
+                if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    out.push(name);
+                }
+                rest = &after[end + 1..];
+            }
+            None => break,
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(parse_size("4MiB").unwrap(), 4 << 20);
+        assert_eq!(parse_size("512k").unwrap(), 512 << 10);
+        assert!(parse_size("4 parsecs").is_err());
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn placeholder_scan() {
+        assert_eq!(placeholders("--out={out}.{ext}"), vec!["out", "ext"]);
+        assert!(placeholders("{ not one }").is_empty());
+    }
+
+    #[test]
+    fn line_and_column() {
+        assert_eq!(line_col("a\nbc\nd", 3), (2, 2));
+        assert_eq!(line_col("abc", 0), (1, 1));
+    }
+}

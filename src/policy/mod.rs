@@ -1,0 +1,137 @@
+//! Policy files: daemon settings, sandbox profiles and tool declarations, validated up front.
+//!
+//! `load` reads the whole directory and returns every problem with `file:line:col`; the rest
+//! of the daemon only ever sees a validated [`Policy`].
+
+mod load;
+mod model;
+
+pub use load::{load, parse_duration, parse_size, placeholders, Diagnostic, PolicyErrors, ERRNOS};
+pub use model::*;
+
+use std::collections::BTreeMap;
+
+/// The built-in session tools, present in every policy.
+pub fn builtins() -> BTreeMap<String, Tool> {
+    let string = |description: &str, required: bool| Param {
+        ty: ParamType::String,
+        description: description.to_string(),
+        required,
+        default: None,
+        path: None,
+    };
+    let object = |description: &str| Param {
+        ty: ParamType::Object,
+        description: description.to_string(),
+        required: false,
+        default: None,
+        path: None,
+    };
+    let mk = |name: &str, description: &str, builtin, capability, params: Vec<(&str, Param)>| {
+        let read = capability == Capability::Read;
+        Tool {
+            name: name.to_string(),
+            description: description.to_string(),
+            capability,
+            exec: None,
+            builtin: Some(builtin),
+            params: params.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            annotations: Annotations {
+                read_only: read,
+                destructive: builtin == Builtin::SessionDestroy,
+                idempotent: read,
+            },
+            source: None,
+        }
+    };
+    let tools = [
+        mk(
+            "session_create",
+            "Create a session: a JSON state object with a version that increments at each commit",
+            Builtin::SessionCreate,
+            Capability::Write,
+            vec![
+                ("id", string("Session id (letters, digits, '-', '_'); generated when absent", false)),
+                ("state", object("Initial state (a JSON object; default {})")),
+            ],
+        ),
+        mk(
+            "session_destroy",
+            "Destroy a session; calls queued behind it fail with SessionDestroyed",
+            Builtin::SessionDestroy,
+            Capability::Write,
+            vec![],
+        ),
+        mk(
+            "session_get",
+            "Read a session's state and version",
+            Builtin::SessionGet,
+            Capability::Read,
+            vec![("session", string("Session id", true))],
+        ),
+        mk(
+            "session_list",
+            "List the sessions with their versions",
+            Builtin::SessionList,
+            Capability::Read,
+            vec![],
+        ),
+    ];
+    tools.into_iter().map(|t| (t.name.clone(), t)).collect()
+}
+
+impl Tool {
+    /// Whether the call takes the implicit `session` argument (every write tool but
+    /// `session_create`, which names its new session with `id`).
+    pub fn takes_session(&self) -> bool {
+        self.capability == Capability::Write && self.builtin != Some(Builtin::SessionCreate)
+    }
+
+    /// The JSON Schema of the tool's arguments, as `tools/list` shows it.
+    pub fn input_schema(&self) -> serde_json::Map<String, serde_json::Value> {
+        use serde_json::{json, Value};
+        let mut props = serde_json::Map::new();
+        let mut required: Vec<Value> = Vec::new();
+        if self.takes_session() {
+            props.insert(
+                "session".into(),
+                json!({"type": "string", "description": "The session this call mutates"}),
+            );
+            required.push("session".into());
+        }
+        for (name, p) in &self.params {
+            let mut s = serde_json::Map::new();
+            s.insert("type".into(), p.ty.as_str().into());
+            let mut desc = p.description.clone();
+            match p.path {
+                Some(PathRole::Input) => desc.push_str(" (workspace path, read)"),
+                Some(PathRole::Output) => desc.push_str(" (workspace path, written on success)"),
+                None => {}
+            }
+            if !desc.is_empty() {
+                s.insert("description".into(), desc.trim().into());
+            }
+            if let Some(d) = &p.default {
+                s.insert("default".into(), d.clone());
+            }
+            props.insert(name.clone(), Value::Object(s));
+            if p.required {
+                required.push(name.clone().into());
+            }
+        }
+        let mut schema = serde_json::Map::new();
+        schema.insert("type".into(), "object".into());
+        schema.insert("properties".into(), Value::Object(props));
+        schema.insert("required".into(), Value::Array(required));
+        schema.insert("additionalProperties".into(), false.into());
+        schema
+    }
+
+    /// Parameters whose value is an output path, in name order.
+    pub fn output_params(&self) -> impl Iterator<Item = &str> {
+        self.params
+            .iter()
+            .filter(|(_, p)| p.path == Some(PathRole::Output))
+            .map(|(n, _)| n.as_str())
+    }
+}

@@ -1,0 +1,251 @@
+//! The validated policy: what the rest of the daemon reads. Built only by [`super::load`].
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything the policy directory declares, validated.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub dir: PathBuf,
+    pub daemon: DaemonConfig,
+    pub profiles: BTreeMap<String, Profile>,
+    pub tools: BTreeMap<String, Tool>,
+}
+
+/// `[daemon]` in `airlock.toml`. Relative paths are relative to the current directory of
+/// `airlock serve`, so that a checkout runs with no flags.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    pub socket: PathBuf,
+    /// Octal mode of the socket file (default 0o600).
+    pub socket_mode: u32,
+    /// Group that owns the socket file, if any.
+    pub socket_group: Option<String>,
+    pub workspace: PathBuf,
+    pub state_dir: PathBuf,
+    /// Largest JSON-RPC message accepted, in bytes (default 4 MiB).
+    pub max_message_bytes: usize,
+    /// Largest number of concurrent connections (default 256).
+    pub max_connections: usize,
+    /// Largest number of tool calls running at once (default 64).
+    pub max_concurrent_calls: usize,
+    /// How many audit events the in-memory ring keeps (default 10 000).
+    pub audit_ring: usize,
+    /// A delegated cgroup v2 directory; each worker gets a child cgroup in it.
+    pub cgroup: Option<PathBuf>,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            socket: PathBuf::from("airlock.sock"),
+            socket_mode: 0o600,
+            socket_group: None,
+            workspace: PathBuf::from("workspace"),
+            state_dir: PathBuf::from("state"),
+            max_message_bytes: 4 * 1024 * 1024,
+            max_connections: 256,
+            max_concurrent_calls: 64,
+            audit_ring: 10_000,
+            cgroup: None,
+        }
+    }
+}
+
+/// A sandbox profile, `profiles/NAME.toml`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Profile {
+    pub name: String,
+    pub landlock: LandlockProfile,
+    pub seccomp: SeccompProfile,
+    pub network: bool,
+    pub limits: Limits,
+    pub env: EnvProfile,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LandlockProfile {
+    /// The Landlock ABI the profile needs fully enforced (default 6: signal and abstract
+    /// socket scoping).
+    pub abi: u8,
+    /// Run with whatever the kernel enforces instead of refusing (default false).
+    pub best_effort: bool,
+    /// Paths the worker may read (files and directories, recursively).
+    pub read: Vec<PathBuf>,
+    /// Paths the worker may read and execute from.
+    pub exec: Vec<PathBuf>,
+    /// Paths outside the staging dir the worker may write (device files such as /dev/null).
+    pub write: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SeccompMode {
+    /// Allow every syscall but the listed ones, which fail with `errno`.
+    Deny,
+    /// Fail every syscall with `errno` but the listed ones.
+    Allow,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeccompProfile {
+    pub mode: SeccompMode,
+    /// Syscall names, as in the kernel's tables (`io_uring_setup`, `ptrace`, ...).
+    pub syscalls: Vec<String>,
+    /// The errno a filtered syscall returns (an `E...` name; default EPERM).
+    pub errno: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    pub cpu_seconds: u64,
+    pub address_space_bytes: u64,
+    pub file_size_bytes: u64,
+    pub open_files: u64,
+    /// How many processes the worker may run at once, beyond those its uid already has.
+    pub processes: u64,
+    /// memory.max of the worker's cgroup, when a cgroup is delegated.
+    pub memory_bytes: u64,
+    /// Cap on the stdout and on the stderr kept from one call.
+    pub output_bytes: usize,
+    /// Time between SIGTERM and SIGKILL.
+    pub grace: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            cpu_seconds: 60,
+            address_space_bytes: 4 << 30,
+            file_size_bytes: 1 << 30,
+            open_files: 256,
+            processes: 64,
+            memory_bytes: 1 << 30,
+            output_bytes: 1 << 20,
+            grace: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EnvProfile {
+    /// Variables copied from the daemon's environment when present.
+    pub keep: Vec<String>,
+    /// Variables set to fixed values (override `keep`).
+    pub set: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Capability {
+    Read,
+    Write,
+}
+
+impl Capability {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Capability::Read => "read",
+            Capability::Write => "write",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// Placeholders substituted into argv; stdout is the text result; exit 0 is success.
+    Argv,
+    /// One JSON request on stdin, one JSON response on stdout.
+    Json,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Argv => "argv",
+            Protocol::Json => "json",
+        }
+    }
+}
+
+/// Where a built-in tool's work happens: in the daemon, not in a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Builtin {
+    SessionCreate,
+    SessionDestroy,
+    SessionGet,
+    SessionList,
+}
+
+#[derive(Debug, Clone)]
+pub struct Tool {
+    pub name: String,
+    pub description: String,
+    pub capability: Capability,
+    /// `None` for built-in tools.
+    pub exec: Option<ExternalTool>,
+    pub builtin: Option<Builtin>,
+    pub params: BTreeMap<String, Param>,
+    pub annotations: Annotations,
+    /// The file it was declared in (None for built-ins).
+    pub source: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ExternalTool {
+    pub command: Vec<String>,
+    pub protocol: Protocol,
+    pub timeout: Duration,
+    pub profile: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Annotations {
+    pub read_only: bool,
+    pub destructive: bool,
+    pub idempotent: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ParamType {
+    String,
+    Integer,
+    Number,
+    Boolean,
+    Object,
+    Array,
+}
+
+impl ParamType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParamType::String => "string",
+            ParamType::Integer => "integer",
+            ParamType::Number => "number",
+            ParamType::Boolean => "boolean",
+            ParamType::Object => "object",
+            ParamType::Array => "array",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PathRole {
+    /// Resolved beneath the workspace; the worker may read it.
+    Input,
+    /// Rewritten to a staged file; published into the workspace on success.
+    Output,
+}
+
+#[derive(Debug, Clone)]
+pub struct Param {
+    pub ty: ParamType,
+    pub description: String,
+    pub required: bool,
+    pub default: Option<serde_json::Value>,
+    pub path: Option<PathRole>,
+}
