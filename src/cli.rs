@@ -1,1 +1,539 @@
-pub fn main() -> i32 { 0 }
+//! The command line: `serve`, `connect`, `call`, `policy check|explain`, `recover`.
+//!
+//! Exit codes: 0 success; 1 a tool error (`call`) or an invalid policy (`policy check`);
+//! 2 a usage, connection, protocol or startup error.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::policy::{self, Policy};
+
+#[derive(Parser)]
+#[command(
+    name = "airlock",
+    version,
+    about = "Runs MCP tool calls so that every terminal response is a state boundary"
+)]
+struct Cli {
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Human, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon: serve MCP on a Unix socket.
+    Serve(ServeArgs),
+    /// Bridge stdin/stdout to the daemon's socket, for clients that launch stdio servers.
+    Connect {
+        #[command(flatten)]
+        socket: SocketArg,
+    },
+    /// Call one tool and print its result as JSON; exits 1 on a tool error.
+    Call(CallArgs),
+    /// Check or explain the policy files.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+    /// Roll back or complete every job a crashed daemon left, then exit.
+    Recover(RecoverArgs),
+}
+
+#[derive(Args)]
+struct SocketArg {
+    /// The daemon's socket [default: $AIRLOCK_SOCKET, else ./airlock.sock].
+    #[arg(long, env = "AIRLOCK_SOCKET", default_value = "airlock.sock")]
+    socket: PathBuf,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Socket path [default: the policy's daemon.socket].
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Policy directory.
+    #[arg(long, default_value = "policies")]
+    policies: PathBuf,
+    /// Workspace root [default: the policy's daemon.workspace].
+    #[arg(long)]
+    workspace: Option<PathBuf>,
+    /// Where sessions persist [default: the policy's daemon.state_dir].
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CallArgs {
+    /// The tool to call.
+    tool: String,
+    #[command(flatten)]
+    socket: SocketArg,
+    /// The session a write tool mutates.
+    #[arg(long)]
+    session: Option<String>,
+    /// An argument as NAME=VALUE; VALUE is read as the tool's declared type.
+    #[arg(long = "arg", value_name = "NAME=VALUE")]
+    args: Vec<String>,
+    /// Arguments as one JSON object (merged under --arg).
+    #[arg(long)]
+    json: Option<String>,
+    /// Give up (and cancel the call) after this many seconds.
+    #[arg(long)]
+    timeout: Option<f64>,
+}
+
+#[derive(Subcommand)]
+enum PolicyCommand {
+    /// Validate the policy directory; print a table of tools or every error.
+    Check {
+        #[arg(long, default_value = "policies")]
+        policies: PathBuf,
+    },
+    /// Print the effective sandbox of one tool, for a security reviewer.
+    Explain {
+        tool: String,
+        #[arg(long, default_value = "policies")]
+        policies: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct RecoverArgs {
+    #[arg(long, default_value = "policies")]
+    policies: PathBuf,
+    #[arg(long)]
+    workspace: Option<PathBuf>,
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+/// Parses argv, runs the command, returns the exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    match cli.command {
+        Command::Policy(PolicyCommand::Check { policies }) => policy_check(&policies),
+        Command::Policy(PolicyCommand::Explain { tool, policies }) => {
+            policy_explain(&policies, &tool)
+        }
+        Command::Recover(a) => recover(a),
+        Command::Serve(a) => runtime().map_or(2, |rt| rt.block_on(serve(a))),
+        Command::Connect { socket } => {
+            runtime().map_or(2, |rt| rt.block_on(connect(&socket.socket)))
+        }
+        Command::Call(a) => runtime().map_or(2, |rt| rt.block_on(call(a))),
+    }
+}
+
+fn runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            eprintln!("airlock: cannot start the async runtime: {e}");
+            None
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Human => b.try_init(),
+        LogFormat::Json => b.json().try_init(),
+    };
+}
+
+fn load_policy(dir: &Path) -> Result<Policy, i32> {
+    policy::load(dir).map_err(|e| {
+        for d in &e.0 {
+            eprintln!("airlock: {d}");
+        }
+        eprintln!(
+            "airlock: {}: {} error(s); nothing was started",
+            dir.display(),
+            e.0.len()
+        );
+        2
+    })
+}
+
+fn policy_check(dir: &Path) -> i32 {
+    let policy = match policy::load(dir) {
+        Ok(p) => p,
+        Err(e) => {
+            for d in &e.0 {
+                println!("{d}");
+            }
+            println!("{} error(s)", e.0.len());
+            return 1;
+        }
+    };
+    println!(
+        "{:<22} {:<10} {:<8} {:<10} {:>8}  PATH PARAMS",
+        "TOOL", "CAPABILITY", "PROTOCOL", "PROFILE", "TIMEOUT"
+    );
+    for t in policy.tools.values() {
+        let (protocol, profile, timeout) = match &t.exec {
+            Some(e) => (
+                e.protocol.as_str(),
+                e.profile.as_str(),
+                format!("{:?}", e.timeout),
+            ),
+            None => ("builtin", "-", "-".to_string()),
+        };
+        let paths: Vec<String> = t
+            .params
+            .iter()
+            .filter_map(|(n, p)| {
+                p.path.map(|r| {
+                    format!(
+                        "{n}({})",
+                        if r == policy::PathRole::Input {
+                            "in"
+                        } else {
+                            "out"
+                        }
+                    )
+                })
+            })
+            .collect();
+        println!(
+            "{:<22} {:<10} {:<8} {:<10} {:>8}  {}",
+            t.name,
+            t.capability.as_str(),
+            protocol,
+            profile,
+            timeout,
+            if paths.is_empty() {
+                "-".to_string()
+            } else {
+                paths.join(" ")
+            }
+        );
+    }
+    println!(
+        "ok: {} tools, {} profiles",
+        policy.tools.len(),
+        policy.profiles.len()
+    );
+    0
+}
+
+fn policy_explain(dir: &Path, name: &str) -> i32 {
+    let policy = match load_policy(dir) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let Some(tool) = policy.tools.get(name) else {
+        eprintln!("airlock: no tool {name:?} in {}", dir.display());
+        return 2;
+    };
+    println!(
+        "tool {} ({}, {})",
+        tool.name,
+        tool.capability.as_str(),
+        tool.source
+            .as_ref()
+            .map_or("built-in".into(), |p| p.display().to_string())
+    );
+    let Some(ext) = &tool.exec else {
+        println!("  runs inside the daemon: no worker, no sandbox");
+        return 0;
+    };
+    println!("  command:  {}", ext.command.join(" "));
+    println!("  protocol: {}", ext.protocol.as_str());
+    println!(
+        "  timeout:  {:?} (then SIGTERM to the group, the grace, SIGKILL)",
+        ext.timeout
+    );
+    for (n, p) in &tool.params {
+        match p.path {
+            Some(policy::PathRole::Input) => println!("  param {n}: workspace path, readable by the worker"),
+            Some(policy::PathRole::Output) => println!("  param {n}: workspace path, written to a private staging dir, published on success"),
+            None => println!("  param {n}: {} value", p.ty.as_str()),
+        }
+    }
+    match policy.profiles.get(&ext.profile) {
+        Some(profile) => {
+            println!("profile {}", ext.profile);
+            print!("{}", crate::sandbox::explain(profile));
+        }
+        None => println!("profile {}: missing", ext.profile),
+    }
+    0
+}
+
+fn apply_overrides(p: &mut Policy, workspace: Option<PathBuf>, state_dir: Option<PathBuf>) {
+    if let Some(w) = workspace {
+        p.daemon.workspace = w;
+    }
+    if let Some(s) = state_dir {
+        p.daemon.state_dir = s;
+    }
+}
+
+fn recover(a: RecoverArgs) -> i32 {
+    let mut policy = match policy::load(&a.policies) {
+        Ok(p) => p,
+        Err(_) if a.workspace.is_some() && a.state_dir.is_some() => Policy {
+            dir: a.policies.clone(),
+            daemon: Default::default(),
+            profiles: Default::default(),
+            tools: Default::default(),
+        },
+        Err(e) => {
+            eprintln!("airlock: {e}");
+            return 2;
+        }
+    };
+    apply_overrides(&mut policy, a.workspace, a.state_dir);
+    let d = &policy.daemon;
+    let result = crate::publish::Workspace::open(&d.workspace)
+        .map_err(|e| e.to_string())
+        .and_then(|ws| {
+            let sessions =
+                crate::session::SessionStore::open(&d.state_dir).map_err(|e| e.to_string())?;
+            crate::exec::recover(&ws, &sessions).map_err(|e| e.to_string())
+        });
+    match result {
+        Ok(done) => {
+            for r in &done {
+                println!("{}: {}", r.job, r.action);
+            }
+            println!("recovered {} job(s)", done.len());
+            0
+        }
+        Err(e) => {
+            eprintln!("airlock: recover: {e}");
+            2
+        }
+    }
+}
+
+async fn serve(a: ServeArgs) -> i32 {
+    let mut policy = match load_policy(&a.policies) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    apply_overrides(&mut policy, a.workspace, a.state_dir);
+    if let Some(s) = a.socket {
+        policy.daemon.socket = s;
+    }
+    if let Err(e) = crate::sandbox::init_daemon() {
+        eprintln!("airlock: {e}");
+        return 2;
+    }
+    let policy = Arc::new(policy);
+    let shutdown = CancellationToken::new();
+    let exec = match crate::exec::Executor::start(policy.clone(), shutdown.clone()) {
+        Ok(e) => Arc::new(e),
+        Err(e) => {
+            eprintln!("airlock: {e}");
+            return 2;
+        }
+    };
+    let d = &policy.daemon;
+    let listener = match crate::mcp::bind(&d.socket, d.socket_mode, d.socket_group.as_deref()) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("airlock: {e}");
+            return 2;
+        }
+    };
+    tracing::info!(
+        socket = %d.socket.display(),
+        workspace = %d.workspace.display(),
+        tools = policy.tools.len(),
+        "airlock serving"
+    );
+    let signals = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down: cancelling running calls");
+        signals.cancel();
+    });
+    crate::mcp::run(listener, exec, shutdown).await;
+    let _ = std::fs::remove_file(&d.socket);
+    tracing::info!("stopped");
+    0
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+async fn connect(socket: &Path) -> i32 {
+    let stream = match tokio::net::UnixStream::connect(socket).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!(
+                "airlock: {}: cannot connect: {e} (is `airlock serve` running?)",
+                socket.display()
+            );
+            return 2;
+        }
+    };
+    let (mut r, mut w) = stream.into_split();
+    let mut stdin = tokio::io::stdin();
+    let mut stdout = tokio::io::stdout();
+    let up = async {
+        let _ = tokio::io::copy(&mut stdin, &mut w).await;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut w).await;
+    };
+    let down = async {
+        let _ = tokio::io::copy(&mut r, &mut stdout).await;
+    };
+    // The daemon closing the connection ends the bridge; stdin closing only half-closes it,
+    // so replies still in flight arrive.
+    tokio::select! {
+        _ = async { tokio::join!(up, down) } => {}
+    }
+    0
+}
+
+/// Reads `--arg` values as the declared type of the parameter (from the tool's schema).
+fn coerce(raw: &str, schema_type: Option<&str>) -> Result<Value, String> {
+    match schema_type {
+        Some("string") | None => Ok(Value::String(raw.to_string())),
+        Some(t) => {
+            serde_json::from_str(raw).map_err(|e| format!("{raw:?} is not a valid {t}: {e}"))
+        }
+    }
+}
+
+async fn call(a: CallArgs) -> i32 {
+    use rmcp::model::CallToolRequestParams;
+    let stream = match tokio::net::UnixStream::connect(&a.socket.socket).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!(
+                "airlock: {}: cannot connect: {e} (is `airlock serve` running?)",
+                a.socket.socket.display()
+            );
+            return 2;
+        }
+    };
+    let client = match ().serve(stream).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("airlock: MCP handshake failed: {e}");
+            return 2;
+        }
+    };
+    let mut args: Map<String, Value> = match &a.json {
+        None => Map::new(),
+        Some(j) => match serde_json::from_str::<Value>(j) {
+            Ok(Value::Object(m)) => m,
+            Ok(_) => {
+                eprintln!("airlock: --json must be a JSON object");
+                return 2;
+            }
+            Err(e) => {
+                eprintln!("airlock: --json: {e}");
+                return 2;
+            }
+        },
+    };
+    if !a.args.is_empty() {
+        let tools = match client.list_all_tools().await {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("airlock: tools/list failed: {e}");
+                return 2;
+            }
+        };
+        let schema = tools
+            .iter()
+            .find(|t| t.name == a.tool)
+            .map(|t| t.input_schema.clone());
+        for kv in &a.args {
+            let Some((k, v)) = kv.split_once('=') else {
+                eprintln!("airlock: --arg {kv:?}: expected NAME=VALUE");
+                return 2;
+            };
+            let ty = schema
+                .as_ref()
+                .and_then(|s| s.get("properties"))
+                .and_then(|p| p.get(k))
+                .and_then(|p| p.get("type"))
+                .and_then(Value::as_str);
+            match coerce(v, ty) {
+                Ok(v) => {
+                    args.insert(k.to_string(), v);
+                }
+                Err(e) => {
+                    eprintln!("airlock: --arg {k}: {e}");
+                    return 2;
+                }
+            }
+        }
+    }
+    if let Some(s) = a.session {
+        args.insert("session".into(), s.into());
+    }
+    let params = CallToolRequestParams::new(a.tool.clone()).with_arguments(args);
+    let fut = client.call_tool(params);
+    let result = match a.timeout {
+        Some(secs) => match tokio::time::timeout(Duration::from_secs_f64(secs.max(0.0)), fut).await
+        {
+            Ok(r) => r,
+            Err(_) => {
+                eprintln!(
+                    "airlock: {}: no result within {secs}s; the call was cancelled",
+                    a.tool
+                );
+                let _ = client.cancel().await;
+                return 2;
+            }
+        },
+        None => fut.await,
+    };
+    let code = match result {
+        Ok(r) => {
+            let is_error = r.is_error.unwrap_or(false);
+            match serde_json::to_string_pretty(&r) {
+                Ok(s) => println!("{s}"),
+                Err(e) => eprintln!("airlock: cannot print the result: {e}"),
+            }
+            i32::from(is_error)
+        }
+        Err(e) => {
+            eprintln!("airlock: {}: {e}", a.tool);
+            2
+        }
+    };
+    let _ = client.cancel().await;
+    code
+}
+
+use rmcp::ServiceExt;

@@ -25,7 +25,11 @@ pub fn hit(name: &'static str) -> std::io::Result<()> {
     let n = COUNTER.fetch_add(1, Ordering::SeqCst);
     let var = |k: &str| std::env::var(k).ok();
     if let Some(log) = var("AIRLOCK_FAILPOINT_LOG") {
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+        {
             let _ = writeln!(f, "{n} {name}");
             let _ = f.sync_all();
         }

@@ -7,6 +7,7 @@ pub mod audit;
 pub mod cli;
 pub mod exec;
 pub mod failpoint;
+pub mod fsutil;
 pub mod mcp;
 pub mod policy;
 pub mod publish;

@@ -1,1 +1,758 @@
-//! exec
+//! The execution model of one call, in one place: authorize, lock, clone, stage, spawn,
+//! wait, publish, commit, audit, respond. Every other module is a step this one calls.
+
+pub mod args;
+mod locks;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Map, Value};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::audit::{Audit, CallRef, Principal};
+use crate::policy::{Builtin, Capability, PathRole, Policy, Protocol, Tool};
+use crate::publish::{self, Job, JobSpec, Workspace};
+use crate::sandbox::{End, Launch, Outcome, Worker};
+use crate::session::{SessionError, SessionStore};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error("cannot create the workspace {path}: {source}")]
+    Workspace {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot open the workspace: {0}")]
+    OpenWorkspace(#[from] publish::PublishError),
+    #[error("cannot open the session store: {0}")]
+    Sessions(#[from] SessionError),
+    #[error("startup recovery failed: {0}")]
+    Recovery(String),
+}
+
+/// One `tools/call`, as the MCP layer hands it over.
+pub struct CallRequest {
+    pub tool: String,
+    pub args: Map<String, Value>,
+    pub principal: Principal,
+    /// Cancelled by `notifications/cancelled` or the client's disconnect.
+    pub cancel: CancellationToken,
+}
+
+/// The terminal result of a call.
+#[derive(Debug)]
+pub enum Reply {
+    /// A `CallToolResult` to send (`is_error` for tool faults).
+    Result(ToolReply),
+    /// The call was cancelled: per the MCP spec, nothing is sent for its id.
+    Cancelled,
+    /// No such tool: a JSON-RPC error (invalid params).
+    UnknownTool(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolReply {
+    pub is_error: bool,
+    /// MCP content blocks.
+    pub content: Vec<Value>,
+    pub structured: Option<Value>,
+}
+
+impl ToolReply {
+    fn ok(text: String, structured: Value) -> ToolReply {
+        ToolReply {
+            is_error: false,
+            content: vec![json!({"type": "text", "text": text})],
+            structured: Some(structured),
+        }
+    }
+
+    /// A tool fault: the text starts with the stable code, so callers and models can act.
+    pub fn fault(code: &str, message: impl std::fmt::Display) -> ToolReply {
+        ToolReply {
+            is_error: true,
+            content: vec![json!({"type": "text", "text": format!("{code}: {message}")})],
+            structured: Some(json!({"error": {"code": code, "message": message.to_string()}})),
+        }
+    }
+}
+
+/// Why a call ended without a result to publish; becomes a fault reply or no reply.
+enum Stop {
+    Fault(ToolReply),
+    Cancelled,
+}
+
+impl From<ToolReply> for Stop {
+    fn from(r: ToolReply) -> Stop {
+        Stop::Fault(r)
+    }
+}
+
+fn session_fault(e: SessionError) -> Stop {
+    let code = match e {
+        SessionError::NotFound(_) => "NO_SUCH_SESSION",
+        SessionError::Destroyed(_) => "SESSION_DESTROYED",
+        SessionError::Exists(_) => "SESSION_EXISTS",
+        SessionError::BadId(_) => "INVALID_ARGUMENT",
+        SessionError::Io { .. } | SessionError::Corrupt { .. } => "STATE_ERROR",
+    };
+    Stop::Fault(ToolReply::fault(code, e))
+}
+
+pub struct Executor {
+    pub policy: Arc<Policy>,
+    pub sessions: SessionStore,
+    pub workspace: Workspace,
+    pub audit: Audit,
+    targets: locks::TargetLocks,
+    slots: Arc<Semaphore>,
+    shutdown: CancellationToken,
+    counter: AtomicU64,
+}
+
+impl Executor {
+    /// Opens the workspace and the session store, and recovers every leftover job before
+    /// the first call can run.
+    pub fn start(
+        policy: Arc<Policy>,
+        shutdown: CancellationToken,
+    ) -> Result<Executor, StartupError> {
+        let d = &policy.daemon;
+        std::fs::create_dir_all(&d.workspace).map_err(|source| StartupError::Workspace {
+            path: d.workspace.clone(),
+            source,
+        })?;
+        let workspace = Workspace::open(&d.workspace)?;
+        let sessions = SessionStore::open(&d.state_dir)?;
+        recover(&workspace, &sessions)?;
+        Ok(Executor {
+            audit: Audit::new(d.audit_ring),
+            slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
+            policy,
+            sessions,
+            workspace,
+            targets: locks::TargetLocks::default(),
+            shutdown,
+            counter: AtomicU64::new(0),
+        })
+    }
+
+    fn new_call_id(&self) -> String {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        format!("{:x}-{}-{n}", nanos, std::process::id())
+    }
+
+    /// Runs one `tools/call` to its terminal result.
+    pub async fn call(&self, req: CallRequest) -> Reply {
+        let Some(tool) = self.policy.tools.get(&req.tool) else {
+            return Reply::UnknownTool(req.tool);
+        };
+        let session = req
+            .args
+            .get("session")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let call = CallRef {
+            call: self.new_call_id(),
+            tool: tool.name.clone(),
+            session: session.clone().filter(|_| tool.takes_session()),
+            principal: Some(req.principal.clone()),
+        };
+        // Cancelled by the client's request or by the daemon's shutdown.
+        let cancel = self.shutdown.child_token();
+        let _link = link(&req.cancel, &cancel);
+
+        // 1. Authorize. Every local peer is allowed until grants exist.
+        self.audit.record(
+            &call,
+            "allow",
+            json!({"capability": tool.capability.as_str()}),
+        );
+        let outcome = match args::validate(tool, &req.args) {
+            Err(msg) => Err(ToolReply::fault("INVALID_ARGUMENT", msg).into()),
+            Ok(values) => match (tool.builtin, tool.capability) {
+                (Some(b), _) => self.builtin(&call, b, &req.args, &cancel).await,
+                (None, Capability::Read) => self.run_read(&call, tool, values, &cancel).await,
+                (None, Capability::Write) => {
+                    let id = session.unwrap_or_default();
+                    self.run_write(&call, tool, &id, values, &cancel).await
+                }
+            },
+        };
+        match outcome {
+            Ok(reply) => {
+                self.audit.record(&call, "done", json!({"is_error": false}));
+                Reply::Result(reply)
+            }
+            Err(Stop::Fault(reply)) => {
+                self.audit.record(
+                    &call,
+                    "failed",
+                    reply.structured.clone().unwrap_or(Value::Null),
+                );
+                Reply::Result(reply)
+            }
+            Err(Stop::Cancelled) => {
+                self.audit.record(&call, "cancelled", Value::Null);
+                Reply::Cancelled
+            }
+        }
+    }
+
+    async fn builtin(
+        &self,
+        call: &CallRef,
+        b: Builtin,
+        raw: &Map<String, Value>,
+        cancel: &CancellationToken,
+    ) -> Result<ToolReply, Stop> {
+        let snap_json = |s: &crate::session::Snapshot| json!({"id": s.id, "version": s.version, "state": s.state});
+        match b {
+            Builtin::SessionCreate => {
+                let id = match raw.get("id").and_then(Value::as_str) {
+                    Some(id) => id.to_string(),
+                    None => format!("s-{}", self.new_call_id()),
+                };
+                let state = raw
+                    .get("state")
+                    .and_then(Value::as_object)
+                    .cloned()
+                    .unwrap_or_default();
+                let snap = self.sessions.create(&id, state).map_err(session_fault)?;
+                self.audit.record(
+                    call,
+                    "commit",
+                    json!({"session": id, "version": 0, "created": true}),
+                );
+                Ok(ToolReply::ok(
+                    format!("created session {id}"),
+                    snap_json(&snap),
+                ))
+            }
+            Builtin::SessionDestroy => {
+                let id = raw
+                    .get("session")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let guard = self.lock_session(id, cancel).await?;
+                let snap = self.sessions.destroy(guard).map_err(session_fault)?;
+                self.audit.record(
+                    call,
+                    "commit",
+                    json!({"session": id, "destroyed": true, "version": snap.version}),
+                );
+                Ok(ToolReply::ok(
+                    format!("destroyed session {id}"),
+                    json!({"id": id, "destroyed": true}),
+                ))
+            }
+            Builtin::SessionGet => {
+                let id = raw
+                    .get("session")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let snap = self.sessions.snapshot(id).map_err(session_fault)?;
+                Ok(ToolReply::ok(
+                    serde_json::to_string(&snap_json(&snap)).unwrap_or_default(),
+                    snap_json(&snap),
+                ))
+            }
+            Builtin::SessionList => {
+                let list: Vec<Value> = self
+                    .sessions
+                    .list()
+                    .iter()
+                    .map(|s| json!({"id": s.id, "version": s.version}))
+                    .collect();
+                let v = json!({"sessions": list});
+                Ok(ToolReply::ok(v.to_string(), v))
+            }
+        }
+    }
+
+    async fn lock_session(
+        &self,
+        id: &str,
+        cancel: &CancellationToken,
+    ) -> Result<crate::session::SessionGuard, Stop> {
+        tokio::select! {
+            g = self.sessions.lock(id) => g.map_err(session_fault),
+            _ = cancel.cancelled() => Err(Stop::Cancelled),
+        }
+    }
+
+    /// Resolves every path parameter beneath the workspace.
+    fn resolve_paths(
+        &self,
+        tool: &Tool,
+        values: &Map<String, Value>,
+    ) -> Result<Vec<(String, PathRole, PathBuf)>, Stop> {
+        let mut out = Vec::new();
+        for (name, p) in &tool.params {
+            let (Some(role), Some(raw)) = (p.path, values.get(name).and_then(Value::as_str)) else {
+                continue;
+            };
+            let rel = self.workspace.resolve(raw, role).map_err(|e| {
+                ToolReply::fault("PATH_REJECTED", format!("argument {name:?}: {e}"))
+            })?;
+            out.push((name.clone(), role, rel));
+        }
+        Ok(out)
+    }
+
+    async fn run_read(
+        &self,
+        call: &CallRef,
+        tool: &Tool,
+        values: Map<String, Value>,
+        cancel: &CancellationToken,
+    ) -> Result<ToolReply, Stop> {
+        let Some(ext) = &tool.exec else {
+            return Err(ToolReply::fault("INTERNAL", "read tool without a command").into());
+        };
+        let paths = self.resolve_paths(tool, &values)?;
+        let root = self.workspace.root().to_path_buf();
+        let mut subst = BTreeMap::new();
+        let mut rewritten = values.clone();
+        let mut readable = Vec::new();
+        for (name, v) in &values {
+            subst.insert(name.clone(), args::render(v));
+        }
+        for (name, _, rel) in &paths {
+            let abs = args::absolute(&root, rel);
+            subst.insert(name.clone(), abs.display().to_string());
+            rewritten.insert(name.clone(), abs.display().to_string().into());
+            readable.push(abs);
+        }
+        let _slot = self.slot(cancel).await?;
+        let stdin = match ext.protocol {
+            Protocol::Json => json_request(&tool.name, &rewritten, None),
+            Protocol::Argv => Vec::new(),
+        };
+        let launch = self.launch(tool, &subst, root, Vec::new(), readable, stdin, &call.call)?;
+        let outcome = self
+            .spawn_and_wait(call, launch, ext.timeout, cancel, None)
+            .await?;
+        let (reply, _state) = self.interpret(tool, &outcome)?;
+        Ok(reply)
+    }
+
+    async fn run_write(
+        &self,
+        call: &CallRef,
+        tool: &Tool,
+        session: &str,
+        values: Map<String, Value>,
+        cancel: &CancellationToken,
+    ) -> Result<ToolReply, Stop> {
+        let Some(ext) = &tool.exec else {
+            return Err(ToolReply::fault("INTERNAL", "write tool without a command").into());
+        };
+        // Everything that can be rejected without touching anything is rejected first.
+        let paths = self.resolve_paths(tool, &values)?;
+        let outputs: Vec<(String, PathBuf)> = paths
+            .iter()
+            .filter(|(_, role, _)| *role == PathRole::Output)
+            .map(|(n, _, p)| (n.clone(), p.clone()))
+            .collect();
+        args::check_overlap(&outputs).map_err(|m| ToolReply::fault("OVERLAPPING_OUTPUTS", m))?;
+
+        // 2. Lock: the session, then the output targets in sorted order.
+        let guard = self.lock_session(session, cancel).await?;
+        let mut targets: Vec<PathBuf> = outputs.iter().map(|(_, p)| p.clone()).collect();
+        targets.sort();
+        let _target_guards = tokio::select! {
+            g = self.targets.lock_all(&targets) => g,
+            _ = cancel.cancelled() => return Err(Stop::Cancelled),
+        };
+        let _slot = self.slot(cancel).await?;
+        self.audit
+            .record(call, "locked", json!({"targets": targets}));
+
+        // 3. Clone the state.
+        let before = guard.snapshot();
+
+        // 4. The job dir, its journal, and the staged path of every output.
+        let spec = JobSpec {
+            id: call.call.clone(),
+            session: session.to_string(),
+            tool: tool.name.clone(),
+            targets: outputs.iter().map(|(_, p)| p.clone()).collect(),
+        };
+        let mut job = Job::create(&self.workspace, spec)
+            .map_err(|e| ToolReply::fault("PUBLISH_FAILED", e))?;
+        let root = self.workspace.root().to_path_buf();
+        let mut subst = BTreeMap::new();
+        subst.insert("session".to_string(), session.to_string());
+        for (name, v) in &values {
+            subst.insert(name.clone(), args::render(v));
+        }
+        let mut rewritten = values.clone();
+        let mut readable = Vec::new();
+        let mut out_index = 0;
+        for (name, role, rel) in &paths {
+            let abs = match role {
+                PathRole::Input => {
+                    let abs = args::absolute(&root, rel);
+                    readable.push(abs.clone());
+                    abs
+                }
+                PathRole::Output => {
+                    let staged = job.staged_path(out_index);
+                    out_index += 1;
+                    staged
+                }
+            };
+            subst.insert(name.clone(), abs.display().to_string());
+            rewritten.insert(name.clone(), abs.display().to_string().into());
+        }
+        let stdin = match ext.protocol {
+            Protocol::Json => json_request(&tool.name, &rewritten, Some(&before)),
+            Protocol::Argv => Vec::new(),
+        };
+
+        // 5-6. Spawn the sandboxed worker and wait, bounded.
+        let stage = job.stage_dir();
+        let launch = match self.launch(
+            tool,
+            &subst,
+            stage.clone(),
+            vec![stage],
+            readable,
+            stdin,
+            &call.call,
+        ) {
+            Ok(l) => l,
+            Err(stop) => {
+                discard(job);
+                return Err(stop);
+            }
+        };
+        let outcome = match self
+            .spawn_and_wait(call, launch, ext.timeout, cancel, Some(&mut job))
+            .await
+        {
+            Ok(o) => o,
+            Err(stop) => {
+                discard(job);
+                return Err(stop);
+            }
+        };
+        let (mut reply, new_state) = match self.interpret(tool, &outcome) {
+            Ok(r) => r,
+            Err(stop) => {
+                discard(job);
+                return Err(stop);
+            }
+        };
+
+        // 7. Publish the outputs, then commit the state: the commit point.
+        let state = new_state.unwrap_or_else(|| before.state.clone());
+        let mut committed = None;
+        let published = job.publish_and_commit(&self.workspace, || {
+            self.sessions
+                .commit(&guard, state, &call.call)
+                .map(|snap| committed = Some(snap))
+                .map_err(|e| e.to_string())
+        });
+        if let Err(e) = published {
+            self.audit
+                .record(call, "rollback", json!({"reason": e.to_string()}));
+            return Err(ToolReply::fault(
+                "PUBLISH_FAILED",
+                format!("{e}; every target was restored"),
+            )
+            .into());
+        }
+        let version = committed.as_ref().map_or(before.version, |s| s.version);
+        self.audit.record(
+            call,
+            "commit",
+            json!({"session": session, "version": version, "outputs": targets}),
+        );
+        reply.structured = Some(json!({
+            "session": session,
+            "version": version,
+            "outputs": outputs.iter().map(|(n, p)| json!({"param": n, "path": p})).collect::<Vec<_>>(),
+        }));
+        Ok(reply)
+    }
+
+    async fn slot(
+        &self,
+        cancel: &CancellationToken,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, Stop> {
+        tokio::select! {
+            p = self.slots.clone().acquire_owned() => p.map_err(|_| Stop::Cancelled),
+            _ = cancel.cancelled() => Err(Stop::Cancelled),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        tool: &Tool,
+        subst: &BTreeMap<String, String>,
+        cwd: PathBuf,
+        writable: Vec<PathBuf>,
+        readable: Vec<PathBuf>,
+        stdin: Vec<u8>,
+        job_id: &str,
+    ) -> Result<Launch, Stop> {
+        let ext = tool
+            .exec
+            .as_ref()
+            .ok_or_else(|| ToolReply::fault("INTERNAL", "no command"))?;
+        let profile = self.policy.profiles.get(&ext.profile).ok_or_else(|| {
+            ToolReply::fault("INTERNAL", format!("unknown profile {}", ext.profile))
+        })?;
+        Ok(Launch {
+            argv: args::substitute(&ext.command, subst),
+            cwd,
+            stdin,
+            writable,
+            readable,
+            profile: profile.clone(),
+            cgroup_parent: self.policy.daemon.cgroup.clone(),
+            job_id: job_id.to_string(),
+        })
+    }
+
+    async fn spawn_and_wait(
+        &self,
+        call: &CallRef,
+        launch: Launch,
+        timeout: std::time::Duration,
+        cancel: &CancellationToken,
+        job: Option<&mut Job>,
+    ) -> Result<Outcome, Stop> {
+        let worker = Worker::spawn(launch)
+            .await
+            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
+        if let Some(job) = job {
+            if let Err(e) = job.record_worker(worker.pid()) {
+                tracing::warn!(call = %call.call, "cannot journal the worker pid: {e}");
+            }
+        }
+        self.audit
+            .record(call, "spawned", json!({"pid": worker.pid()}));
+        let outcome = worker
+            .finish(timeout, cancel.clone())
+            .await
+            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
+        self.audit.record(
+            call,
+            "sandbox",
+            json!({"end": format!("{:?}", outcome.end), "enforcement": outcome.enforcement}),
+        );
+        match outcome.end {
+            End::TimedOut => {
+                self.audit.record(
+                    call,
+                    "timeout",
+                    json!({"after_ms": timeout.as_millis() as u64}),
+                );
+                Err(ToolReply::fault(
+                    "TOOL_TIMEOUT",
+                    format!(
+                        "{} did not finish within {:?}; its process group was killed and nothing was published",
+                        call.tool, timeout
+                    ),
+                )
+                .into())
+            }
+            End::Cancelled => Err(Stop::Cancelled),
+            End::Exited(_) | End::Signaled(_) => Ok(outcome),
+        }
+    }
+
+    /// Turns a finished worker into a reply and, for `json` tools, an optional new state.
+    fn interpret(
+        &self,
+        tool: &Tool,
+        o: &Outcome,
+    ) -> Result<(ToolReply, Option<Map<String, Value>>), Stop> {
+        let protocol = tool.exec.as_ref().map_or(Protocol::Argv, |e| e.protocol);
+        let stderr_tail = tail(&o.stderr.bytes, 2000);
+        match o.end {
+            End::Exited(0) => {}
+            End::Exited(code) => return Err(ToolReply::fault(
+                "TOOL_FAILED",
+                format!(
+                    "{} exited with status {code}; nothing was published; stderr: {stderr_tail}",
+                    tool.name
+                ),
+            )
+            .into()),
+            End::Signaled(sig) => return Err(ToolReply::fault(
+                "TOOL_FAILED",
+                format!(
+                    "{} was killed by signal {sig}; nothing was published; stderr: {stderr_tail}",
+                    tool.name
+                ),
+            )
+            .into()),
+            End::TimedOut | End::Cancelled => return Err(Stop::Cancelled),
+        }
+        let stdout = String::from_utf8_lossy(&o.stdout.bytes).into_owned();
+        match protocol {
+            Protocol::Argv => {
+                let mut text = stdout;
+                if o.stdout.truncated {
+                    text.push_str(&format!(
+                        "\n[airlock: stdout truncated: {} of {} bytes kept]",
+                        o.stdout.bytes.len(),
+                        o.stdout.total
+                    ));
+                }
+                Ok((ToolReply::ok(text, Value::Null), None))
+            }
+            Protocol::Json => {
+                if o.stdout.truncated {
+                    return Err(ToolReply::fault(
+                        "TOOL_FAILED",
+                        format!(
+                            "{} wrote {} bytes to stdout, more than the cap of {}",
+                            tool.name,
+                            o.stdout.total,
+                            o.stdout.bytes.len()
+                        ),
+                    )
+                    .into());
+                }
+                parse_json_response(&tool.name, &stdout).map_err(Stop::Fault)
+            }
+        }
+    }
+}
+
+/// Parses a `json`-protocol worker's response.
+fn parse_json_response(
+    tool: &str,
+    stdout: &str,
+) -> Result<(ToolReply, Option<Map<String, Value>>), ToolReply> {
+    let bad = |why: String| {
+        ToolReply::fault(
+            "TOOL_FAILED",
+            format!("{tool} returned an invalid JSON response: {why}"),
+        )
+    };
+    let v: Value = serde_json::from_str(stdout.trim()).map_err(|e| bad(e.to_string()))?;
+    let obj = v.as_object().ok_or_else(|| bad("not an object".into()))?;
+    let content = match obj.get("content") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(_) => return Err(bad("\"content\" is not an array".into())),
+    };
+    let is_error = obj.get("isError").and_then(Value::as_bool).unwrap_or(false);
+    if is_error {
+        let mut reply = ToolReply::fault(
+            "TOOL_FAILED",
+            format!("{tool} reported an error; nothing was published"),
+        );
+        reply.content.extend(content);
+        return Err(reply);
+    }
+    let state = match obj.get("state") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(m)) => Some(m.clone()),
+        Some(_) => return Err(bad("\"state\" is not an object".into())),
+    };
+    Ok((
+        ToolReply {
+            is_error: false,
+            content,
+            structured: None,
+        },
+        state,
+    ))
+}
+
+fn json_request(
+    tool: &str,
+    arguments: &Map<String, Value>,
+    session: Option<&crate::session::Snapshot>,
+) -> Vec<u8> {
+    let mut req = json!({"tool": tool, "arguments": arguments});
+    if let Some(s) = session {
+        req["session"] = json!({"id": s.id, "version": s.version, "state": s.state});
+    }
+    let mut bytes = req.to_string().into_bytes();
+    bytes.push(b'\n');
+    bytes
+}
+
+fn tail(bytes: &[u8], n: usize) -> String {
+    let start = bytes.len().saturating_sub(n);
+    let s = String::from_utf8_lossy(&bytes[start..]).trim().to_string();
+    if s.is_empty() {
+        "(empty)".to_string()
+    } else {
+        s
+    }
+}
+
+fn discard(job: Job) {
+    let dir = job.dir().to_path_buf();
+    if let Err(e) = job.discard() {
+        tracing::error!("cannot remove job dir {}: {e}", dir.display());
+    }
+}
+
+/// Cancels `to` when `from` is cancelled, for as long as the returned guard lives.
+fn link(from: &CancellationToken, to: &CancellationToken) -> tokio_util::sync::DropGuard {
+    let (from, to2) = (from.clone(), to.clone());
+    let stop = CancellationToken::new();
+    let stop2 = stop.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = from.cancelled() => to2.cancel(),
+            _ = stop2.cancelled() => {}
+        }
+    });
+    stop.drop_guard()
+}
+
+/// Brings every leftover job dir to all-old or all-new before serving.
+pub fn recover(
+    workspace: &Workspace,
+    sessions: &SessionStore,
+) -> Result<Vec<publish::Recovered>, StartupError> {
+    let done = publish::recover(workspace.root(), &|s, j| {
+        sessions.committed(s, j).map_err(|e| e.to_string())
+    })
+    .map_err(|e| StartupError::Recovery(e.to_string()))?;
+    for r in &done {
+        tracing::info!(job = %r.job, "recovery: {}", r.action);
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_response_shapes() {
+        let (r, s) = parse_json_response(
+            "t",
+            r#"{"content":[{"type":"text","text":"hi"}],"state":{"n":1}}"#,
+        )
+        .unwrap();
+        assert!(!r.is_error);
+        assert_eq!(s.unwrap()["n"], 1);
+        assert!(parse_json_response("t", "not json").is_err());
+        assert!(parse_json_response("t", r#"{"state": 3}"#).is_err());
+        let e = parse_json_response("t", r#"{"isError": true, "content": []}"#).unwrap_err();
+        assert!(e.is_error);
+    }
+}

@@ -68,7 +68,12 @@ pub fn load(dir: &Path) -> Result<Policy, PolicyErrors> {
                     Some(p) => format!("already declared in {}", p.display()),
                     None => "the name of a built-in tool".to_string(),
                 };
-                cx.at(&path, &text, name_span, format!("duplicate tool name {:?}: {what}", tool.name));
+                cx.at(
+                    &path,
+                    &text,
+                    name_span,
+                    format!("duplicate tool name {:?}: {what}", tool.name),
+                );
             } else {
                 tools.insert(tool.name.clone(), tool);
             }
@@ -101,7 +106,13 @@ impl Cx {
         });
     }
 
-    fn at(&mut self, file: &Path, text: &str, span: std::ops::Range<usize>, message: impl Into<String>) {
+    fn at(
+        &mut self,
+        file: &Path,
+        text: &str,
+        span: std::ops::Range<usize>,
+        message: impl Into<String>,
+    ) {
         let (line, col) = line_col(text, span.start);
         self.diags.push(Diagnostic {
             file: file.to_path_buf(),
@@ -197,7 +208,15 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
     if let Some(mode) = r.socket_mode {
         match u32::from_str_radix(mode.get_ref().trim_start_matches("0o"), 8) {
             Ok(m) if m <= 0o777 => d.socket_mode = m,
-            _ => cx.at(path, &text, mode.span(), format!("socket_mode {:?} is not an octal mode such as \"0660\"", mode.get_ref())),
+            _ => cx.at(
+                path,
+                &text,
+                mode.span(),
+                format!(
+                    "socket_mode {:?} is not an octal mode such as \"0660\"",
+                    mode.get_ref()
+                ),
+            ),
         }
     }
     d.socket_group = r.socket_group;
@@ -210,7 +229,12 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
     if let Some(v) = r.max_message_size {
         match v.get_ref().bytes(&text, v.span()) {
             Ok(n) if n >= 1024 => d.max_message_bytes = n as usize,
-            Ok(_) => cx.at(path, &text, v.span(), "max_message_size must be at least 1KiB"),
+            Ok(_) => cx.at(
+                path,
+                &text,
+                v.span(),
+                "max_message_size must be at least 1KiB",
+            ),
             Err(m) => cx.at(path, &text, v.span(), m),
         }
     }
@@ -365,15 +389,32 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
     if let Some(l) = raw.landlock {
         if let Some(abi) = l.abi {
             if !(1..=7).contains(abi.get_ref()) {
-                cx.at(path, &text, abi.span(), format!("landlock abi {} is not one this build knows (1 to 7)", abi.get_ref()));
+                cx.at(
+                    path,
+                    &text,
+                    abi.span(),
+                    format!(
+                        "landlock abi {} is not one this build knows (1 to 7)",
+                        abi.get_ref()
+                    ),
+                );
             }
             landlock.abi = *abi.get_ref();
         }
         landlock.best_effort = l.best_effort.unwrap_or(false);
-        for (list, out) in [(l.read, &mut landlock.read), (l.exec, &mut landlock.exec), (l.write, &mut landlock.write)] {
+        for (list, out) in [
+            (l.read, &mut landlock.read),
+            (l.exec, &mut landlock.exec),
+            (l.write, &mut landlock.write),
+        ] {
             for p in list {
                 if !p.get_ref().is_absolute() {
-                    cx.at(path, &text, p.span(), format!("{:?} is not an absolute path", p.get_ref()));
+                    cx.at(
+                        path,
+                        &text,
+                        p.span(),
+                        format!("{:?} is not an absolute path", p.get_ref()),
+                    );
                 }
                 out.push(p.into_inner());
             }
@@ -383,13 +424,26 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
         Some(s) => {
             let errno = s.errno.map(|e| {
                 if !ERRNOS.iter().any(|(n, _)| n == e.get_ref()) {
-                    cx.at(path, &text, e.span(), format!("errno {:?} is not one of EPERM, EACCES, ENOSYS, EINVAL", e.get_ref()));
+                    cx.at(
+                        path,
+                        &text,
+                        e.span(),
+                        format!(
+                            "errno {:?} is not one of EPERM, EACCES, ENOSYS, EINVAL",
+                            e.get_ref()
+                        ),
+                    );
                 }
                 e.into_inner()
             });
             for sc in &s.syscalls {
                 if crate::sandbox::syscall_known(sc.get_ref()).is_none() {
-                    cx.at(path, &text, sc.span(), format!("unknown syscall {:?} on this architecture", sc.get_ref()));
+                    cx.at(
+                        path,
+                        &text,
+                        sc.span(),
+                        format!("unknown syscall {:?} on this architecture", sc.get_ref()),
+                    );
                 }
             }
             SeccompProfile {
@@ -506,8 +560,17 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
     let raw: RawTool = cx.parse(path, &text)?;
     let before = cx.diags.len();
     let name = raw.name.get_ref().clone();
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
-        cx.at(path, &text, raw.name.span(), format!("tool name {name:?} must be letters, digits, '_' or '-'"));
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        cx.at(
+            path,
+            &text,
+            raw.name.span(),
+            format!("tool name {name:?} must be letters, digits, '_' or '-'"),
+        );
     }
     let mut params = BTreeMap::new();
     for (pname, p) in &raw.params {
@@ -517,10 +580,23 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
         }
         let rp = p.get_ref();
         if rp.path.is_some() && rp.ty != ParamType::String {
-            cx.at(path, &text, p.span(), format!("path parameter {pname:?} must have type \"string\", not {:?}", rp.ty.as_str()));
+            cx.at(
+                path,
+                &text,
+                p.span(),
+                format!(
+                    "path parameter {pname:?} must have type \"string\", not {:?}",
+                    rp.ty.as_str()
+                ),
+            );
         }
         if rp.path == Some(PathRole::Output) && raw.capability == Capability::Read {
-            cx.at(path, &text, p.span(), format!("output parameter {pname:?} needs capability = \"write\""));
+            cx.at(
+                path,
+                &text,
+                p.span(),
+                format!("output parameter {pname:?} needs capability = \"write\""),
+            );
         }
         let default = match &rp.default {
             None => None,
@@ -543,19 +619,35 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
             },
         );
     }
-    let command: Vec<String> = raw.command.get_ref().iter().map(|s| s.get_ref().clone()).collect();
+    let command: Vec<String> = raw
+        .command
+        .get_ref()
+        .iter()
+        .map(|s| s.get_ref().clone())
+        .collect();
     match command.first() {
         None => cx.at(path, &text, raw.command.span(), "command is empty"),
         Some(exe) if !Path::new(exe).is_absolute() => {
-            cx.at(path, &text, raw.command.get_ref()[0].span(), format!("executable {exe:?} must be an absolute path"));
+            cx.at(
+                path,
+                &text,
+                raw.command.get_ref()[0].span(),
+                format!("executable {exe:?} must be an absolute path"),
+            );
         }
         Some(_) => {}
     }
     for part in raw.command.get_ref() {
         for ph in placeholders(part.get_ref()) {
-            let known = params.contains_key(ph) || (ph == "session" && raw.capability == Capability::Write);
+            let known =
+                params.contains_key(ph) || (ph == "session" && raw.capability == Capability::Write);
             if !known {
-                cx.at(path, &text, part.span(), format!("placeholder {{{ph}}} names no parameter"));
+                cx.at(
+                    path,
+                    &text,
+                    part.span(),
+                    format!("placeholder {{{ph}}} names no parameter"),
+                );
             }
         }
     }
@@ -584,7 +676,12 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
     if !profiles.contains_key(&profile) {
         let span = raw.profile.as_ref().map_or(raw.name.span(), |p| p.span());
         let known: Vec<&str> = profiles.keys().map(String::as_str).collect();
-        cx.at(path, &text, span, format!("unknown profile {profile:?} (known: {})", known.join(", ")));
+        cx.at(
+            path,
+            &text,
+            span,
+            format!("unknown profile {profile:?} (known: {})", known.join(", ")),
+        );
     }
     if cx.diags.len() != before {
         return None;
@@ -592,7 +689,9 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
     let ann = raw.annotations.as_ref();
     let annotations = Annotations {
         read_only: raw.capability == Capability::Read,
-        destructive: ann.and_then(|a| a.destructive).unwrap_or(raw.capability == Capability::Write),
+        destructive: ann
+            .and_then(|a| a.destructive)
+            .unwrap_or(raw.capability == Capability::Write),
         idempotent: ann.and_then(|a| a.idempotent).unwrap_or(false),
     };
     let tool = Tool {

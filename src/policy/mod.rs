@@ -35,7 +35,10 @@ pub fn builtins() -> BTreeMap<String, Tool> {
             capability,
             exec: None,
             builtin: Some(builtin),
-            params: params.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            params: params
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
             annotations: Annotations {
                 read_only: read,
                 destructive: builtin == Builtin::SessionDestroy,
@@ -51,7 +54,13 @@ pub fn builtins() -> BTreeMap<String, Tool> {
             Builtin::SessionCreate,
             Capability::Write,
             vec![
-                ("id", string("Session id (letters, digits, '-', '_'); generated when absent", false)),
+                (
+                    "id",
+                    string(
+                        "Session id (letters, digits, '-', '_'); generated when absent",
+                        false,
+                    ),
+                ),
                 ("state", object("Initial state (a JSON object; default {})")),
             ],
         ),

@@ -14,7 +14,11 @@ pub enum PathError {
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
     #[error("{op} {path}: {source}")]
-    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("staged output {path} rejected: {reason}")]
     BadOutput { path: PathBuf, reason: String },
     #[error("commit failed: {0}")]
@@ -28,7 +32,9 @@ pub struct Workspace {
 
 impl Workspace {
     pub fn open(root: &Path) -> Result<Workspace, PublishError> {
-        Ok(Workspace { root: root.to_path_buf() })
+        Ok(Workspace {
+            root: root.to_path_buf(),
+        })
     }
 
     pub fn root(&self) -> &Path {

@@ -1,1 +1,360 @@
-//! session
+//! Sessions: a JSON state object with a version, one async lock each, persisted one file per
+//! session in `state_dir/sessions/`, tombstones for destroyed ids.
+//!
+//! Mutators hold the session's [`SessionGuard`] from before they clone the state until after
+//! they commit. Readers never take the lock: they read the last committed snapshot.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::fsutil;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("no session {0:?}")]
+    NotFound(String),
+    #[error("session {0:?} was destroyed (SessionDestroyed)")]
+    Destroyed(String),
+    #[error("session {0:?} already exists")]
+    Exists(String),
+    #[error("invalid session id {0:?}: use 1 to 64 letters, digits, '-' or '_'")]
+    BadId(String),
+    #[error("cannot {op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("corrupt session file {path}: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+}
+
+/// A committed snapshot of one session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub id: String,
+    pub version: u64,
+    pub state: Map<String, Value>,
+}
+
+/// The on-disk form of a session (or its tombstone).
+#[derive(Debug, Serialize, Deserialize)]
+struct SessionFile {
+    id: String,
+    version: u64,
+    #[serde(default)]
+    state: Map<String, Value>,
+    /// The job whose commit wrote this file: recovery's test of the commit point.
+    #[serde(default)]
+    last_job: Option<String>,
+    #[serde(default)]
+    destroyed: bool,
+}
+
+struct Session {
+    /// Serializes mutators and destruction.
+    lock: Arc<tokio::sync::Mutex<()>>,
+    /// Set under `lock` by destruction; a mutator that gets the lock afterwards fails.
+    destroyed: AtomicBool,
+    current: RwLock<Snapshot>,
+}
+
+/// Exclusive right to mutate one session, held from clone to commit.
+pub struct SessionGuard {
+    session: Arc<Session>,
+    _lock: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl SessionGuard {
+    pub fn snapshot(&self) -> Snapshot {
+        read(&self.session.current).clone()
+    }
+}
+
+pub struct SessionStore {
+    dir: PathBuf,
+    sessions: Mutex<HashMap<String, Arc<Session>>>,
+    tombstones: Mutex<std::collections::HashSet<String>>,
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+impl SessionStore {
+    /// Opens `state_dir/sessions/`, creating it (0700) if needed, and loads every session.
+    pub fn open(state_dir: &Path) -> Result<SessionStore, SessionError> {
+        let dir = state_dir.join("sessions");
+        fsutil::create_private_dir(&dir).map_err(|source| SessionError::Io {
+            op: "create",
+            path: dir.clone(),
+            source,
+        })?;
+        let mut sessions = HashMap::new();
+        let mut tombstones = std::collections::HashSet::new();
+        let entries = std::fs::read_dir(&dir).map_err(|source| SessionError::Io {
+            op: "list",
+            path: dir.clone(),
+            source,
+        })?;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let file = read_file(&path)?;
+            if file.destroyed {
+                tombstones.insert(file.id);
+                continue;
+            }
+            let snap = Snapshot {
+                id: file.id.clone(),
+                version: file.version,
+                state: file.state,
+            };
+            sessions.insert(file.id, Arc::new(Session::new(snap)));
+        }
+        Ok(SessionStore {
+            dir,
+            sessions: Mutex::new(sessions),
+            tombstones: Mutex::new(tombstones),
+        })
+    }
+
+    fn path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    fn get(&self, id: &str) -> Result<Arc<Session>, SessionError> {
+        if let Some(s) = lock(&self.sessions).get(id) {
+            return Ok(s.clone());
+        }
+        if lock(&self.tombstones).contains(id) {
+            return Err(SessionError::Destroyed(id.to_string()));
+        }
+        Err(SessionError::NotFound(id.to_string()))
+    }
+
+    /// The last committed snapshot, without taking the session's lock.
+    pub fn snapshot(&self, id: &str) -> Result<Snapshot, SessionError> {
+        Ok(read(&self.get(id)?.current).clone())
+    }
+
+    pub fn list(&self) -> Vec<Snapshot> {
+        let sessions = lock(&self.sessions);
+        let mut out: Vec<Snapshot> = sessions
+            .values()
+            .map(|s| read(&s.current).clone())
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    /// Creates a session at version 0 and persists it.
+    pub fn create(&self, id: &str, state: Map<String, Value>) -> Result<Snapshot, SessionError> {
+        if !valid_id(id) {
+            return Err(SessionError::BadId(id.to_string()));
+        }
+        // Holding the map lock across the write keeps two creators of one id apart.
+        let mut sessions = lock(&self.sessions);
+        if sessions.contains_key(id) {
+            return Err(SessionError::Exists(id.to_string()));
+        }
+        if lock(&self.tombstones).contains(id) {
+            return Err(SessionError::Destroyed(id.to_string()));
+        }
+        let snap = Snapshot {
+            id: id.to_string(),
+            version: 0,
+            state,
+        };
+        self.persist(&snap, None, false)?;
+        sessions.insert(id.to_string(), Arc::new(Session::new(snap.clone())));
+        Ok(snap)
+    }
+
+    /// Waits for the session's lock. Fails with `Destroyed` if the session was destroyed
+    /// while this caller was queued, so a queued mutator can never commit to it.
+    pub async fn lock(&self, id: &str) -> Result<SessionGuard, SessionError> {
+        let session = self.get(id)?;
+        let guard = session.lock.clone().lock_owned().await;
+        if session.destroyed.load(Ordering::SeqCst) {
+            return Err(SessionError::Destroyed(id.to_string()));
+        }
+        Ok(SessionGuard {
+            session,
+            _lock: guard,
+        })
+    }
+
+    /// The commit point of a mutating call: persists `state` at the next version, recording
+    /// `job`, then makes it visible to readers.
+    pub fn commit(
+        &self,
+        guard: &SessionGuard,
+        state: Map<String, Value>,
+        job: &str,
+    ) -> Result<Snapshot, SessionError> {
+        let cur = guard.snapshot();
+        let next = Snapshot {
+            id: cur.id,
+            version: cur.version + 1,
+            state,
+        };
+        self.persist(&next, Some(job), false)?;
+        *write(&guard.session.current) = next.clone();
+        Ok(next)
+    }
+
+    /// Destroys a session under its lock: marks it destroyed, writes the tombstone, then
+    /// forgets the state.
+    pub fn destroy(&self, guard: SessionGuard) -> Result<Snapshot, SessionError> {
+        let snap = guard.snapshot();
+        self.persist(&snap, None, true)?;
+        guard.session.destroyed.store(true, Ordering::SeqCst);
+        lock(&self.tombstones).insert(snap.id.clone());
+        lock(&self.sessions).remove(&snap.id);
+        Ok(snap)
+    }
+
+    /// Whether the session file records `job` as its last commit (recovery's question).
+    pub fn committed(&self, id: &str, job: &str) -> Result<bool, SessionError> {
+        let path = self.path(id);
+        if !path.exists() {
+            return Ok(false);
+        }
+        let file = read_file(&path)?;
+        Ok(!file.destroyed && file.last_job.as_deref() == Some(job))
+    }
+
+    fn persist(
+        &self,
+        snap: &Snapshot,
+        job: Option<&str>,
+        destroyed: bool,
+    ) -> Result<(), SessionError> {
+        let file = SessionFile {
+            id: snap.id.clone(),
+            version: snap.version,
+            state: if destroyed {
+                Map::new()
+            } else {
+                snap.state.clone()
+            },
+            last_job: job.map(str::to_string),
+            destroyed,
+        };
+        let bytes = serde_json::to_vec_pretty(&file).map_err(|e| SessionError::Corrupt {
+            path: self.path(&snap.id),
+            reason: e.to_string(),
+        })?;
+        fsutil::atomic_write(
+            &self.dir,
+            &format!("{}.json", snap.id),
+            &bytes,
+            0o600,
+            "session.write",
+        )
+        .map_err(|source| SessionError::Io {
+            op: "write",
+            path: self.path(&snap.id),
+            source,
+        })
+    }
+
+    /// Every session's committed version, for tests and `session_list`.
+    pub fn versions(&self) -> BTreeMap<String, u64> {
+        self.list().into_iter().map(|s| (s.id, s.version)).collect()
+    }
+}
+
+impl Session {
+    fn new(snap: Snapshot) -> Session {
+        Session {
+            lock: Arc::new(tokio::sync::Mutex::new(())),
+            destroyed: AtomicBool::new(false),
+            current: RwLock::new(snap),
+        }
+    }
+}
+
+fn read_file(path: &Path) -> Result<SessionFile, SessionError> {
+    let bytes = std::fs::read(path).map_err(|source| SessionError::Io {
+        op: "read",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| SessionError::Corrupt {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn commit_persists_and_destroy_tombstones() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SessionStore::open(dir.path()).unwrap();
+        store.create("s1", Map::new()).unwrap();
+        let g = store.lock("s1").await.unwrap();
+        let mut st = Map::new();
+        st.insert("n".into(), 1.into());
+        let snap = store.commit(&g, st, "job1").unwrap();
+        assert_eq!(snap.version, 1);
+        assert!(store.committed("s1", "job1").unwrap());
+        drop(g);
+        let reopened = SessionStore::open(dir.path()).unwrap();
+        assert_eq!(reopened.snapshot("s1").unwrap().version, 1);
+        let g = reopened.lock("s1").await.unwrap();
+        reopened.destroy(g).unwrap();
+        assert!(matches!(
+            reopened.lock("s1").await,
+            Err(SessionError::Destroyed(_))
+        ));
+        let again = SessionStore::open(dir.path()).unwrap();
+        assert!(matches!(
+            again.create("s1", Map::new()),
+            Err(SessionError::Destroyed(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn queued_mutator_fails_after_destroy() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(SessionStore::open(dir.path()).unwrap());
+        store.create("s", Map::new()).unwrap();
+        let destroyer = store.lock("s").await.unwrap();
+        let s2 = store.clone();
+        let queued = tokio::spawn(async move { s2.lock("s").await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        store.destroy(destroyer).unwrap();
+        assert!(matches!(
+            queued.await.unwrap(),
+            Err(SessionError::Destroyed(_))
+        ));
+    }
+}

@@ -1,0 +1,147 @@
+//! The rmcp `ServerHandler` of one connection: wire types in, [`crate::exec`] calls out.
+//! Wire types are built from JSON so the internal types never depend on rmcp's.
+
+use std::sync::Arc;
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, InitializeResult,
+    ListResourcesResult, ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams,
+    ReadResourceResponse, ReadResourceResult, ServerCapabilities, ServerConfig,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
+use serde_json::{json, Value};
+
+use crate::audit::Principal;
+use crate::exec::{CallRequest, Executor, Reply};
+
+/// The one resource: every call's lifecycle events.
+pub const AUDIT_URI: &str = "airlock://audit/events";
+
+#[derive(Clone)]
+pub struct Handler {
+    exec: Arc<Executor>,
+    peer: Principal,
+}
+
+impl Handler {
+    pub fn new(exec: Arc<Executor>, peer: Principal) -> Handler {
+        Handler { exec, peer }
+    }
+}
+
+fn wire<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, McpError> {
+    serde_json::from_value(v)
+        .map_err(|e| McpError::internal_error(format!("cannot build a response: {e}"), None))
+}
+
+impl ServerHandler for Handler {
+    fn get_info(&self) -> ServerConfig {
+        let caps = ServerCapabilities::builder()
+            .enable_tools()
+            .enable_resources()
+            .build();
+        InitializeResult::new(caps)
+            .with_server_info(Implementation::new("airlock", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "airlock runs tools under policy. Write tools take a `session` argument; create one with \
+                 session_create. Each write call's outputs and session state are committed together or not at all.",
+            )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _cx: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, McpError> {
+        let tools: Vec<Value> = self
+            .exec
+            .policy
+            .tools
+            .values()
+            .map(|t| {
+                json!({
+                    "name": t.name,
+                    "description": t.description,
+                    "inputSchema": t.input_schema(),
+                    "annotations": {
+                        "readOnlyHint": t.annotations.read_only,
+                        "destructiveHint": t.annotations.destructive,
+                        "idempotentHint": t.annotations.idempotent,
+                        "openWorldHint": false,
+                    },
+                })
+            })
+            .collect();
+        wire(json!({ "tools": tools }))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        cx: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        let mut principal = self.peer.clone();
+        principal.client = cx.peer.peer_info().map(|i| i.client_info.name.clone());
+        let req = CallRequest {
+            tool: request.name.to_string(),
+            args: request.arguments.unwrap_or_default(),
+            principal,
+            cancel: cx.ct.clone(),
+        };
+        match self.exec.call(req).await {
+            Reply::Result(r) => {
+                let mut v = json!({ "content": r.content, "isError": r.is_error });
+                if let Some(s) = r.structured.filter(|s| !s.is_null()) {
+                    v["structuredContent"] = s;
+                }
+                let result: CallToolResult = wire(v)?;
+                Ok(CallToolResponse::Complete(result))
+            }
+            Reply::UnknownTool(name) => Err(McpError::invalid_params(
+                format!("unknown tool {name:?}; tools/list names the tools this daemon serves"),
+                None,
+            )),
+            // rmcp sends nothing for a request the client cancelled; this only reaches a
+            // client when the daemon itself is shutting down.
+            Reply::Cancelled => Err(McpError::internal_error(
+                "call cancelled: the daemon is shutting down",
+                None,
+            )),
+        }
+    }
+
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _cx: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, McpError> {
+        wire(json!({
+            "resources": [{
+                "uri": AUDIT_URI,
+                "name": "audit-events",
+                "description": "Lifecycle events of every call (allow, locked, spawned, commit, rollback, timeout, ...), oldest first",
+                "mimeType": "application/json",
+            }]
+        }))
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        _cx: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, McpError> {
+        if request.uri != AUDIT_URI {
+            return Err(McpError::resource_not_found(
+                format!("no resource {:?}; resources/list names them", request.uri),
+                None,
+            ));
+        }
+        let text = serde_json::to_string(&self.exec.audit.events())
+            .map_err(|e| McpError::internal_error(e.to_string(), None))?;
+        let result: ReadResourceResult = wire(json!({
+            "contents": [{ "uri": AUDIT_URI, "mimeType": "application/json", "text": text }]
+        }))?;
+        Ok(ReadResourceResponse::Complete(result))
+    }
+}
