@@ -1,0 +1,379 @@
+//! Starts the real `airlock` binary on a temporary socket, with the shipped policies plus the
+//! test tools, and drives it with rmcp's client or raw JSON-RPC lines.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream as StdUnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rmcp::model::CallToolRequestParams;
+use rmcp::service::RunningService;
+use rmcp::{RoleClient, ServiceExt};
+use serde_json::{json, Map, Value};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_airlock");
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A daemon under test with its own policy dir, workspace, state dir and socket.
+pub struct Daemon {
+    pub child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    pub policies: PathBuf,
+    pub workspace: PathBuf,
+    pub state: PathBuf,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+    /// Extra environment for the daemon (failpoints).
+    pub env: Vec<(String, String)>,
+    /// Run the daemon as this uid/gid (via setpriv), when set.
+    pub user: Option<(u32, u32)>,
+}
+
+pub type Client = RunningService<RoleClient, ()>;
+
+impl Daemon {
+    /// Shipped policies plus `tests/tools/*.toml`.
+    pub fn new() -> Daemon {
+        let dir = tempfile::Builder::new().prefix("airlock-test-").tempdir().expect("tempdir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let policies = dir.path().join("policies");
+        copy_dir(&repo().join("policies"), &policies);
+        for entry in std::fs::read_dir(repo().join("tests/tools")).expect("tests/tools") {
+            let p = entry.expect("entry").path();
+            std::fs::copy(&p, policies.join("tools").join(p.file_name().expect("name"))).expect("copy tool");
+        }
+        let workspace = dir.path().join("workspace");
+        std::fs::create_dir_all(&workspace).expect("workspace");
+        Daemon {
+            child: None,
+            policies,
+            workspace,
+            state: dir.path().join("state"),
+            socket: dir.path().join("airlock.sock"),
+            log: dir.path().join("daemon.log"),
+            dir,
+            env: Vec::new(),
+            user: None,
+        }
+    }
+
+    /// Starts the daemon and waits until its socket accepts connections.
+    pub fn start(&mut self) -> &mut Self {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log");
+        let mut cmd = match self.user {
+            Some((uid, gid)) => {
+                let mut c = Command::new("setpriv");
+                c.args([
+                    format!("--reuid={uid}"),
+                    format!("--regid={gid}"),
+                    "--clear-groups".to_string(),
+                    "--inh-caps=-all".to_string(),
+                    "--bounding-set=-all".to_string(),
+                    "--".to_string(),
+                    BIN.to_string(),
+                ]);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        cmd.arg("serve")
+            .arg("--policies")
+            .arg(&self.policies)
+            .arg("--socket")
+            .arg(&self.socket)
+            .arg("--workspace")
+            .arg(&self.workspace)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .env("AIRLOCK_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log));
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn airlock serve");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if StdUnixStream::connect(&self.socket).is_ok() {
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("airlock serve exited with {status} before listening:\n{}", self.log_text());
+            }
+            assert!(Instant::now() < deadline, "airlock serve did not listen within 20s:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child = Some(child);
+        self
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, then wait for the exit status.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait().expect("wait")
+    }
+
+    /// SIGKILL, like a crash.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Waits for a daemon that is expected to exit by itself (a crash at a failpoint).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let child = self.child.as_mut()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(st)) = child.try_wait() {
+                self.child = None;
+                return Some(st);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub async fn client(&self) -> Client {
+        let stream = tokio::net::UnixStream::connect(&self.socket).await.expect("connect");
+        ().serve(stream).await.expect("MCP handshake")
+    }
+
+    pub fn raw(&self) -> Raw {
+        Raw::connect(&self.socket)
+    }
+
+    /// Names of the `.airlock-job-*` dirs left in the workspace root.
+    pub fn job_dirs(&self) -> Vec<String> {
+        std::fs::read_dir(&self.workspace)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with(".airlock-job-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    pub fn write(&self, rel: &str, content: &str) {
+        let p = self.workspace.join(rel);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).expect("mkdir");
+        }
+        std::fs::write(p, content).expect("write");
+    }
+
+    pub fn read(&self, rel: &str) -> Option<String> {
+        std::fs::read_to_string(self.workspace.join(rel)).ok()
+    }
+
+    /// Adds a tool file to this daemon's policy (before `start`).
+    pub fn add_tool(&self, name: &str, toml: &str) {
+        std::fs::write(self.policies.join("tools").join(format!("{name}.toml")), toml).expect("tool");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("read_dir") {
+        let entry = entry.expect("entry");
+        let target = to.join(entry.file_name());
+        if entry.file_type().expect("type").is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).expect("copy");
+        }
+    }
+}
+
+pub fn args(v: Value) -> Map<String, Value> {
+    v.as_object().cloned().expect("object")
+}
+
+/// Calls a tool and returns the result as JSON (`isError`, `content`, `structuredContent`).
+pub async fn call(client: &Client, tool: &str, a: Value) -> Value {
+    let r = client
+        .call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args(a)))
+        .await
+        .unwrap_or_else(|e| panic!("{tool}: call failed: {e}"));
+    serde_json::to_value(r).expect("json")
+}
+
+pub fn is_error(r: &Value) -> bool {
+    r["isError"].as_bool().unwrap_or(false)
+}
+
+pub fn text(r: &Value) -> String {
+    r["content"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|c| c["text"].as_str()).collect::<Vec<_>>().join("\n"))
+        .unwrap_or_default()
+}
+
+/// The stable error code of a tool fault.
+pub fn code(r: &Value) -> String {
+    r["structuredContent"]["error"]["code"].as_str().unwrap_or("").to_string()
+}
+
+pub async fn session(client: &Client, id: &str) -> Value {
+    let r = call(client, "session_create", json!({"id": id})).await;
+    assert!(!is_error(&r), "session_create: {r}");
+    r
+}
+
+pub async fn version(client: &Client, id: &str) -> u64 {
+    let r = call(client, "session_get", json!({"session": id})).await;
+    r["structuredContent"]["version"].as_u64().unwrap_or_else(|| panic!("session_get {id}: {r}"))
+}
+
+pub async fn audit(client: &Client) -> Vec<Value> {
+    let r = client
+        .read_resource(rmcp::model::ReadResourceRequestParams::new("airlock://audit/events"))
+        .await
+        .expect("read audit");
+    let v = serde_json::to_value(r).expect("json");
+    let text = v["contents"][0]["text"].as_str().expect("text").to_string();
+    serde_json::from_str(&text).expect("events")
+}
+
+/// Pids of processes whose command line contains `needle`.
+pub fn processes_with(needle: &str) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains(needle) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+/// Every file under `root` (but job dirs) with its content, for byte-for-byte comparisons.
+pub fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+        let Ok(rd) = std::fs::read_dir(dir) else { return };
+        for e in rd.flatten() {
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap_or(&p).display().to_string();
+            let Ok(ft) = e.file_type() else { continue };
+            if ft.is_dir() {
+                out.push((format!("{rel}/"), Vec::new()));
+                walk(root, &p, out);
+            } else if ft.is_symlink() {
+                let t = std::fs::read_link(&p).map(|t| t.display().to_string()).unwrap_or_default();
+                out.push((format!("{rel}@"), t.into_bytes()));
+            } else {
+                out.push((rel, std::fs::read(&p).unwrap_or_default()));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(root, root, &mut out);
+    out.sort();
+    out
+}
+
+/// A raw newline-delimited JSON-RPC connection, for what rmcp's client will not send.
+pub struct Raw {
+    pub stream: StdUnixStream,
+    reader: BufReader<StdUnixStream>,
+}
+
+impl Raw {
+    pub fn connect(socket: &Path) -> Raw {
+        let stream = StdUnixStream::connect(socket).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        let reader = BufReader::new(stream.try_clone().expect("clone"));
+        Raw { stream, reader }
+    }
+
+    pub fn send_bytes(&mut self, b: &[u8]) {
+        self.stream.write_all(b).expect("write");
+    }
+
+    pub fn send(&mut self, v: &Value) {
+        let mut line = v.to_string().into_bytes();
+        line.push(b'\n');
+        self.send_bytes(&line);
+    }
+
+    /// The next message, or None if nothing arrives within `timeout`.
+    pub fn recv_within(&mut self, timeout: Duration) -> Option<Value> {
+        self.stream.set_read_timeout(Some(timeout)).expect("timeout");
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(0) => None,
+            Ok(_) => Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad line {line:?}: {e}"))),
+            Err(_) => None,
+        }
+    }
+
+    pub fn recv(&mut self) -> Value {
+        self.recv_within(Duration::from_secs(30)).expect("a message within 30s")
+    }
+
+    /// The response to request `id`, skipping notifications.
+    pub fn response(&mut self, id: i64) -> Value {
+        loop {
+            let m = self.recv();
+            if m["id"] == json!(id) {
+                return m;
+            }
+        }
+    }
+
+    pub fn initialize(&mut self) {
+        self.send(&json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "raw-test", "version": "0"}}}));
+        let r = self.response(0);
+        assert!(r["result"]["serverInfo"].is_object(), "initialize: {r}");
+        self.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+    }
+
+    pub fn call(&mut self, id: i64, tool: &str, a: Value) {
+        self.send(&json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": {"name": tool, "arguments": a}}));
+    }
+}
+
+/// Fails the test with a clear message unless running as root.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "this test needs root (it runs the daemon as another user); run the suite as root");
+}
