@@ -9,6 +9,8 @@
 //!   point N fails with that errno instead of mutating anything.
 //! * `AIRLOCK_FAILPOINT_LOG=FILE`: append `N NAME` for every point reached, so that a harness
 //!   learns how many points a call has and what each one is.
+//! * `AIRLOCK_FAILPOINT_PAUSE_AT=N` with `AIRLOCK_FAILPOINT_PAUSE_MS=MS`: sleep before point N,
+//!   after logging it, so a race test can act while publication is stopped there.
 
 /// Marks one filesystem mutation named `name` (such as `publish.exchange`).
 #[cfg(not(feature = "failpoints"))]
@@ -33,6 +35,10 @@ pub fn hit(name: &'static str) -> std::io::Result<()> {
             let _ = writeln!(f, "{n} {name}");
             let _ = f.sync_all();
         }
+    }
+    if var("AIRLOCK_FAILPOINT_PAUSE_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {
+        let ms = var("AIRLOCK_FAILPOINT_PAUSE_MS").and_then(|v| v.parse().ok()).unwrap_or(500);
+        std::thread::sleep(std::time::Duration::from_millis(ms));
     }
     if var("AIRLOCK_FAILPOINT_CRASH_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {
         std::process::abort();
