@@ -3,3 +3,4 @@
 
 mod daemon;
 mod harness;
+mod sandbox;

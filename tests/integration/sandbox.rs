@@ -1,0 +1,400 @@
+//! Issue #3: hostile tools, each run as a write tool through the real daemon. Each must fail
+//! to cause harm, the call must end with a clear result, and the workspace must be
+//! byte-for-byte unchanged (but for a declared output, where noted).
+
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// A daemon with `run_sh` and `run_py`: write tools whose script is an argument.
+fn hostile_daemon() -> Daemon {
+    let d = Daemon::new();
+    d.add_tool(
+        "run_sh",
+        r#"name = "run_sh"
+description = "Run a shell script (test only)"
+capability = "write"
+command = ["/bin/sh", "-c", "{script}", "run_sh", "{out}"]
+timeout = "3s"
+[params.script]
+type = "string"
+[params.out]
+type = "string"
+path = "output"
+required = false
+"#,
+    );
+    d.add_tool(
+        "run_py",
+        r#"name = "run_py"
+description = "Run python code (test only)"
+capability = "write"
+command = ["/usr/bin/python3", "-I", "-c", "{code}", "{out}"]
+timeout = "5s"
+[params.code]
+type = "string"
+[params.out]
+type = "string"
+path = "output"
+required = false
+"#,
+    );
+    d
+}
+
+async fn started(d: &mut Daemon) -> Client {
+    d.start();
+    let c = d.client().await;
+    session(&c, "h").await;
+    c
+}
+
+async fn sh(c: &Client, script: &str) -> Value {
+    call(c, "run_sh", json!({"session": "h", "script": script})).await
+}
+
+async fn py(c: &Client, code: &str) -> Value {
+    call(c, "run_py", json!({"session": "h", "code": code})).await
+}
+
+#[tokio::test]
+async fn writes_outside_staging_are_denied() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    d.write("existing.txt", "original");
+    let before = snapshot(&d.workspace);
+    let ws = d.workspace.display().to_string();
+    let targets = [
+        format!("{ws}/pwned"),
+        format!("{ws}/existing.txt"),
+        "/tmp/airlock-pwned".to_string(),
+        "/root/airlock-pwned".to_string(),
+        "/etc/airlock-pwned".to_string(),
+        format!("{}/airlock-pwned", d.dir.path().display()),
+    ];
+    let script = targets
+        .iter()
+        .map(|t| format!("if echo x > '{t}' 2>/dev/null; then echo WROTE '{t}'; else echo denied '{t}'; fi"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let r = sh(&c, &script).await;
+    assert!(!is_error(&r), "{r}");
+    let out = text(&r);
+    assert_eq!(out.matches("denied").count(), targets.len(), "{out}");
+    assert!(!out.contains("WROTE"), "{out}");
+    for t in &targets[2..] {
+        assert!(!std::path::Path::new(t).exists(), "{t} was written");
+    }
+    assert_eq!(snapshot(&d.workspace), before);
+    // Removing and renaming are writes too.
+    let r = sh(&c, &format!("rm -f '{ws}/existing.txt' 2>&1; mv '{ws}/existing.txt' '{ws}/moved' 2>&1; echo end")).await;
+    assert!(text(&r).contains("denied") || text(&r).contains("Permission denied"), "{r}");
+    assert_eq!(snapshot(&d.workspace), before);
+}
+
+#[tokio::test]
+async fn undeclared_reads_are_denied() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    d.write("secret.txt", "top secret");
+    let before = snapshot(&d.workspace);
+    let ws = d.workspace.display().to_string();
+    let r = sh(&c, &format!("cat '{ws}/secret.txt' 2>&1; ls '{ws}' 2>&1; cat /root/.bash_history 2>&1; echo end")).await;
+    let out = text(&r);
+    assert!(!out.contains("top secret"), "{out}");
+    assert!(out.matches("Permission denied").count() >= 2, "{out}");
+    // Declared as input, the same file is readable.
+    let r = call(&c, "upper", json!({"session": "h", "source": "secret.txt", "out": "SECRET.txt"})).await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("SECRET.txt").as_deref(), Some("TOP SECRET"));
+    let _ = before;
+}
+
+#[tokio::test]
+async fn non_regular_outputs_are_rejected_at_publish() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    d.write("target.txt", "old");
+    let before = snapshot(&d.workspace);
+    for (what, script) in [
+        ("symlink", "ln -s /etc/passwd \"$1\""),
+        ("hard link", "echo x > \"$1.other\" && ln \"$1.other\" \"$1\""),
+        ("fifo", "mkfifo \"$1\""),
+        ("directory", "mkdir \"$1\" && echo x > \"$1/f\""),
+        ("missing", "true"),
+    ] {
+        let r = call(&c, "run_sh", json!({"session": "h", "script": script, "out": "target.txt"})).await;
+        assert!(is_error(&r), "{what}: {r}");
+        assert_eq!(code(&r), "PUBLISH_FAILED", "{what}: {r}");
+        assert_eq!(snapshot(&d.workspace), before, "{what} changed the workspace");
+        assert!(d.job_dirs().is_empty(), "{what} left a job dir");
+    }
+    assert_eq!(version(&c, "h").await, 0);
+}
+
+#[tokio::test]
+async fn network_is_denied() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    tcp.set_nonblocking(true).unwrap();
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    udp.set_nonblocking(true).unwrap();
+    let code_ = format!(
+        r#"
+import socket
+for name, kind, port in (("tcp", socket.SOCK_STREAM, {tp}), ("udp", socket.SOCK_DGRAM, {up})):
+    try:
+        s = socket.socket(socket.AF_INET, kind)
+        s.settimeout(1)
+        s.connect(("127.0.0.1", port))
+        s.send(b"x")
+        print("CONNECTED", name)
+    except OSError as e:
+        print("denied", name, e.errno)
+try:
+    socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    print("CONNECTED inet6")
+except OSError as e:
+    print("denied inet6", e.errno)
+"#,
+        tp = tcp.local_addr().unwrap().port(),
+        up = udp.local_addr().unwrap().port()
+    );
+    let r = py(&c, &code_).await;
+    let out = text(&r);
+    assert_eq!(out.matches("denied").count(), 3, "{r}");
+    assert!(out.contains("denied tcp 1"), "EPERM expected: {out}");
+    assert!(tcp.accept().is_err(), "a TCP connection arrived");
+    let mut buf = [0u8; 8];
+    assert!(udp.recv(&mut buf).is_err(), "a UDP datagram arrived");
+}
+
+#[tokio::test]
+async fn abstract_unix_sockets_are_out_of_reach() {
+    use std::os::linux::net::SocketAddrExt;
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let name = format!("airlock-test-{}", std::process::id());
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let r = py(
+        &c,
+        &format!(
+            "import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect('\\0{name}')\n    print('CONNECTED')\nexcept OSError as e:\n    print('denied', e.errno)\n"
+        ),
+    )
+    .await;
+    assert!(text(&r).contains("denied 1"), "{r}");
+    assert!(listener.accept().is_err(), "the worker reached an abstract socket");
+}
+
+#[tokio::test]
+async fn the_daemon_cannot_be_signalled_or_traced() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let pid = d.pid();
+    let r = sh(&c, &format!("kill -TERM {pid} 2>&1; kill -KILL {pid} 2>&1; echo end")).await;
+    assert_eq!(text(&r).matches("Operation not permitted").count(), 2, "{r}");
+    let r = py(
+        &c,
+        &format!(
+            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nr = libc.ptrace(16, {pid}, 0, 0)\nprint('attach', r, ctypes.get_errno())\nr = libc.ptrace(0, 0, 0, 0)\nprint('traceme', r, ctypes.get_errno())\n"
+        ),
+    )
+    .await;
+    let out = text(&r);
+    assert!(out.contains("attach -1 1") && out.contains("traceme -1 1"), "{out}");
+    // Still alive and serving.
+    assert_eq!(version(&c, "h").await, 2);
+    assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none());
+}
+
+#[tokio::test]
+async fn namespaces_mounts_and_io_uring_are_denied() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let r = sh(&c, "unshare -U true 2>&1; echo unshare=$?; mount -t tmpfs tmpfs /mnt 2>&1; echo mount=$?").await;
+    let out = text(&r);
+    assert!(!out.contains("unshare=0") && !out.contains("mount=0"), "{out}");
+    let r = py(
+        &c,
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(120)\nr = libc.syscall(425, 4, buf)\nprint('io_uring_setup', r, ctypes.get_errno())\nr = libc.syscall(272, 0x10000000)\nprint('unshare', r, ctypes.get_errno())\n",
+    )
+    .await;
+    let out = text(&r);
+    assert!(out.contains("io_uring_setup -1 1"), "{out}");
+    #[cfg(target_arch = "x86_64")]
+    assert!(out.contains("unshare -1 1"), "{out}");
+}
+
+#[tokio::test]
+async fn setsid_and_double_fork_cannot_escape_the_group() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let r = sh(&c, "setsid sleep 31.51 & (sleep 31.52 &); python3 -c 'import os; os.setpgid(0, 0)' 2>&1; sleep 30").await;
+    assert_eq!(code(&r), "TOOL_TIMEOUT", "{r}");
+    assert!(processes_with("sleep 31.51").is_empty(), "setsid'd sleeper survived");
+    assert!(processes_with("sleep 31.52").is_empty(), "double-forked sleeper survived");
+    assert!(d.job_dirs().is_empty());
+}
+
+#[tokio::test]
+async fn sigterm_ignorers_are_killed_after_the_grace() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let r = sh(&c, "trap '' TERM; sleep 31.61 & sleep 31.62; wait").await;
+    assert_eq!(code(&r), "TOOL_TIMEOUT", "{r}");
+    assert!(processes_with("sleep 31.61").is_empty() && processes_with("sleep 31.62").is_empty());
+    let events = audit(&c).await;
+    let sb = events.iter().rev().find(|e| e["tool"] == "run_sh" && e["kind"] == "sandbox").expect("sandbox event");
+    assert!(sb["detail"]["end"].as_str().unwrap_or("").contains("TimedOut"), "{sb}");
+}
+
+#[tokio::test]
+async fn huge_output_is_capped_and_marked() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let r = sh(&c, "head -c 104857600 /dev/zero | tr '\\0' a").await;
+    assert!(!is_error(&r), "{}", &r.to_string()[..200.min(r.to_string().len())]);
+    let out = text(&r);
+    assert!(out.len() < 2 * 1024 * 1024, "kept {} bytes", out.len());
+    assert!(out.contains("stdout truncated") && out.contains("104857600"), "{}", &out[out.len() - 200..]);
+    // The daemon did not buffer 100 MiB.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap();
+    let hwm: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(hwm < 64 * 1024, "daemon peak RSS {hwm} KiB");
+}
+
+#[tokio::test]
+async fn memory_past_the_limit_fails_cleanly() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let r = py(&c, "x = bytearray(6 << 30)\nprint('ALLOCATED')").await;
+    assert_eq!(code(&r), "TOOL_FAILED", "{r}");
+    assert!(text(&r).contains("MemoryError"), "{r}");
+}
+
+#[tokio::test]
+async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    // From inside.
+    let r = sh(&c, "grep -E '^(NoNewPrivs|Seccomp|CapEff|CapPrm|CapBnd|CapAmb|CapInh):' /proc/self/status").await;
+    let out = text(&r);
+    for want in ["NoNewPrivs:\t1", "Seccomp:\t2", "CapEff:\t0000000000000000", "CapPrm:\t0000000000000000", "CapBnd:\t0000000000000000", "CapAmb:\t0000000000000000", "CapInh:\t0000000000000000"] {
+        assert!(out.contains(want), "missing {want:?} in {out}");
+    }
+    // From outside, on a running worker found through the audit's pid.
+    let c = std::sync::Arc::new(c);
+    let c2 = c.clone();
+    let running = tokio::spawn(async move { sh(&c2, "sleep 2").await });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let pid = loop {
+        let events = audit(&c).await;
+        if let Some(e) = events.iter().rev().find(|e| e["kind"] == "spawned" && e["tool"] == "run_sh") {
+            if events.iter().filter(|x| x["tool"] == "run_sh" && x["kind"] == "spawned").count() == 2 {
+                break e["detail"]["pid"].as_u64().unwrap();
+            }
+        }
+        assert!(std::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("worker status");
+    assert!(status.contains("NoNewPrivs:\t1") && status.contains("Seccomp:\t2") && status.contains("CapEff:\t0000000000000000"), "{status}");
+    assert!(!is_error(&running.await.unwrap()));
+    // The enforcement is recorded with the call.
+    let events = audit(&c).await;
+    let sb = events.iter().rev().find(|e| e["kind"] == "sandbox").unwrap();
+    assert_eq!(sb["detail"]["enforcement"]["landlock"], "fully_enforced", "{sb}");
+    assert!(sb["detail"]["enforcement"]["landlock_abi"].as_u64().unwrap() >= 6, "{sb}");
+}
+
+#[tokio::test]
+async fn setuid_binaries_grant_nothing() {
+    require_root();
+    let mut d = hostile_daemon();
+    // A setuid-root copy of cat, in a directory the profile lets workers execute from.
+    let bin = d.dir.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let suid = bin.join("suidcat");
+    std::fs::copy("/bin/cat", &suid).unwrap();
+    std::fs::set_permissions(&suid, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let profile = d.policies.join("profiles/default.toml");
+    let text_ = std::fs::read_to_string(&profile).unwrap();
+    let text_ = text_.replace("exec = [\"/usr\"", &format!("exec = [\"{}\", \"/usr\"", bin.display()));
+    std::fs::write(&profile, text_).unwrap();
+    let c = started(&mut d).await;
+    let r = sh(&c, &format!("'{}' /proc/self/status | grep -E '^(Uid|CapEff|NoNewPrivs):'", suid.display())).await;
+    let out = text(&r);
+    assert!(out.contains("CapEff:\t0000000000000000") && out.contains("NoNewPrivs:\t1"), "{out}");
+    // Also /usr/bin/su, a real setuid program.
+    let r = sh(&c, "/usr/bin/su -c id nobody 2>&1; echo su=$?").await;
+    assert!(!text(&r).contains("su=0"), "{r}");
+}
+
+#[tokio::test]
+async fn fork_bombs_are_bounded_for_an_unprivileged_daemon() {
+    // RLIMIT_NPROC binds every uid but 0 (the kernel exempts root); the daemon is meant to run
+    // as its own user, so the bomb is shown bounded there.
+    require_root();
+    let mut d = hostile_daemon();
+    give_to_nobody(&d);
+    d.user = Some((65534, 65534));
+    let c = started(&mut d).await;
+    let r = sh(&c, "b() { b | b & }; b; sleep 5").await;
+    assert!(is_error(&r), "{r}");
+    assert!(processes_with("run_sh").is_empty(), "fork bomb processes survived");
+    // The daemon is unaffected: the next call works.
+    let r = call(&c, "write_text", json!({"session": "h", "text": "after", "out": "after.txt"})).await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("after.txt").as_deref(), Some("after"));
+}
+
+/// Hands the daemon's test dir to `nobody`, so the daemon can run as that user.
+pub fn give_to_nobody(d: &Daemon) {
+    let status = std::process::Command::new("chown").args(["-R", "65534:65534"]).arg(d.dir.path()).status().unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn the_daemon_and_its_sandbox_work_unprivileged() {
+    require_root();
+    let mut d = hostile_daemon();
+    give_to_nobody(&d);
+    d.user = Some((65534, 65534));
+    let c = started(&mut d).await;
+    let uid_line = std::fs::read_to_string(format!("/proc/{}/status", d.pid()))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("Uid:"))
+        .unwrap()
+        .to_string();
+    assert!(uid_line.contains("65534"), "{uid_line}");
+    let r = call(&c, "write_text", json!({"session": "h", "text": "as nobody", "out": "n/nobody.txt"})).await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("n/nobody.txt").as_deref(), Some("as nobody"));
+    let r = call(&c, "counter", json!({"session": "h", "by": 3})).await;
+    assert!(!is_error(&r), "{r}");
+    let ws = d.workspace.display().to_string();
+    let r = sh(&c, &format!("echo x > '{ws}/pwned' 2>&1; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status")).await;
+    let out = text(&r);
+    assert!(out.contains("Permission denied") && out.contains("Seccomp:\t2"), "{out}");
+    assert!(d.read("pwned").is_none());
+    let r = sh(&c, "sleep 30").await;
+    assert_eq!(code(&r), "TOOL_TIMEOUT");
+    assert_eq!(version(&c, "h").await, 3);
+    let mut log = String::new();
+    std::fs::File::open(&d.log).unwrap().read_to_string(&mut log).unwrap();
+    assert!(!log.contains("panicked"), "{log}");
+}
