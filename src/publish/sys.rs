@@ -38,7 +38,9 @@ pub(super) fn open_beneath<P: AsRef<Path>>(
         match rustix::fs::openat2(
             dir,
             path,
-            oflags | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            // No O_NOFOLLOW: RESOLVE_NO_SYMLINKS already refuses a trailing symlink, and
+            // reports it as ELOOP (O_NOFOLLOW | O_DIRECTORY would say ENOTDIR instead).
+            oflags | OFlags::CLOEXEC,
             Mode::empty(),
             resolve_flags(),
         ) {
