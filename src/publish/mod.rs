@@ -8,7 +8,22 @@
 //! * Nothing is copied: outputs are published by rename (`RENAME_EXCHANGE` over an existing
 //!   target, `RENAME_NOREPLACE` for a new one); EXDEV fails the call.
 //! * What a target holds is told by its (device, inode), journaled before any rename.
-//! * Every filesystem mutation is preceded by a failpoint named `publish.<what>`.
+//! * Every filesystem mutation is preceded by a failpoint named `publish.<what>` (fsyncs are
+//!   not mutations and have none). For a call with outputs `a.txt` (exists), `n/m/b.txt` and
+//!   `c.txt` (new), in order:
+//!   - `Job::create`: `mkdir_job`, `mkdir_stage`, `mkdir_slot` x3, `journal_write`,
+//!     `journal_rename` (phase `worker_running`);
+//!   - `Job::record_worker`: `journal_write`, `journal_rename`;
+//!   - `Job::publish_and_commit`: `journal_write`, `journal_rename` (`publishing_outputs`),
+//!     `mkdir_parent` x2 (`n`, `n/m`), `exchange` (a.txt), `rename_noreplace` x2,
+//!     `journal_write`, `journal_rename` (`committing_state`), then the caller's `commit()`,
+//!     then `journal_write`, `journal_rename` (`committed`), then `cleanup_unlink` /
+//!     `cleanup_rmdir` (and `cleanup_chmod` for unreadable dirs a worker left) per entry.
+//!   - Rollback (in-process or in recovery): `rollback_exchange` / `rollback_unlink` per
+//!     target holding its new file, `rollback_rmdir` per created dir, then the cleanup points.
+//! * A job dir is never a completed export: a dropped `Job` (neither published nor
+//!   discarded) stays on disk until [`recover`] runs at the next start. [`recover`] must run
+//!   before the daemon serves calls, with the workspace to itself.
 
 mod job;
 mod journal;

@@ -460,24 +460,7 @@ impl Scenario {
 
     /// Runs the whole call; `commit_ok` picks what the session commit returns.
     fn run(&self, commit_ok: bool) -> Result<(), PublishError> {
-        let ws = Workspace::open(self.root())?;
-        let mut job = Job::create(&ws, spec("j7", &["a.txt", "n/m/b.txt", "c.txt"]))?;
-        if let Err(e) = job.record_worker(99) {
-            // What the caller does when the call cannot go on: kill the worker, discard.
-            let _ = job.discard();
-            return Err(e);
-        }
-        // The worker writes its outputs (not a failpoint: the worker is another process).
-        fs::write(job.staged_path(0), "new a").unwrap();
-        fs::write(job.staged_path(1), "new b").unwrap();
-        fs::write(job.staged_path(2), "new c").unwrap();
-        let marker = self.committed_marker();
-        job.publish_and_commit(&ws, || {
-            if !commit_ok {
-                return Err("session store refused".into());
-            }
-            fs::write(&marker, "j7").map_err(|e| e.to_string())
-        })
+        run_call(self.root(), &self.committed_marker(), commit_ok)
     }
 
     fn recover(&self) -> Result<Vec<Recovered>, PublishError> {
@@ -493,6 +476,27 @@ impl Scenario {
     fn is_committed(&self) -> bool {
         self.committed_marker().exists()
     }
+}
+
+/// One typical call in `root`; the session commit writes the job id to `marker`.
+fn run_call(root: &Path, marker: &Path, commit_ok: bool) -> Result<(), PublishError> {
+    let ws = Workspace::open(root)?;
+    let mut job = Job::create(&ws, spec("j7", &["a.txt", "n/m/b.txt", "c.txt"]))?;
+    if let Err(e) = job.record_worker(99) {
+        // What the caller does when the call cannot go on: kill the worker, discard.
+        let _ = job.discard();
+        return Err(e);
+    }
+    // The worker writes its outputs (not a failpoint: the worker is another process).
+    fs::write(job.staged_path(0), "new a").unwrap();
+    fs::write(job.staged_path(1), "new b").unwrap();
+    fs::write(job.staged_path(2), "new c").unwrap();
+    job.publish_and_commit(&ws, || {
+        if !commit_ok {
+            return Err("session store refused".into());
+        }
+        fs::write(marker, "j7").map_err(|e| e.to_string())
+    })
 }
 
 fn old_state() -> BTreeMap<PathBuf, Entry> {
@@ -796,4 +800,102 @@ fn types_are_send_and_sync() {
     is::<Job>();
     is::<Workspace>();
     is::<PublishError>();
+}
+
+// ---------------------------------------------------------------------------------------
+// The real failpoints (`--features failpoints`): a child process (this test binary, running
+// only `child_runs_a_typical_call`) aborts or fails at point N as the environment says.
+
+const CHILD_ROOT: &str = "AIRLOCK_TEST_CHILD_ROOT";
+const CHILD_MARKER: &str = "AIRLOCK_TEST_CHILD_MARKER";
+
+/// Does nothing unless started by `real_failpoints_*` with the child variables set.
+#[test]
+fn child_runs_a_typical_call() {
+    let (Ok(root), Ok(marker)) = (std::env::var(CHILD_ROOT), std::env::var(CHILD_MARKER)) else {
+        return;
+    };
+    match run_call(Path::new(&root), Path::new(&marker), true) {
+        Ok(()) => println!("CHILD-RESULT ok"),
+        Err(e) => println!("CHILD-RESULT err {e}"),
+    }
+}
+
+#[cfg(feature = "failpoints")]
+fn spawn_child(s: &Scenario, env: &[(&str, String)]) -> std::process::Output {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "publish::tests::child_runs_a_typical_call",
+        "--nocapture",
+    ])
+    .args(["--test-threads", "1"])
+    .env(CHILD_ROOT, s.root())
+    .env(CHILD_MARKER, s.committed_marker())
+    .env_remove("AIRLOCK_FAILPOINT_CRASH_AT")
+    .env_remove("AIRLOCK_FAILPOINT_ERROR_AT")
+    .env_remove("AIRLOCK_FAILPOINT_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+#[cfg(feature = "failpoints")]
+#[test]
+fn real_failpoints_abort_and_errno_at_every_point() {
+    use std::os::unix::process::ExitStatusExt;
+    // No core dumps from the aborting children.
+    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0).unwrap();
+    let old = old_state();
+    let new = new_state();
+
+    let s = Scenario::new();
+    let log = s.session.path().join("points.log");
+    let out = spawn_child(&s, &[("AIRLOCK_FAILPOINT_LOG", log.display().to_string())]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("CHILD-RESULT ok"),
+        "{out:?}"
+    );
+    let points = fs::read_to_string(&log).unwrap();
+    let n = points.lines().count();
+    assert_eq!(n, points_of_a_call().len(), "{points}");
+    assert_eq!(snapshot(s.root()), new);
+
+    for k in 0..n {
+        // kill -9 at point k: the child aborts, then recovery runs here.
+        let s = Scenario::new();
+        let out = spawn_child(&s, &[("AIRLOCK_FAILPOINT_CRASH_AT", k.to_string())]);
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGABRT),
+            "crash at {k}: {out:?}"
+        );
+        s.recover().unwrap();
+        let want = if s.is_committed() { &new } else { &old };
+        assert_eq!(&snapshot(s.root()), want, "crash at {k}");
+        assert!(s.recover().unwrap().is_empty());
+
+        // ENOSPC at point k: the call rolls back (or, past the commit point, succeeds).
+        let s = Scenario::new();
+        let out = spawn_child(
+            &s,
+            &[
+                ("AIRLOCK_FAILPOINT_ERROR_AT", k.to_string()),
+                ("AIRLOCK_FAILPOINT_ERRNO", "ENOSPC".to_string()),
+            ],
+        );
+        assert!(out.status.success(), "error at {k}: {out:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if stdout.contains("CHILD-RESULT err") {
+            assert!(stdout.contains("No space left"), "{stdout}");
+            assert!(!s.is_committed());
+            assert_eq!(snapshot(s.root()), old, "error at {k}");
+        } else {
+            assert!(stdout.contains("CHILD-RESULT ok"), "{stdout}");
+            s.recover().unwrap();
+            assert_eq!(snapshot(s.root()), new, "error at {k}");
+        }
+    }
 }
