@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 
-use super::journal::{Journal, Phase, TargetRecord, VERSION};
+use super::journal::{Journal, Phase, TargetRecord, JOURNAL, VERSION};
 use super::sys::{
     describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, remove_tree,
     stat_at, FileId,
@@ -184,6 +184,10 @@ impl Job {
     ///
     /// After `commit` returned Ok the call succeeds even if journaling `committed` or the
     /// cleanup fails: the state is the new one, and startup recovery finishes the cleanup.
+    ///
+    /// On `Err`, every target holds its old file and the job dir is gone, except for
+    /// [`PublishError::RollbackFailed`]: then the job dir stays for startup recovery and the
+    /// caller should treat the targets as unknown until it runs.
     pub fn publish_and_commit(
         mut self,
         ws: &Workspace,
@@ -199,13 +203,31 @@ impl Job {
         }
         self.journal.phase = Phase::Committed;
         if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {
-            tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not journal it; startup recovery will complete the job");
-            return Ok(());
+            // A `committing_state` journal left behind would make recovery ask the session
+            // again, long after other commits; the cleanup below drops the journal first, so
+            // what may remain reads as "never published", which is right here.
+            tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not journal it");
         }
-        if let Err(e) = remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir) {
+        if let Err(e) = self.remove_dir() {
             tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not remove the job dir; startup recovery will");
         }
         Ok(())
+    }
+
+    /// Removes the job dir once the targets are final (all-new after the commit, all-old
+    /// after a rollback): the journal first, so that a job dir left half-removed reads as
+    /// "never published" and recovery only deletes it.
+    fn remove_dir(&self) -> Result<(), PublishError> {
+        let journal = self.dir.join(JOURNAL);
+        match mutate("publish.cleanup_unlink", &journal, || {
+            rustix::fs::unlinkat(self.fd.as_fd(), JOURNAL, AtFlags::empty())
+        }) {
+            Ok(()) => fsync_dir(self.fd.as_fd(), &self.dir)?,
+            Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+            }
+            Err(e) => return Err(e),
+        }
+        remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
     }
 
     /// Removes the job dir of a call that will not publish.
@@ -465,7 +487,7 @@ impl Job {
         ) {
             Ok(n) => {
                 tracing::info!(job = %self.spec.id, restored = n, error = %error, "publication failed; targets restored");
-                if let Err(e) = remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir) {
+                if let Err(e) = self.remove_dir() {
                     tracing::warn!(job = %self.spec.id, error = %e, "could not remove the job dir; startup recovery will");
                 }
                 error

@@ -637,6 +637,15 @@ fn error_at_every_point_rolls_back_or_completes() {
             }
             Ok(()) => {
                 assert!(s.is_committed());
+                // Whatever is left reads as committed or never published: recovery will not
+                // need to ask the session about it.
+                for d in job_dirs(s.root()) {
+                    let journal = s.root().join(d).join("recovery.json");
+                    if let Ok(bytes) = fs::read(&journal) {
+                        let j: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                        assert_eq!(j["phase"], "committed", "error at {k} ({})", names[k]);
+                    }
+                }
                 s.recover().unwrap();
                 assert_eq!(snapshot(s.root()), new, "error at {k} ({})", names[k]);
             }
