@@ -1,9 +1,51 @@
 //! Job dirs, the recovery journal, publication of staged outputs, rollback and startup
 //! recovery. Only this module renames into the workspace.
+//!
+//! Invariants:
+//! * Every path is resolved beneath the workspace root fd with openat2 (`RESOLVE_BENEATH |
+//!   RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV`); mutations act on
+//!   (dirfd, name) pairs. No symlink is ever followed, in the workspace or in a job dir.
+//! * Nothing is copied: outputs are published by rename (`RENAME_EXCHANGE` over an existing
+//!   target, `RENAME_NOREPLACE` for a new one); EXDEV fails the call.
+//! * What a target holds is told by its (device, inode), journaled before any rename.
+//! * Every filesystem mutation is preceded by a failpoint named `publish.<what>` (fsyncs are
+//!   not mutations and have none). For a call with outputs `a.txt` (exists), `n/m/b.txt` and
+//!   `c.txt` (new), in order:
+//!   - `Job::create`: `mkdir_job`, `mkdir_stage`, `mkdir_slot` x3, `journal_write`,
+//!     `journal_rename` (phase `worker_running`);
+//!   - `Job::record_worker`: `journal_write`, `journal_rename`;
+//!   - `Job::publish_and_commit`: `journal_write`, `journal_rename` (`publishing_outputs`),
+//!     `mkdir_parent` x2 (`n`, `n/m`), `exchange` (a.txt), `rename_noreplace` x2,
+//!     `journal_write`, `journal_rename` (`committing_state`), then the caller's `commit()`,
+//!     then `journal_write`, `journal_rename` (`committed`), then `cleanup_unlink` /
+//!     `cleanup_rmdir` (and `cleanup_chmod` for unreadable dirs a worker left) per entry.
+//!   - Rollback (in-process or in recovery): `rollback_exchange` / `rollback_unlink` per
+//!     target holding its new file, `rollback_rmdir` per created dir, then the cleanup points.
+//! * A job dir is never a completed export: a dropped `Job` (neither published nor
+//!   discarded) stays on disk until [`recover`] runs at the next start. [`recover`] must run
+//!   before the daemon serves calls, with the workspace to itself.
 
-use std::path::{Path, PathBuf};
+mod job;
+mod journal;
+mod recover;
+mod sys;
+mod workspace;
 
-use crate::policy::PathRole;
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod testsim;
+
+use std::path::PathBuf;
+
+pub use job::Job;
+pub use journal::Phase;
+pub use recover::recover;
+pub use sys::FileId;
+pub use workspace::Workspace;
+
+/// Job dirs are `<root>/.airlock-job-<id>/`; no path parameter may name one.
+pub const JOB_DIR_PREFIX: &str = ".airlock-job-";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PathError {
@@ -23,31 +65,25 @@ pub enum PublishError {
     BadOutput { path: PathBuf, reason: String },
     #[error("commit failed: {0}")]
     Commit(String),
-}
-
-/// The workspace root, held open as a directory fd.
-pub struct Workspace {
-    root: PathBuf,
-}
-
-impl Workspace {
-    pub fn open(root: &Path) -> Result<Workspace, PublishError> {
-        Ok(Workspace {
-            root: root.to_path_buf(),
-        })
-    }
-
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
-    /// Resolves a path parameter beneath the workspace and returns it relative to the root,
-    /// normalized. `..` escapes, absolute paths elsewhere, symlinks leading out and paths into
-    /// job dirs are rejected.
-    pub fn resolve(&self, raw: &str, role: PathRole) -> Result<PathBuf, PathError> {
-        let _ = role;
-        Ok(PathBuf::from(raw))
-    }
+    /// The job spec cannot become a job dir (bad id, targets not normalized or overlapping).
+    #[error("invalid job: {reason}")]
+    InvalidSpec { reason: String },
+    /// A target (or one of its parents) changed between resolution and publication.
+    #[error("target {path} changed: {reason}")]
+    TargetChanged { path: PathBuf, reason: String },
+    /// Publication failed and so did the rollback: the targets may be mixed until startup
+    /// recovery runs; the job dir and its journal are kept for it.
+    #[error(
+        "job {job}: {error}; rollback failed too ({rollback}); the job dir is kept for recovery"
+    )]
+    RollbackFailed {
+        job: String,
+        error: Box<PublishError>,
+        rollback: Box<PublishError>,
+    },
+    /// Startup recovery cannot decide what to do with a job dir.
+    #[error("recovery of job {job}: {reason}")]
+    Recovery { job: String, reason: String },
 }
 
 /// What a job publishes.
@@ -60,56 +96,6 @@ pub struct JobSpec {
     pub targets: Vec<PathBuf>,
 }
 
-pub struct Job {
-    spec: JobSpec,
-    dir: PathBuf,
-}
-
-impl Job {
-    /// Creates `.airlock-job-<id>/` (0700) with its staging dir and its journal in phase
-    /// `worker_running`.
-    pub fn create(ws: &Workspace, spec: JobSpec) -> Result<Job, PublishError> {
-        let dir = ws.root().join(format!(".airlock-job-{}", spec.id));
-        Ok(Job { spec, dir })
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The directory the worker may write in.
-    pub fn stage_dir(&self) -> PathBuf {
-        self.dir.join("stage")
-    }
-
-    /// Absolute staged path of target `i`.
-    pub fn staged_path(&self, i: usize) -> PathBuf {
-        self.stage_dir().join(format!("{i}"))
-    }
-
-    pub fn record_worker(&mut self, pid: u32) -> Result<(), PublishError> {
-        let _ = pid;
-        Ok(())
-    }
-
-    /// Validates and publishes every staged output, then runs `commit` (which writes the
-    /// session state: the commit point), then cleans up. Any failure before the commit point
-    /// restores every target.
-    pub fn publish_and_commit(
-        self,
-        ws: &Workspace,
-        commit: impl FnOnce() -> Result<(), String>,
-    ) -> Result<(), PublishError> {
-        let _ = (ws, &self.spec);
-        commit().map_err(PublishError::Commit)
-    }
-
-    /// Removes the job dir of a call that will not publish.
-    pub fn discard(self) -> Result<(), PublishError> {
-        Ok(())
-    }
-}
-
 /// What startup recovery did with one leftover job dir.
 #[derive(Debug, Clone)]
 pub struct Recovered {
@@ -117,12 +103,10 @@ pub struct Recovered {
     pub action: String,
 }
 
-/// Rolls back or completes every leftover job dir in `workspace`. `committed(session, job)`
-/// tells whether the session state holds that job's commit.
-pub fn recover(
-    workspace: &Path,
-    committed: &dyn Fn(&str, &str) -> Result<bool, String>,
-) -> Result<Vec<Recovered>, PublishError> {
-    let _ = (workspace, committed);
-    Ok(Vec::new())
+/// The failpoint before every mutation of this module (plus the in-process crash simulator
+/// in unit tests).
+fn fp(name: &'static str) -> std::io::Result<()> {
+    #[cfg(test)]
+    testsim::hit(name)?;
+    crate::failpoint::hit(name)
 }

@@ -1,0 +1,610 @@
+//! One job: its dir, staging, publication into the workspace, the commit and rollback.
+
+use std::collections::HashSet;
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
+use rustix::io::Errno;
+
+use super::journal::{Journal, Phase, TargetRecord, JOURNAL, VERSION};
+use super::sys::{
+    describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, remove_tree,
+    stat_at, FileId,
+};
+use super::workspace::{check_target, split_target};
+use super::{JobSpec, PublishError, Workspace, JOB_DIR_PREFIX};
+
+const STAGE: &str = "stage";
+/// Job ids become file names: keep them short and free of separators and dots.
+const MAX_ID_LEN: usize = 128;
+
+pub struct Job {
+    spec: JobSpec,
+    /// Absolute path of `.airlock-job-<id>/`, for messages and for the caller.
+    dir: PathBuf,
+    /// `.airlock-job-<id>`, the dir's name in the workspace root.
+    name: String,
+    /// The workspace root (a dup of the workspace's fd, so that `discard` needs no workspace).
+    root: OwnedFd,
+    root_path: PathBuf,
+    /// The job dir.
+    fd: OwnedFd,
+    /// What is on disk in `recovery.json` (or is about to be).
+    journal: Journal,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("dir", &self.dir)
+            .field("phase", &self.journal.phase)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks a spec before anything is created: the id becomes a file name and the targets
+/// become renames beneath the root.
+fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
+    let bad = |reason: String| PublishError::InvalidSpec { reason };
+    if spec.id.is_empty()
+        || spec.id.len() > MAX_ID_LEN
+        || !spec
+            .id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(bad(format!(
+            "job id {:?} must be 1 to {MAX_ID_LEN} ASCII letters, digits, '-' or '_'",
+            spec.id
+        )));
+    }
+    let mut seen = HashSet::new();
+    for t in &spec.targets {
+        check_target(t).map_err(|r| bad(format!("{}: {r}", t.display())))?;
+        if !seen.insert(t.as_path()) {
+            return Err(bad(format!("{} is named by two outputs", t.display())));
+        }
+    }
+    for a in &spec.targets {
+        for b in &spec.targets {
+            if a != b && b.starts_with(a) {
+                return Err(bad(format!(
+                    "output {} is a parent directory of output {}",
+                    a.display(),
+                    b.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Job {
+    /// Creates `.airlock-job-<id>/` (0700) with its staging dir and its journal in phase
+    /// `worker_running`.
+    pub fn create(ws: &Workspace, spec: JobSpec) -> Result<Job, PublishError> {
+        check_spec(&spec)?;
+        let name = format!("{JOB_DIR_PREFIX}{}", spec.id);
+        let dir = ws.root().join(&name);
+        let root = ws.fd().try_clone_to_owned().map_err(|e| PublishError::Io {
+            op: "dup workspace fd",
+            path: ws.root().into(),
+            source: e,
+        })?;
+        mutate("publish.mkdir_job", &dir, || {
+            rustix::fs::mkdirat(root.as_fd(), name.as_str(), Mode::from_raw_mode(0o700))
+        })?;
+        let made = (|| {
+            let fd =
+                open_dir_beneath(root.as_fd(), &name).map_err(|e| io("open job dir", &dir, e))?;
+            let stage = dir.join(STAGE);
+            mutate("publish.mkdir_stage", &stage, || {
+                rustix::fs::mkdirat(fd.as_fd(), STAGE, Mode::from_raw_mode(0o700))
+            })?;
+            let stage_fd =
+                open_dir_beneath(fd.as_fd(), STAGE).map_err(|e| io("open stage dir", &stage, e))?;
+            let mut targets = Vec::with_capacity(spec.targets.len());
+            for (i, target) in spec.targets.iter().enumerate() {
+                let slot = i.to_string();
+                let slot_path = stage.join(&slot);
+                mutate("publish.mkdir_slot", &slot_path, || {
+                    rustix::fs::mkdirat(stage_fd.as_fd(), slot.as_str(), Mode::from_raw_mode(0o700))
+                })?;
+                let base = target.file_name().unwrap_or(OsStr::new("output"));
+                targets.push(TargetRecord {
+                    target: target.clone(),
+                    staged: Path::new(STAGE).join(&slot).join(base),
+                    backup: None,
+                    old: None,
+                    new: None,
+                });
+            }
+            fsync_dir(stage_fd.as_fd(), &stage)?;
+            let journal = Journal {
+                version: VERSION,
+                job: spec.id.clone(),
+                session: spec.session.clone(),
+                tool: spec.tool.clone(),
+                worker_pid: None,
+                phase: Phase::WorkerRunning,
+                targets,
+                created_dirs: Vec::new(),
+            };
+            journal.write(fd.as_fd(), &dir)?;
+            fsync_dir(root.as_fd(), ws.root())?;
+            Ok((fd, journal))
+        })();
+        match made {
+            Ok((fd, journal)) => Ok(Job {
+                spec,
+                dir,
+                name,
+                root,
+                root_path: ws.root().to_path_buf(),
+                fd,
+                journal,
+            }),
+            Err(e) => {
+                if let Err(c) = remove_tree(root.as_fd(), OsStr::new(&name), &dir) {
+                    tracing::warn!(job = %spec.id, error = %c, "could not remove a half-made job dir; startup recovery will");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The directory the worker may write in.
+    pub fn stage_dir(&self) -> PathBuf {
+        self.dir.join(STAGE)
+    }
+
+    /// Absolute staged path of target `i`: `stage/<i>/<target's file name>`, so that tools
+    /// which infer a format from the extension see the right one.
+    pub fn staged_path(&self, i: usize) -> PathBuf {
+        match self.journal.targets.get(i) {
+            Some(rec) => self.dir.join(&rec.staged),
+            None => self.stage_dir().join(i.to_string()).join("output"),
+        }
+    }
+
+    pub fn record_worker(&mut self, pid: u32) -> Result<(), PublishError> {
+        self.journal.worker_pid = Some(pid);
+        self.journal.write(self.fd.as_fd(), &self.dir)
+    }
+
+    /// Validates and publishes every staged output, then runs `commit` (which writes the
+    /// session state: the commit point), then cleans up. Any failure before the commit point
+    /// restores every target.
+    ///
+    /// After `commit` returned Ok the call succeeds even if journaling `committed` or the
+    /// cleanup fails: the state is the new one, and startup recovery finishes the cleanup.
+    ///
+    /// On `Err`, every target holds its old file and the job dir is gone, except for
+    /// [`PublishError::RollbackFailed`]: then the job dir stays for startup recovery and the
+    /// caller should treat the targets as unknown until it runs.
+    pub fn publish_and_commit(
+        mut self,
+        ws: &Workspace,
+        commit: impl FnOnce() -> Result<(), String>,
+    ) -> Result<(), PublishError> {
+        let _ = ws; // the job holds its own dup of the root fd
+        if let Err(e) = self.publish() {
+            return Err(self.fail(e));
+        }
+        // The commit point: the caller persists the session state recording this job.
+        if let Err(msg) = commit() {
+            return Err(self.fail(PublishError::Commit(msg)));
+        }
+        self.journal.phase = Phase::Committed;
+        if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {
+            // A `committing_state` journal left behind would make recovery ask the session
+            // again, long after other commits; the cleanup below drops the journal first, so
+            // what may remain reads as "never published", which is right here.
+            tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not journal it");
+        }
+        if let Err(e) = self.remove_dir() {
+            tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not remove the job dir; startup recovery will");
+        }
+        Ok(())
+    }
+
+    /// Removes the job dir once the targets are final (all-new after the commit, all-old
+    /// after a rollback): the journal first, so that a job dir left half-removed reads as
+    /// "never published" and recovery only deletes it.
+    fn remove_dir(&self) -> Result<(), PublishError> {
+        let journal = self.dir.join(JOURNAL);
+        match mutate("publish.cleanup_unlink", &journal, || {
+            rustix::fs::unlinkat(self.fd.as_fd(), JOURNAL, AtFlags::empty())
+        }) {
+            Ok(()) => fsync_dir(self.fd.as_fd(), &self.dir)?,
+            Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+            }
+            Err(e) => return Err(e),
+        }
+        remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
+    }
+
+    /// Removes the job dir of a call that will not publish.
+    pub fn discard(self) -> Result<(), PublishError> {
+        remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
+    }
+
+    /// Everything before the commit point: validate, journal, create parents, rename, make
+    /// durable, journal `committing_state`.
+    fn publish(&mut self) -> Result<(), PublishError> {
+        // 1. Validate and fsync every staged output before anything is journaled or moved:
+        //    a bad output fails the call with the workspace untouched.
+        let news = self.validate_outputs()?;
+        // 2. Plan: what each target holds now and which parents are missing. No mutation.
+        let created = self.plan(&news)?;
+        // 3. Journal the identities and the dirs to create before touching the workspace.
+        self.journal.created_dirs = created;
+        self.journal.phase = Phase::PublishingOutputs;
+        self.journal.write(self.fd.as_fd(), &self.dir)?;
+        // 4. Create missing parents, one component at a time beneath the root.
+        let mut synced_dirs = self.make_parents()?;
+        // 5. Rename each staged file into place.
+        for i in 0..self.journal.targets.len() {
+            let (parent_fd, slot_fd) = self.rename_one(i)?;
+            synced_dirs.push(parent_fd);
+            synced_dirs.push(slot_fd);
+        }
+        // 6. Make the renames (and the mkdirs) durable before the journal says they happened:
+        //    `committing_state` on disk must imply every target holds its new file.
+        for fd in &synced_dirs {
+            fsync_dir(fd.as_fd(), &self.root_path)?;
+        }
+        // 7. From here, only the session commit decides between all-new and all-old.
+        self.journal.phase = Phase::CommittingState;
+        self.journal.write(self.fd.as_fd(), &self.dir)
+    }
+
+    fn validate_outputs(&self) -> Result<Vec<FileId>, PublishError> {
+        let mut ids = Vec::with_capacity(self.journal.targets.len());
+        for (i, rec) in self.journal.targets.iter().enumerate() {
+            let bad = |reason: String| PublishError::BadOutput {
+                path: rec.target.clone(),
+                reason: format!("output {i}: {reason}"),
+            };
+            let staged = self.dir.join(&rec.staged);
+            let slot = Path::new(STAGE).join(i.to_string());
+            let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot).map_err(|e| match e {
+                Errno::NOENT | Errno::LOOP | Errno::NOTDIR => bad(format!(
+                    "the staging dir {} was removed or replaced",
+                    slot.display()
+                )),
+                e => io("open staging dir", &self.dir.join(&slot), e),
+            })?;
+            let name = rec.staged.file_name().unwrap_or(OsStr::new("output"));
+            // O_PATH first: learn the type without opening a FIFO or a device for reading.
+            let pfd = open_beneath(slot_fd.as_fd(), name, OFlags::PATH).map_err(|e| match e {
+                Errno::NOENT => bad("the tool did not write it (missing)".into()),
+                Errno::LOOP => bad("it is a symlink".into()),
+                e => io("open staged output", &staged, e),
+            })?;
+            let st =
+                rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
+            let ft = file_type(&st);
+            if ft != FileType::RegularFile {
+                return Err(bad(format!("it is {}, not a regular file", describe(ft))));
+            }
+            if nlink(&st) != 1 {
+                return Err(bad(format!(
+                    "it has {} hard links (a staged output must have one)",
+                    nlink(&st)
+                )));
+            }
+            let fd = open_beneath(slot_fd.as_fd(), name, OFlags::RDONLY | OFlags::NONBLOCK)
+                .map_err(|e| io("open staged output", &staged, e))?;
+            let st2 =
+                rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
+            if FileId::of(&st2) != FileId::of(&st) {
+                return Err(bad("it was replaced while being validated".into()));
+            }
+            rustix::fs::fsync(fd.as_fd()).map_err(|e| io("fsync staged output", &staged, e))?;
+            ids.push(FileId::of(&st));
+        }
+        Ok(ids)
+    }
+
+    /// Records the new identities and what each target holds now; returns the parent dirs
+    /// publication must create, in creation order.
+    fn plan(&mut self, news: &[FileId]) -> Result<Vec<PathBuf>, PublishError> {
+        let mut created: Vec<PathBuf> = Vec::new();
+        let root = self.root.as_fd();
+        for (rec, new) in self.journal.targets.iter_mut().zip(news) {
+            let target_abs = self.root_path.join(&rec.target);
+            let changed = |reason: String| PublishError::TargetChanged {
+                path: target_abs.clone(),
+                reason,
+            };
+            let (parent, name) = split_target(&rec.target)
+                .ok_or_else(|| changed("target has no file name".into()))?;
+            let mut missing = false;
+            let mut prefix = PathBuf::new();
+            for comp in parent.iter() {
+                prefix.push(comp);
+                if missing || created.contains(&prefix) {
+                    if !created.contains(&prefix) {
+                        created.push(prefix.clone());
+                    }
+                    missing = true;
+                    continue;
+                }
+                match open_beneath(root, &prefix, OFlags::PATH | OFlags::DIRECTORY) {
+                    Ok(_) => {}
+                    Err(Errno::NOENT) => {
+                        created.push(prefix.clone());
+                        missing = true;
+                    }
+                    Err(e) => return Err(changed(parent_reason(&prefix, e))),
+                }
+            }
+            let old = if missing {
+                None
+            } else {
+                let pfd = open_dir_beneath(root, parent)
+                    .map_err(|e| changed(parent_reason(parent, e)))?;
+                match stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))? {
+                    None => None,
+                    Some(st) if file_type(&st) == FileType::RegularFile => Some(FileId::of(&st)),
+                    Some(st) => {
+                        return Err(changed(format!("it is now {}", describe(file_type(&st)))))
+                    }
+                }
+            };
+            rec.old = old;
+            rec.backup = old.map(|_| rec.staged.clone());
+            rec.new = Some(*new);
+        }
+        Ok(created)
+    }
+
+    /// Creates the journaled parent dirs; returns the fds of the dirs whose entries changed.
+    fn make_parents(&self) -> Result<Vec<OwnedFd>, PublishError> {
+        let root = self.root.as_fd();
+        let mut touched = Vec::new();
+        for dir in &self.journal.created_dirs {
+            let abs = self.root_path.join(dir);
+            let changed = |reason: String| PublishError::TargetChanged {
+                path: abs.clone(),
+                reason,
+            };
+            let (parent, name) =
+                split_target(dir).ok_or_else(|| changed("no directory name".into()))?;
+            let pfd =
+                open_dir_beneath(root, parent).map_err(|e| changed(parent_reason(parent, e)))?;
+            match mutate("publish.mkdir_parent", &abs, || {
+                rustix::fs::mkdirat(pfd.as_fd(), name, Mode::from_raw_mode(0o777))
+            }) {
+                Ok(()) => {}
+                // Someone made it meanwhile: fine if it is a real directory.
+                Err(PublishError::Io { source, .. })
+                    if source.raw_os_error() == Some(libc::EEXIST) =>
+                {
+                    open_dir_beneath(pfd.as_fd(), name)
+                        .map_err(|e| changed(parent_reason(dir, e)))?;
+                }
+                Err(e) => return Err(e),
+            }
+            touched.push(pfd);
+        }
+        Ok(touched)
+    }
+
+    /// Renames staged output `i` into place: RENAME_EXCHANGE over an existing target (the old
+    /// file lands under the staged name: the backup), RENAME_NOREPLACE for a new one. Returns
+    /// the target's parent fd and the staging slot fd, both to be fsynced.
+    fn rename_one(&self, i: usize) -> Result<(OwnedFd, OwnedFd), PublishError> {
+        let rec = &self.journal.targets[i];
+        let target_abs = self.root_path.join(&rec.target);
+        let changed = |reason: String| PublishError::TargetChanged {
+            path: target_abs.clone(),
+            reason,
+        };
+        let (parent, name) =
+            split_target(&rec.target).ok_or_else(|| changed("no file name".into()))?;
+        let pfd = open_dir_beneath(self.root.as_fd(), parent)
+            .map_err(|e| changed(parent_reason(parent, e)))?;
+        let slot = Path::new(STAGE).join(i.to_string());
+        let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot)
+            .map_err(|e| io("open staging dir", &self.dir.join(&slot), e))?;
+        let now = stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))?;
+        match rec.old {
+            Some(old) => {
+                match &now {
+                    Some(st) if FileId::of(st) == old => {}
+                    Some(st) => {
+                        return Err(changed(format!(
+                            "it was replaced (now {}) since publication began",
+                            describe(file_type(st))
+                        )))
+                    }
+                    None => return Err(changed("it was removed since publication began".into())),
+                }
+                mutate("publish.exchange", &target_abs, || {
+                    rustix::fs::renameat_with(
+                        slot_fd.as_fd(),
+                        name,
+                        pfd.as_fd(),
+                        name,
+                        RenameFlags::EXCHANGE,
+                    )
+                })?;
+                // The exchange is atomic on names; confirm it swapped the file we journaled
+                // (otherwise rollback swaps back whatever it took).
+                let backup = stat_at(slot_fd.as_fd(), name)
+                    .map_err(|e| io("stat backup", &self.dir.join(&rec.staged), e))?;
+                if backup.as_ref().map(FileId::of) != Some(old) {
+                    return Err(changed("it was replaced during publication".into()));
+                }
+            }
+            None => {
+                if let Some(st) = &now {
+                    return Err(changed(format!(
+                        "{} appeared there since publication began",
+                        describe(file_type(st))
+                    )));
+                }
+                match mutate("publish.rename_noreplace", &target_abs, || {
+                    rustix::fs::renameat_with(
+                        slot_fd.as_fd(),
+                        name,
+                        pfd.as_fd(),
+                        name,
+                        RenameFlags::NOREPLACE,
+                    )
+                }) {
+                    Ok(()) => {}
+                    Err(PublishError::Io { source, .. })
+                        if source.raw_os_error() == Some(libc::EEXIST) =>
+                    {
+                        return Err(changed("a file appeared there during publication".into()))
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok((pfd, slot_fd))
+    }
+
+    /// Restores every target after a failure before the commit point, then removes the job
+    /// dir. When the rollback itself fails, the job dir and its journal stay for startup
+    /// recovery and the error says so.
+    fn fail(self, error: PublishError) -> PublishError {
+        match rollback(
+            self.root.as_fd(),
+            &self.root_path,
+            self.fd.as_fd(),
+            &self.dir,
+            &self.journal,
+        ) {
+            Ok(n) => {
+                tracing::info!(job = %self.spec.id, restored = n, error = %error, "publication failed; targets restored");
+                if let Err(e) = self.remove_dir() {
+                    tracing::warn!(job = %self.spec.id, error = %e, "could not remove the job dir; startup recovery will");
+                }
+                error
+            }
+            Err(rollback) => {
+                tracing::error!(job = %self.spec.id, error = %error, rollback = %rollback, "rollback failed; job dir kept for startup recovery");
+                PublishError::RollbackFailed {
+                    job: self.spec.id.clone(),
+                    error: Box::new(error),
+                    rollback: Box::new(rollback),
+                }
+            }
+        }
+    }
+}
+
+fn parent_reason(prefix: &Path, e: Errno) -> String {
+    let p = prefix.display();
+    match e {
+        Errno::NOENT => format!("{p} no longer exists"),
+        Errno::LOOP => format!("{p} is now a symlink"),
+        Errno::NOTDIR => format!("{p} is no longer a directory"),
+        Errno::XDEV => format!("{p} is now on another mount"),
+        e => format!("{p}: {}", std::io::Error::from(e)),
+    }
+}
+
+/// Brings every target of a journaled job back to its old state, deciding by identity what
+/// each target holds now: the new file is swapped back with its backup (or unlinked if the
+/// target did not exist); anything else (the old file, nothing, someone else's file) is left.
+/// Then removes the parents publication created, if empty, in reverse order. Idempotent, and
+/// every mutation is a failpoint, so a crash inside it is recovered by running it again.
+/// Returns how many targets it restored.
+pub(super) fn rollback(
+    root: BorrowedFd<'_>,
+    root_path: &Path,
+    job_fd: BorrowedFd<'_>,
+    job_dir: &Path,
+    journal: &Journal,
+) -> Result<usize, PublishError> {
+    if journal.phase == Phase::WorkerRunning {
+        return Ok(0);
+    }
+    let mut restored = 0;
+    for rec in journal.targets.iter().rev() {
+        let Some(new) = rec.new else { continue };
+        let target_abs = root_path.join(&rec.target);
+        let Some((parent, name)) = split_target(&rec.target) else {
+            continue;
+        };
+        let pfd = match open_dir_beneath(root, parent) {
+            Ok(fd) => fd,
+            // No parent: the target cannot hold our file.
+            Err(Errno::NOENT) => continue,
+            Err(e @ (Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) => {
+                tracing::warn!(target = %target_abs.display(), reason = %parent_reason(parent, e), "cannot reach target safely; left as is");
+                continue;
+            }
+            Err(e) => return Err(io("open target dir", &root_path.join(parent), e)),
+        };
+        let now = stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))?;
+        if now.as_ref().map(FileId::of) != Some(new) {
+            continue;
+        }
+        match rec.old {
+            Some(_) => {
+                let backup = rec.backup.as_ref().unwrap_or(&rec.staged);
+                let backup_abs = job_dir.join(backup);
+                let (bdir, bname) = split_target(backup).ok_or_else(|| PublishError::Io {
+                    op: "locate backup",
+                    path: backup_abs.clone(),
+                    source: std::io::Error::other("journal names no backup file"),
+                })?;
+                let bfd = open_dir_beneath(job_fd, bdir)
+                    .map_err(|e| io("open backup dir", &job_dir.join(bdir), e))?;
+                mutate("publish.rollback_exchange", &target_abs, || {
+                    rustix::fs::renameat_with(
+                        bfd.as_fd(),
+                        bname,
+                        pfd.as_fd(),
+                        name,
+                        RenameFlags::EXCHANGE,
+                    )
+                })?;
+                fsync_dir(bfd.as_fd(), &backup_abs)?;
+            }
+            None => {
+                mutate("publish.rollback_unlink", &target_abs, || {
+                    rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::empty())
+                })?;
+            }
+        }
+        fsync_dir(pfd.as_fd(), &target_abs)?;
+        restored += 1;
+    }
+    for dir in journal.created_dirs.iter().rev() {
+        let abs = root_path.join(dir);
+        let Some((parent, name)) = split_target(dir) else {
+            continue;
+        };
+        let pfd = match open_dir_beneath(root, parent) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV) => continue,
+            Err(e) => return Err(io("open parent dir", &root_path.join(parent), e)),
+        };
+        match mutate("publish.rollback_rmdir", &abs, || {
+            rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::REMOVEDIR)
+        }) {
+            Ok(()) => fsync_dir(pfd.as_fd(), &abs)?,
+            // Gone already, or no longer ours to remove (not empty, not a directory).
+            Err(PublishError::Io { source, .. })
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::ENOENT | libc::ENOTEMPTY | libc::EEXIST | libc::ENOTDIR)
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(restored)
+}

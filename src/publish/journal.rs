@@ -1,0 +1,141 @@
+//! `recovery.json`: what a job is doing, written atomically at each phase change so that
+//! startup recovery can finish or undo it after a crash at any instant.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{FileType, Mode, OFlags};
+use serde::{Deserialize, Serialize};
+
+use super::sys::{self, file_type, io, mutate, FileId};
+use super::PublishError;
+
+pub(super) const JOURNAL: &str = "recovery.json";
+const JOURNAL_TMP: &str = "recovery.json.tmp";
+/// A journal is a few hundred bytes per target; anything larger is not ours.
+const MAX_JOURNAL: u64 = 4 << 20;
+pub(super) const VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// The worker may be writing into `stage/`; nothing is published.
+    WorkerRunning,
+    /// Targets are being renamed; identities below tell what each target holds.
+    PublishingOutputs,
+    /// Every target holds its new file durably; the session commit decides.
+    CommittingState,
+    /// The session holds the commit; only cleanup remains.
+    Committed,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::WorkerRunning => "worker_running",
+            Phase::PublishingOutputs => "publishing_outputs",
+            Phase::CommittingState => "committing_state",
+            Phase::Committed => "committed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetRecord {
+    /// Final path, relative to the workspace root.
+    pub target: PathBuf,
+    /// Staged path, relative to the job dir (`stage/<i>/<basename>`).
+    pub staged: PathBuf,
+    /// Where the old file lands after the exchange (the staged name), relative to the job dir;
+    /// `None` when the target did not exist.
+    pub backup: Option<PathBuf>,
+    /// Identity of the file the target held before publication (`None`: no file).
+    pub old: Option<FileId>,
+    /// Identity of the staged file that publication puts at the target.
+    pub new: Option<FileId>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Journal {
+    pub version: u32,
+    pub job: String,
+    pub session: String,
+    pub tool: String,
+    pub worker_pid: Option<u32>,
+    pub phase: Phase,
+    pub targets: Vec<TargetRecord>,
+    /// Directories publication creates, relative to the workspace root, in creation order
+    /// (rollback removes them in reverse order if they are empty). Recorded before creating.
+    pub created_dirs: Vec<PathBuf>,
+}
+
+impl Journal {
+    /// Writes the journal atomically: temp file, fsync, rename over `recovery.json`, fsync
+    /// of the job dir. A crash leaves either the previous journal or this one.
+    pub fn write(&self, job_fd: BorrowedFd<'_>, job_dir: &Path) -> Result<(), PublishError> {
+        let tmp_path = job_dir.join(JOURNAL_TMP);
+        let path = job_dir.join(JOURNAL);
+        let bytes = serde_json::to_vec_pretty(self).map_err(|e| PublishError::Io {
+            op: "serialize journal",
+            path: path.clone(),
+            source: std::io::Error::other(e),
+        })?;
+        let fd = mutate("publish.journal_write", &tmp_path, || {
+            rustix::fs::openat(
+                job_fd,
+                JOURNAL_TMP,
+                OFlags::WRONLY
+                    | OFlags::CREATE
+                    | OFlags::TRUNC
+                    | OFlags::NOFOLLOW
+                    | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )
+        })?;
+        let mut file = std::fs::File::from(fd);
+        file.write_all(&bytes).map_err(|e| PublishError::Io {
+            op: "write journal",
+            path: tmp_path.clone(),
+            source: e,
+        })?;
+        file.sync_all().map_err(|e| PublishError::Io {
+            op: "fsync journal",
+            path: tmp_path.clone(),
+            source: e,
+        })?;
+        drop(file);
+        mutate("publish.journal_rename", &path, || {
+            rustix::fs::renameat(job_fd, JOURNAL_TMP, job_fd, JOURNAL)
+        })?;
+        sys::fsync_dir(job_fd, job_dir)
+    }
+
+    /// Reads the journal of a job dir. `Err(reason)` when it is missing, unreadable or not a
+    /// journal: the job never got past creation (the first journal is written before the
+    /// worker starts, and every later one replaces it atomically).
+    pub fn read(job_fd: BorrowedFd<'_>, job_dir: &Path) -> Result<Journal, String> {
+        let path = job_dir.join(JOURNAL);
+        let fd = sys::open_beneath(job_fd, JOURNAL, OFlags::RDONLY | OFlags::NONBLOCK)
+            .map_err(|e| format!("{}: {}", path.display(), std::io::Error::from(e)))?;
+        let st = rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat", &path, e).to_string())?;
+        if file_type(&st) != FileType::RegularFile {
+            return Err(format!("{} is not a regular file", path.display()));
+        }
+        let mut bytes = Vec::new();
+        std::fs::File::from(fd)
+            .take(MAX_JOURNAL)
+            .read_to_end(&mut bytes)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let journal: Journal =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        if journal.version != VERSION {
+            return Err(format!(
+                "{}: unknown version {}",
+                path.display(),
+                journal.version
+            ));
+        }
+        Ok(journal)
+    }
+}

@@ -1,0 +1,910 @@
+//! Unit tests: resolution, publication, bad outputs, commit failure, and recovery after a
+//! simulated crash or an injected error at every failpoint.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use super::testsim::{self, Mode};
+use super::*;
+use crate::policy::PathRole;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Entry {
+    Dir,
+    File(Vec<u8>),
+    Link(PathBuf),
+    Other,
+}
+
+/// Every entry beneath `root`, job dirs included (a leftover one must show up).
+fn snapshot(root: &Path) -> BTreeMap<PathBuf, Entry> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Entry>) {
+        for e in fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap().to_path_buf();
+            let ft = e.file_type().unwrap();
+            if ft.is_dir() {
+                out.insert(rel, Entry::Dir);
+                walk(root, &p, out);
+            } else if ft.is_symlink() {
+                out.insert(rel, Entry::Link(fs::read_link(&p).unwrap()));
+            } else if ft.is_file() {
+                out.insert(rel, Entry::File(fs::read(&p).unwrap()));
+            } else {
+                out.insert(rel, Entry::Other);
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(root, root, &mut out);
+    out
+}
+
+fn job_dirs(root: &Path) -> Vec<String> {
+    fs::read_dir(root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(JOB_DIR_PREFIX))
+        .collect()
+}
+
+fn write(root: &Path, rel: &str, content: &str) {
+    let p = root.join(rel);
+    fs::create_dir_all(p.parent().unwrap()).unwrap();
+    fs::write(p, content).unwrap();
+}
+
+fn spec(id: &str, targets: &[&str]) -> JobSpec {
+    JobSpec {
+        id: id.into(),
+        session: "s1".into(),
+        tool: "render".into(),
+        targets: targets.iter().map(PathBuf::from).collect(),
+    }
+}
+
+fn open(dir: &tempfile::TempDir) -> Workspace {
+    Workspace::open(dir.path()).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------
+// resolve
+
+#[test]
+fn resolve_rejects_escapes_and_accepts_nested_new_paths() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    write(tmp.path(), "docs/a.md", "a");
+    write(outside.path(), "secret.txt", "s");
+    std::os::unix::fs::symlink(outside.path(), tmp.path().join("out")).unwrap();
+    std::os::unix::fs::symlink("docs", tmp.path().join("inlink")).unwrap();
+    fs::create_dir(tmp.path().join(".airlock-job-x")).unwrap();
+    let ws = open(&tmp);
+    let rejected = |raw: &str, role| match ws.resolve(raw, role) {
+        Err(PathError::Rejected { reason, .. }) => reason,
+        Ok(p) => panic!("{raw:?} accepted as {p:?}"),
+    };
+
+    assert!(rejected("../x", PathRole::Output).contains(".."));
+    assert!(rejected("docs/../../x", PathRole::Output).contains(".."));
+    assert!(rejected("/etc/passwd", PathRole::Input).contains("outside"));
+    let outside_abs = outside.path().join("secret.txt");
+    assert!(rejected(outside_abs.to_str().unwrap(), PathRole::Input).contains("outside"));
+    let r = rejected("out/secret.txt", PathRole::Input);
+    assert!(r.contains("symlink"), "{r}");
+    assert!(rejected("out/new.txt", PathRole::Output).contains("symlink"));
+    assert!(rejected("out", PathRole::Output).contains("symlink"));
+    // Even a symlink that stays inside is refused: nothing is ever followed.
+    assert!(rejected("inlink/a.md", PathRole::Input).contains("symlink"));
+    assert!(rejected(".airlock-job-x/stage/0/f", PathRole::Output).contains("job directory"));
+    assert!(rejected(".airlock-job-y", PathRole::Output).contains("job directory"));
+    assert!(rejected("./.airlock-job-x", PathRole::Input).contains("job directory"));
+    assert!(rejected("", PathRole::Input).contains("empty"));
+    assert!(rejected("a\0b", PathRole::Input).contains("NUL"));
+    assert!(rejected(".", PathRole::Output).contains("root"));
+    assert!(rejected("docs", PathRole::Output).contains("directory"));
+    assert!(rejected("docs/a.md/x", PathRole::Output).contains("not a directory"));
+    assert!(rejected("missing.md", PathRole::Input).contains("does not exist"));
+
+    assert_eq!(
+        ws.resolve("docs/a.md", PathRole::Input).unwrap(),
+        PathBuf::from("docs/a.md")
+    );
+    assert_eq!(
+        ws.resolve("docs", PathRole::Input).unwrap(),
+        PathBuf::from("docs")
+    );
+    assert_eq!(
+        ws.resolve("./docs/./x/../a.md", PathRole::Input).unwrap(),
+        PathBuf::from("docs/a.md")
+    );
+    assert_eq!(
+        ws.resolve("new/deeper/out.html", PathRole::Output).unwrap(),
+        PathBuf::from("new/deeper/out.html")
+    );
+    assert_eq!(
+        ws.resolve("docs/a.md", PathRole::Output).unwrap(),
+        PathBuf::from("docs/a.md")
+    );
+    let inside_abs = tmp.path().join("docs/new.html");
+    assert_eq!(
+        ws.resolve(inside_abs.to_str().unwrap(), PathRole::Output)
+            .unwrap(),
+        PathBuf::from("docs/new.html")
+    );
+}
+
+#[test]
+fn resolve_rejects_fifo_input_and_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    nix::unistd::mkfifo(
+        &tmp.path().join("p"),
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+    )
+    .unwrap();
+    let ws = open(&tmp);
+    assert!(ws.resolve("p", PathRole::Input).is_err());
+    assert!(ws.resolve("p", PathRole::Output).is_err());
+}
+
+// ---------------------------------------------------------------------------------------
+// create and the journal
+
+#[test]
+fn create_makes_private_job_dir_and_journal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let mut job = Job::create(&ws, spec("j1", &["out/report.html", "b.txt"])).unwrap();
+    assert_eq!(
+        job.dir(),
+        tmp.path().canonicalize().unwrap().join(".airlock-job-j1")
+    );
+    assert_eq!(
+        fs::metadata(job.dir()).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    let journal_path = job.dir().join("recovery.json");
+    assert_eq!(
+        fs::metadata(&journal_path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(job.staged_path(0), job.dir().join("stage/0/report.html"));
+    assert_eq!(job.staged_path(1), job.dir().join("stage/1/b.txt"));
+    assert!(job.staged_path(0).parent().unwrap().is_dir());
+    let j: serde_json::Value = serde_json::from_slice(&fs::read(&journal_path).unwrap()).unwrap();
+    assert_eq!(j["phase"], "worker_running");
+    assert_eq!(j["job"], "j1");
+    assert_eq!(j["session"], "s1");
+    assert_eq!(j["tool"], "render");
+    assert_eq!(j["targets"][0]["target"], "out/report.html");
+    job.record_worker(4242).unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&fs::read(&journal_path).unwrap()).unwrap();
+    assert_eq!(j["worker_pid"], 4242);
+    job.discard().unwrap();
+    assert!(job_dirs(tmp.path()).is_empty());
+}
+
+#[test]
+fn create_rejects_bad_specs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    for (id, targets) in [
+        ("../x", vec!["a"]),
+        ("", vec!["a"]),
+        ("a.b", vec!["a"]),
+        ("ok", vec!["../a"]),
+        ("ok", vec!["/abs"]),
+        ("ok", vec!["a", "a"]),
+        ("ok", vec!["a", "a/b"]),
+        ("ok", vec![".airlock-job-z/f"]),
+        ("ok", vec![""]),
+    ] {
+        let r = Job::create(&ws, spec(id, &targets));
+        assert!(
+            matches!(r, Err(PublishError::InvalidSpec { .. })),
+            "{id:?} {targets:?}: {r:?}"
+        );
+    }
+    assert!(snapshot(tmp.path()).is_empty());
+}
+
+#[test]
+fn discard_never_follows_symlinks_planted_in_stage() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    write(outside.path(), "keep/me.txt", "precious");
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("j", &["a.txt"])).unwrap();
+    let stage = job.stage_dir();
+    std::os::unix::fs::symlink(outside.path().join("keep"), stage.join("evil")).unwrap();
+    fs::remove_dir(stage.join("0")).unwrap();
+    std::os::unix::fs::symlink(outside.path().join("keep"), stage.join("0")).unwrap();
+    // A directory without permissions is still removed.
+    fs::create_dir_all(stage.join("locked/inner")).unwrap();
+    fs::set_permissions(stage.join("locked"), fs::Permissions::from_mode(0o000)).unwrap();
+    job.discard().unwrap();
+    assert!(job_dirs(tmp.path()).is_empty());
+    assert_eq!(
+        fs::read_to_string(outside.path().join("keep/me.txt")).unwrap(),
+        "precious"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// publication
+
+fn stage(job: &Job, i: usize, content: &str) {
+    fs::write(job.staged_path(i), content).unwrap();
+}
+
+#[test]
+fn publishes_one_new_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("j", &["new.txt"])).unwrap();
+    stage(&job, 0, "hello");
+    let staged_ino = fs::metadata(job.staged_path(0)).unwrap().ino();
+    let mut called = false;
+    job.publish_and_commit(&ws, || {
+        called = true;
+        Ok(())
+    })
+    .unwrap();
+    assert!(called);
+    assert_eq!(
+        fs::read_to_string(tmp.path().join("new.txt")).unwrap(),
+        "hello"
+    );
+    assert_eq!(
+        fs::metadata(tmp.path().join("new.txt")).unwrap().ino(),
+        staged_ino
+    );
+    assert!(job_dirs(tmp.path()).is_empty());
+}
+
+#[test]
+fn replaces_an_existing_file_by_exchange() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "doc.html", "old");
+    let old_ino = fs::metadata(tmp.path().join("doc.html")).unwrap().ino();
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("j", &["doc.html"])).unwrap();
+    stage(&job, 0, "new");
+    let staged = job.staged_path(0);
+    let staged_ino = fs::metadata(&staged).unwrap().ino();
+    let job_dir = job.dir().to_path_buf();
+    job.publish_and_commit(&ws, || {
+        // At the commit point the old file sits under the staged name: the backup.
+        assert_eq!(fs::read_to_string(&staged).unwrap(), "old");
+        assert_eq!(fs::metadata(&staged).unwrap().ino(), old_ino);
+        let j: serde_json::Value =
+            serde_json::from_slice(&fs::read(job_dir.join("recovery.json")).unwrap()).unwrap();
+        assert_eq!(j["phase"], "committing_state");
+        assert_eq!(j["targets"][0]["old"]["ino"], old_ino);
+        assert_eq!(j["targets"][0]["new"]["ino"], staged_ino);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(
+        fs::read_to_string(tmp.path().join("doc.html")).unwrap(),
+        "new"
+    );
+    assert_eq!(
+        fs::metadata(tmp.path().join("doc.html")).unwrap().ino(),
+        staged_ino
+    );
+    assert!(
+        job_dirs(tmp.path()).is_empty(),
+        "backup and job dir are gone"
+    );
+}
+
+#[test]
+fn publishes_several_outputs_with_new_subdirectories() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "a.txt", "old a");
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("j", &["a.txt", "n1/n2/b.txt", "n1/c.txt"])).unwrap();
+    stage(&job, 0, "new a");
+    stage(&job, 1, "new b");
+    stage(&job, 2, "new c");
+    job.publish_and_commit(&ws, || Ok(())).unwrap();
+    let snap = snapshot(tmp.path());
+    let expect: BTreeMap<PathBuf, Entry> = [
+        ("a.txt", Entry::File(b"new a".to_vec())),
+        ("n1", Entry::Dir),
+        ("n1/n2", Entry::Dir),
+        ("n1/n2/b.txt", Entry::File(b"new b".to_vec())),
+        ("n1/c.txt", Entry::File(b"new c".to_vec())),
+    ]
+    .into_iter()
+    .map(|(p, e)| (PathBuf::from(p), e))
+    .collect();
+    assert_eq!(snap, expect);
+}
+
+#[test]
+fn bad_outputs_are_rejected_and_the_workspace_is_unchanged() {
+    type Plant = fn(&Path, &Path);
+    let cases: Vec<(&str, Plant)> = vec![
+        ("symlink", |staged, root| {
+            std::os::unix::fs::symlink(root.join("a.txt"), staged).unwrap()
+        }),
+        ("hard links", |staged, root| {
+            fs::write(root.join("../elsewhere-link"), "x").ok();
+            fs::write(staged, "x").unwrap();
+            fs::hard_link(staged, staged.with_extension("second")).unwrap();
+        }),
+        ("FIFO", |staged, _| {
+            nix::unistd::mkfifo(staged, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap()
+        }),
+        ("directory", |staged, _| fs::create_dir(staged).unwrap()),
+        ("missing", |_, _| {}),
+    ];
+    for (why, plant) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        write(tmp.path(), "a.txt", "old a");
+        write(tmp.path(), "b.txt", "old b");
+        let before = snapshot(tmp.path());
+        let ws = open(&tmp);
+        let job = Job::create(&ws, spec("j", &["a.txt", "new/b.txt", "b.txt"])).unwrap();
+        stage(&job, 0, "new a");
+        stage(&job, 2, "new b");
+        plant(&job.staged_path(1), ws.root());
+        let mut called = false;
+        let err = job
+            .publish_and_commit(&ws, || {
+                called = true;
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(!called, "{why}");
+        match &err {
+            PublishError::BadOutput { path, reason } => {
+                assert_eq!(path, Path::new("new/b.txt"), "{why}");
+                assert!(reason.contains(why), "{why}: {reason}");
+            }
+            e => panic!("{why}: {e:?}"),
+        }
+        assert_eq!(snapshot(tmp.path()), before, "{why}");
+    }
+}
+
+#[test]
+fn commit_failure_restores_every_target_and_removes_created_dirs() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "a.txt", "old a");
+    write(tmp.path(), "d/b.txt", "old b");
+    let before = snapshot(tmp.path());
+    let a_ino = fs::metadata(tmp.path().join("a.txt")).unwrap().ino();
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("j", &["a.txt", "d/b.txt", "x/y/z.txt"])).unwrap();
+    for i in 0..3 {
+        stage(&job, i, "new");
+    }
+    let err = job
+        .publish_and_commit(&ws, || Err("disk full".into()))
+        .unwrap_err();
+    assert!(
+        matches!(err, PublishError::Commit(ref m) if m == "disk full"),
+        "{err:?}"
+    );
+    assert_eq!(snapshot(tmp.path()), before);
+    assert_eq!(fs::metadata(tmp.path().join("a.txt")).unwrap().ino(), a_ino);
+}
+
+#[test]
+fn target_changed_after_resolution_fails_closed() {
+    // Target became a directory.
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "keep.txt", "old");
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("j", &["keep.txt", "t.txt"])).unwrap();
+    stage(&job, 0, "new");
+    stage(&job, 1, "new");
+    fs::create_dir(tmp.path().join("t.txt")).unwrap();
+    let before = snapshot(tmp.path());
+    let err = job.publish_and_commit(&ws, || Ok(())).unwrap_err();
+    assert!(matches!(err, PublishError::TargetChanged { .. }), "{err:?}");
+    let mut after_expected = before.clone();
+    after_expected.retain(|p, _| !p.starts_with(".airlock-job-j"));
+    assert_eq!(snapshot(tmp.path()), after_expected);
+
+    // A parent became a symlink leading out.
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    write(tmp.path(), "a.txt", "old");
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("j", &["a.txt", "sub/b.txt"])).unwrap();
+    stage(&job, 0, "new");
+    stage(&job, 1, "new");
+    std::os::unix::fs::symlink(outside.path(), tmp.path().join("sub")).unwrap();
+    let err = job.publish_and_commit(&ws, || Ok(())).unwrap_err();
+    assert!(matches!(err, PublishError::TargetChanged { .. }), "{err:?}");
+    assert_eq!(fs::read_to_string(tmp.path().join("a.txt")).unwrap(), "old");
+    assert!(fs::read_dir(outside.path()).unwrap().next().is_none());
+    assert!(job_dirs(tmp.path()).is_empty());
+}
+
+// ---------------------------------------------------------------------------------------
+// failpoints, crashes and recovery
+
+/// One typical call: replaces `a.txt`, creates `n/m/b.txt` in new dirs and `c.txt`.
+struct Scenario {
+    tmp: tempfile::TempDir,
+    /// Stands for the session store: holds the job id once `commit()` ran.
+    session: tempfile::TempDir,
+}
+
+impl Scenario {
+    fn new() -> Scenario {
+        let tmp = tempfile::tempdir().unwrap();
+        write(tmp.path(), "a.txt", "old a");
+        write(tmp.path(), "keep/other.txt", "untouched");
+        Scenario {
+            tmp,
+            session: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn root(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    fn committed_marker(&self) -> PathBuf {
+        self.session.path().join("committed")
+    }
+
+    /// Runs the whole call; `commit_ok` picks what the session commit returns.
+    fn run(&self, commit_ok: bool) -> Result<(), PublishError> {
+        run_call(self.root(), &self.committed_marker(), commit_ok)
+    }
+
+    fn recover(&self) -> Result<Vec<Recovered>, PublishError> {
+        let marker = self.committed_marker();
+        recover(self.root(), &|session, job| {
+            assert_eq!(session, "s1");
+            Ok(fs::read_to_string(&marker)
+                .map(|s| s == job)
+                .unwrap_or(false))
+        })
+    }
+
+    fn is_committed(&self) -> bool {
+        self.committed_marker().exists()
+    }
+}
+
+/// One typical call in `root`; the session commit writes the job id to `marker`.
+fn run_call(root: &Path, marker: &Path, commit_ok: bool) -> Result<(), PublishError> {
+    let ws = Workspace::open(root)?;
+    let mut job = Job::create(&ws, spec("j7", &["a.txt", "n/m/b.txt", "c.txt"]))?;
+    if let Err(e) = job.record_worker(99) {
+        // What the caller does when the call cannot go on: kill the worker, discard.
+        let _ = job.discard();
+        return Err(e);
+    }
+    // The worker writes its outputs (not a failpoint: the worker is another process).
+    fs::write(job.staged_path(0), "new a").unwrap();
+    fs::write(job.staged_path(1), "new b").unwrap();
+    fs::write(job.staged_path(2), "new c").unwrap();
+    job.publish_and_commit(&ws, || {
+        if !commit_ok {
+            return Err("session store refused".into());
+        }
+        fs::write(marker, "j7").map_err(|e| e.to_string())
+    })
+}
+
+fn old_state() -> BTreeMap<PathBuf, Entry> {
+    snapshot(Scenario::new().root())
+}
+
+fn new_state() -> BTreeMap<PathBuf, Entry> {
+    let s = Scenario::new();
+    s.run(true).unwrap();
+    snapshot(s.root())
+}
+
+/// The names of the failpoints of one successful typical call, in order.
+fn points_of_a_call() -> Vec<&'static str> {
+    let s = Scenario::new();
+    testsim::arm(Mode::Off);
+    s.run(true).unwrap();
+    testsim::disarm()
+}
+
+#[test]
+fn failpoints_of_a_typical_call_are_named_and_ordered() {
+    let names = points_of_a_call();
+    let expected_prefix = [
+        "publish.mkdir_job",
+        "publish.mkdir_stage",
+        "publish.mkdir_slot",
+        "publish.mkdir_slot",
+        "publish.mkdir_slot",
+        "publish.journal_write",
+        "publish.journal_rename",
+        // record_worker
+        "publish.journal_write",
+        "publish.journal_rename",
+        // publishing_outputs
+        "publish.journal_write",
+        "publish.journal_rename",
+        "publish.mkdir_parent",
+        "publish.mkdir_parent",
+        "publish.exchange",
+        "publish.rename_noreplace",
+        "publish.rename_noreplace",
+        // committing_state
+        "publish.journal_write",
+        "publish.journal_rename",
+        // committed
+        "publish.journal_write",
+        "publish.journal_rename",
+    ];
+    assert_eq!(
+        &names[..expected_prefix.len()],
+        &expected_prefix[..],
+        "{names:#?}"
+    );
+    assert!(names[expected_prefix.len()..]
+        .iter()
+        .all(|n| *n == "publish.cleanup_unlink" || *n == "publish.cleanup_rmdir"));
+    assert!(names.iter().all(|n| n.starts_with("publish.")));
+}
+
+/// Crash at every point of the call (nothing after it happens, not even the in-process
+/// rollback), then recover: all-old or all-new by the session, no job dir, and a second
+/// recovery is a no-op.
+#[test]
+fn crash_at_every_point_then_recover() {
+    let old = old_state();
+    let new = new_state();
+    let n = points_of_a_call().len();
+    for k in 0..n {
+        let s = Scenario::new();
+        testsim::arm(Mode::Crash(k));
+        let r = s.run(true);
+        testsim::disarm();
+        // Ok is only ever returned past the commit point (a crash after it goes unnoticed).
+        assert!(r.is_err() || s.is_committed(), "crash at {k}");
+        let rec = s.recover().unwrap();
+        let want = if s.is_committed() { &new } else { &old };
+        assert_eq!(&snapshot(s.root()), want, "crash at {k}; recovered {rec:?}");
+        assert!(s.recover().unwrap().is_empty(), "second recovery at {k}");
+    }
+}
+
+/// Crash at every point of the call, then crash again at every point of recovery, then
+/// recover once more.
+#[test]
+fn crash_during_recovery_then_recover_again() {
+    let old = old_state();
+    let new = new_state();
+    let n = points_of_a_call().len();
+    for k in 0..n {
+        // How many points does recovery have after a crash at k?
+        let s = Scenario::new();
+        testsim::arm(Mode::Crash(k));
+        let _ = s.run(true);
+        testsim::arm(Mode::Off);
+        s.recover().unwrap();
+        let m = testsim::disarm().len();
+        for j in 0..m {
+            let s = Scenario::new();
+            testsim::arm(Mode::Crash(k));
+            let _ = s.run(true);
+            testsim::arm(Mode::Crash(j));
+            let r = s.recover();
+            testsim::disarm();
+            assert!(
+                r.is_err(),
+                "crash at {k}, recovery crash at {j} went unnoticed"
+            );
+            let rec = s.recover().unwrap();
+            let want = if s.is_committed() { &new } else { &old };
+            assert_eq!(
+                &snapshot(s.root()),
+                want,
+                "crash at {k} then {j}; recovered {rec:?}"
+            );
+            assert!(s.recover().unwrap().is_empty());
+        }
+    }
+}
+
+/// An I/O error at every point of the call: before the commit point the call fails and the
+/// workspace is all-old with no job dir; after it the call succeeds (all-new), and any
+/// leftover job dir is finished by recovery.
+#[test]
+fn error_at_every_point_rolls_back_or_completes() {
+    let old = old_state();
+    let new = new_state();
+    let n = points_of_a_call().len();
+    for k in 0..n {
+        let s = Scenario::new();
+        testsim::arm(Mode::Error(k));
+        let r = s.run(true);
+        let names = testsim::disarm();
+        match r {
+            Err(e) => {
+                assert!(!s.is_committed(), "{k} ({}): {e}", names[k]);
+                assert_eq!(snapshot(s.root()), old, "error at {k} ({}): {e}", names[k]);
+            }
+            Ok(()) => {
+                assert!(s.is_committed());
+                // Whatever is left reads as committed or never published: recovery will not
+                // need to ask the session about it.
+                for d in job_dirs(s.root()) {
+                    let journal = s.root().join(d).join("recovery.json");
+                    if let Ok(bytes) = fs::read(&journal) {
+                        let j: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                        assert_eq!(j["phase"], "committed", "error at {k} ({})", names[k]);
+                    }
+                }
+                s.recover().unwrap();
+                assert_eq!(snapshot(s.root()), new, "error at {k} ({})", names[k]);
+            }
+        }
+    }
+}
+
+/// The session commit fails, and the rollback meets an I/O error at every one of its
+/// points: the call reports it, and recovery brings the workspace back to all-old.
+#[test]
+fn failed_rollback_is_finished_by_recovery() {
+    let old = old_state();
+    let s = Scenario::new();
+    testsim::arm(Mode::Off);
+    assert!(matches!(s.run(false), Err(PublishError::Commit(_))));
+    let n = testsim::disarm().len();
+    assert_eq!(snapshot(s.root()), old);
+    let mut rollback_failures = 0;
+    for k in 0..n {
+        let s = Scenario::new();
+        testsim::arm(Mode::Error(k));
+        let r = s.run(false);
+        testsim::disarm();
+        match r {
+            Err(PublishError::RollbackFailed { .. }) => {
+                rollback_failures += 1;
+                assert_eq!(job_dirs(s.root()).len(), 1, "kept for recovery");
+                let rec = s.recover().unwrap();
+                assert!(rec[0].action.starts_with("rolled back"), "{rec:?}");
+            }
+            Err(_) => {
+                // Rolled back; only the cleanup may have failed, leaving a job dir that
+                // recovery removes without touching the targets.
+                let mut now = snapshot(s.root());
+                now.retain(|p, _| !p.starts_with(".airlock-job-j7"));
+                assert_eq!(now, old, "error at {k}");
+                s.recover().unwrap();
+            }
+            Ok(()) => panic!("commit refused yet Ok at {k}"),
+        }
+        assert_eq!(snapshot(s.root()), old, "error at {k}");
+        assert!(job_dirs(s.root()).is_empty());
+    }
+    assert!(rollback_failures >= 3, "rollback points were exercised");
+}
+
+#[test]
+fn recovery_reports_one_action_per_job() {
+    // A job that never published (corrupt journal), one stopped in publishing_outputs after
+    // its renames, and one whose session committed.
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "a.txt", "old a");
+    let ws = open(&tmp);
+
+    let j1 = Job::create(&ws, spec("j1", &["x.txt"])).unwrap();
+    fs::write(j1.dir().join("recovery.json"), b"{\"version\": 1, \"jo").unwrap();
+    std::mem::forget(j1);
+
+    let j2 = Job::create(&ws, spec("j2", &["a.txt", "new/b.txt"])).unwrap();
+    stage(&j2, 0, "new a");
+    stage(&j2, 1, "new b");
+    // Crash right before the committing_state journal: after the mkdir and the 2 renames.
+    let mut seen = 0;
+    testsim::arm(Mode::Crash(5));
+    let _ = j2.publish_and_commit(&ws, || {
+        seen += 1;
+        Ok(())
+    });
+    let names = testsim::disarm();
+    assert_eq!(seen, 0);
+    assert_eq!(
+        names[..6],
+        [
+            "publish.journal_write",
+            "publish.journal_rename",
+            "publish.mkdir_parent",
+            "publish.exchange",
+            "publish.rename_noreplace",
+            "publish.journal_write",
+        ]
+    );
+    assert_eq!(
+        fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+        "new a"
+    );
+
+    let j3 = Job::create(&ws, spec("j3", &["c.txt"])).unwrap();
+    stage(&j3, 0, "new c");
+    testsim::arm(Mode::Crash(7)); // after the committed journal rename, before cleanup
+    let _ = j3.publish_and_commit(&ws, || Ok(()));
+    let names = testsim::disarm();
+    assert_eq!(names[6], "publish.journal_rename");
+    assert_eq!(names[7], "publish.cleanup_unlink");
+
+    let rec = recover(tmp.path(), &|_, job| Ok(job == "j3")).unwrap();
+    let actions: Vec<(String, String)> = rec.into_iter().map(|r| (r.job, r.action)).collect();
+    assert_eq!(
+        actions,
+        vec![
+            (
+                "j1".to_string(),
+                "removed (worker never published)".to_string()
+            ),
+            (
+                "j2".to_string(),
+                "rolled back 2 of 2 targets (phase publishing_outputs)".to_string()
+            ),
+            ("j3".to_string(), "completed 1 targets".to_string()),
+        ]
+    );
+    assert_eq!(
+        fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+        "old a"
+    );
+    assert!(!tmp.path().join("new").exists());
+    assert_eq!(
+        fs::read_to_string(tmp.path().join("c.txt")).unwrap(),
+        "new c"
+    );
+    assert!(job_dirs(tmp.path()).is_empty());
+    assert!(recover(tmp.path(), &|_, _| Ok(false)).unwrap().is_empty());
+}
+
+#[test]
+fn recovery_refuses_to_guess_when_the_session_cannot_tell() {
+    let s = Scenario::new();
+    testsim::arm(Mode::Off);
+    // Run once to count, then crash right after committing_state is journaled.
+    let _ = s.run(true);
+    let names = testsim::disarm();
+    let commit_at = names
+        .iter()
+        .rposition(|n| *n == "publish.journal_rename")
+        .unwrap()
+        - 1; // the `committed` journal_write
+    let s = Scenario::new();
+    testsim::arm(Mode::Crash(commit_at));
+    let _ = s.run(false);
+    testsim::disarm();
+    let r = recover(s.root(), &|_, _| Err("store unreadable".into()));
+    assert!(matches!(r, Err(PublishError::Recovery { .. })), "{r:?}");
+    assert_eq!(job_dirs(s.root()).len(), 1, "left in place");
+}
+
+#[test]
+fn recovery_leaves_non_directories_named_like_job_dirs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    write(outside.path(), "x", "precious");
+    std::os::unix::fs::symlink(outside.path(), tmp.path().join(".airlock-job-evil")).unwrap();
+    assert!(recover(tmp.path(), &|_, _| Ok(false)).unwrap().is_empty());
+    assert_eq!(
+        fs::read_to_string(outside.path().join("x")).unwrap(),
+        "precious"
+    );
+}
+
+#[test]
+fn types_are_send_and_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<Job>();
+    is::<Workspace>();
+    is::<PublishError>();
+}
+
+// ---------------------------------------------------------------------------------------
+// The real failpoints (`--features failpoints`): a child process (this test binary, running
+// only `child_runs_a_typical_call`) aborts or fails at point N as the environment says.
+
+const CHILD_ROOT: &str = "AIRLOCK_TEST_CHILD_ROOT";
+const CHILD_MARKER: &str = "AIRLOCK_TEST_CHILD_MARKER";
+
+/// Does nothing unless started by `real_failpoints_*` with the child variables set.
+#[test]
+fn child_runs_a_typical_call() {
+    let (Ok(root), Ok(marker)) = (std::env::var(CHILD_ROOT), std::env::var(CHILD_MARKER)) else {
+        return;
+    };
+    match run_call(Path::new(&root), Path::new(&marker), true) {
+        Ok(()) => println!("CHILD-RESULT ok"),
+        Err(e) => println!("CHILD-RESULT err {e}"),
+    }
+}
+
+#[cfg(feature = "failpoints")]
+fn spawn_child(s: &Scenario, env: &[(&str, String)]) -> std::process::Output {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "publish::tests::child_runs_a_typical_call",
+        "--nocapture",
+    ])
+    .args(["--test-threads", "1"])
+    .env(CHILD_ROOT, s.root())
+    .env(CHILD_MARKER, s.committed_marker())
+    .env_remove("AIRLOCK_FAILPOINT_CRASH_AT")
+    .env_remove("AIRLOCK_FAILPOINT_ERROR_AT")
+    .env_remove("AIRLOCK_FAILPOINT_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+#[cfg(feature = "failpoints")]
+#[test]
+fn real_failpoints_abort_and_errno_at_every_point() {
+    use std::os::unix::process::ExitStatusExt;
+    // No core dumps from the aborting children.
+    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0).unwrap();
+    let old = old_state();
+    let new = new_state();
+
+    let s = Scenario::new();
+    let log = s.session.path().join("points.log");
+    let out = spawn_child(&s, &[("AIRLOCK_FAILPOINT_LOG", log.display().to_string())]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("CHILD-RESULT ok"),
+        "{out:?}"
+    );
+    let points = fs::read_to_string(&log).unwrap();
+    let n = points.lines().count();
+    assert_eq!(n, points_of_a_call().len(), "{points}");
+    assert_eq!(snapshot(s.root()), new);
+
+    for k in 0..n {
+        // kill -9 at point k: the child aborts, then recovery runs here.
+        let s = Scenario::new();
+        let out = spawn_child(&s, &[("AIRLOCK_FAILPOINT_CRASH_AT", k.to_string())]);
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGABRT),
+            "crash at {k}: {out:?}"
+        );
+        s.recover().unwrap();
+        let want = if s.is_committed() { &new } else { &old };
+        assert_eq!(&snapshot(s.root()), want, "crash at {k}");
+        assert!(s.recover().unwrap().is_empty());
+
+        // ENOSPC at point k: the call rolls back (or, past the commit point, succeeds).
+        let s = Scenario::new();
+        let out = spawn_child(
+            &s,
+            &[
+                ("AIRLOCK_FAILPOINT_ERROR_AT", k.to_string()),
+                ("AIRLOCK_FAILPOINT_ERRNO", "ENOSPC".to_string()),
+            ],
+        );
+        assert!(out.status.success(), "error at {k}: {out:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if stdout.contains("CHILD-RESULT err") {
+            assert!(stdout.contains("No space left"), "{stdout}");
+            assert!(!s.is_committed());
+            assert_eq!(snapshot(s.root()), old, "error at {k}");
+        } else {
+            assert!(stdout.contains("CHILD-RESULT ok"), "{stdout}");
+            s.recover().unwrap();
+            assert_eq!(snapshot(s.root()), new, "error at {k}");
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! The workspace root held open as a dirfd, and resolution of path parameters beneath it.
+
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Component, Path, PathBuf};
+
+use rustix::fs::{FileType, Mode, OFlags};
+use rustix::io::Errno;
+
+use super::sys::{describe, file_type, open_beneath, stat_at};
+use super::{PathError, PublishError, JOB_DIR_PREFIX};
+use crate::policy::PathRole;
+
+/// The workspace root, held open as a directory fd. Every later operation resolves beneath
+/// this fd, so renaming or replacing the root's path after `open` steers nothing.
+#[derive(Debug)]
+pub struct Workspace {
+    /// Canonical absolute path of the root (for messages and for absolute parameters).
+    root: PathBuf,
+    /// The root as the operator spelled it, lexically normalized: absolute parameters under
+    /// it are accepted too.
+    given: PathBuf,
+    fd: OwnedFd,
+}
+
+impl Workspace {
+    pub fn open(root: &Path) -> Result<Workspace, PublishError> {
+        let io = |op, e: std::io::Error| PublishError::Io {
+            op,
+            path: root.to_path_buf(),
+            source: e,
+        };
+        let canonical = std::fs::canonicalize(root).map_err(|e| io("resolve workspace root", e))?;
+        let fd = rustix::fs::open(
+            &canonical,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+        )
+        .map_err(|e| io("open workspace root", e.into()))?;
+        let given = if root.is_absolute() {
+            lexical(root)
+        } else {
+            canonical.clone()
+        };
+        Ok(Workspace {
+            root: canonical,
+            given,
+            fd,
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub(super) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Resolves a path parameter beneath the workspace and returns it relative to the root,
+    /// normalized. `..` escapes, absolute paths elsewhere, symlinks leading out and paths into
+    /// job dirs are rejected.
+    ///
+    /// `.` and `..` are resolved lexically; the caller must use the returned path (never the
+    /// raw one), and every existing component of it is checked to be a real directory beneath
+    /// the root (no symlink at all, no mount crossing).
+    pub fn resolve(&self, raw: &str, role: PathRole) -> Result<PathBuf, PathError> {
+        let reject = |reason: String| PathError::Rejected {
+            raw: raw.to_string(),
+            reason,
+        };
+        let rel = self.normalize(raw).map_err(reject)?;
+        self.check(&rel, role).map_err(reject)?;
+        if rel.as_os_str().is_empty() {
+            return Ok(PathBuf::from("."));
+        }
+        Ok(rel)
+    }
+
+    /// The lexical half of [`Workspace::resolve`]: a relative, normalized path.
+    fn normalize(&self, raw: &str) -> Result<PathBuf, String> {
+        if raw.is_empty() {
+            return Err("empty path".into());
+        }
+        if raw.contains('\0') {
+            return Err("contains a NUL byte".into());
+        }
+        let path = Path::new(raw);
+        let owned;
+        let rel: &Path = if path.is_absolute() {
+            owned = lexical(path);
+            if let Ok(r) = owned.strip_prefix(&self.root) {
+                r
+            } else if let Ok(r) = owned.strip_prefix(&self.given) {
+                r
+            } else {
+                return Err(format!(
+                    "absolute path outside the workspace {}",
+                    self.root.display()
+                ));
+            }
+        } else {
+            path
+        };
+        let mut out = PathBuf::new();
+        for c in rel.components() {
+            match c {
+                Component::Normal(n) => out.push(n),
+                Component::CurDir => {}
+                Component::ParentDir => {
+                    if !out.pop() {
+                        return Err("'..' leads out of the workspace".into());
+                    }
+                }
+                Component::RootDir | Component::Prefix(_) => {
+                    return Err("unexpected root component".into())
+                }
+            }
+        }
+        if let Some(Component::Normal(first)) = out.components().next() {
+            if first
+                .as_encoded_bytes()
+                .starts_with(JOB_DIR_PREFIX.as_bytes())
+            {
+                return Err("names an airlock job directory".into());
+            }
+        }
+        Ok(out)
+    }
+
+    /// The physical half: walks the existing components beneath the root fd.
+    fn check(&self, rel: &Path, role: PathRole) -> Result<(), String> {
+        let comps: Vec<&OsStr> = rel.iter().collect();
+        let Some((last, parents)) = comps.split_last() else {
+            return match role {
+                PathRole::Input => Ok(()),
+                PathRole::Output => Err("is the workspace root itself".into()),
+            };
+        };
+        let mut cur: Option<OwnedFd> = None;
+        let mut prefix = PathBuf::new();
+        for comp in parents {
+            prefix.push(comp);
+            let dir = cur.as_ref().map_or(self.fd.as_fd(), |f| f.as_fd());
+            match open_beneath(dir, comp, OFlags::PATH | OFlags::DIRECTORY) {
+                Ok(fd) => cur = Some(fd),
+                Err(Errno::NOENT) if matches!(role, PathRole::Output) => {
+                    // The rest does not exist yet: publication creates it beneath the root.
+                    return Ok(());
+                }
+                Err(e) => return Err(walk_error(&prefix, e)),
+            }
+        }
+        prefix.push(last);
+        let dir = cur.as_ref().map_or(self.fd.as_fd(), |f| f.as_fd());
+        let st = stat_at(dir, last).map_err(|e| walk_error(&prefix, e))?;
+        match role {
+            PathRole::Input => {
+                let Some(st) = st else {
+                    return Err(format!("{} does not exist", prefix.display()));
+                };
+                let ft = file_type(&st);
+                if ft != FileType::RegularFile && ft != FileType::Directory {
+                    return Err(format!(
+                        "{} is {}, not a regular file or directory",
+                        prefix.display(),
+                        describe(ft)
+                    ));
+                }
+                // Prove it is readable (the type is known, so opening has no side effect).
+                open_beneath(dir, last, OFlags::RDONLY | OFlags::NONBLOCK)
+                    .map(drop)
+                    .map_err(|e| walk_error(&prefix, e))
+            }
+            PathRole::Output => match st.map(|st| file_type(&st)) {
+                None | Some(FileType::RegularFile) => Ok(()),
+                Some(ft) => Err(format!(
+                    "{} is {}; an output must be a regular file",
+                    prefix.display(),
+                    describe(ft)
+                )),
+            },
+        }
+    }
+}
+
+fn walk_error(prefix: &Path, e: Errno) -> String {
+    let p = prefix.display();
+    match e {
+        Errno::NOENT => format!("{p} does not exist"),
+        Errno::LOOP => format!("{p} is a symlink (symlinks are never followed)"),
+        Errno::NOTDIR => format!("{p} is not a directory"),
+        Errno::XDEV => format!("{p} is on another mount than the workspace"),
+        Errno::ACCESS => format!("{p}: permission denied"),
+        e => format!("{p}: {}", std::io::Error::from(e)),
+    }
+}
+
+/// Lexical normalization of an absolute path (`.` dropped, `..` pops, never above `/`).
+fn lexical(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::ParentDir => {
+                if out.parent().is_some() {
+                    out.pop();
+                }
+            }
+            Component::CurDir => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Splits a normalized relative target into its parent (possibly empty) and file name.
+pub(super) fn split_target(target: &Path) -> Option<(&Path, &OsStr)> {
+    let name = target.file_name()?;
+    let parent = target.parent().unwrap_or(Path::new(""));
+    Some((parent, name))
+}
+
+/// Checks that `target` is a normalized relative path as [`Workspace::resolve`] returns for an
+/// output (the spec may come from elsewhere; never trust it blindly).
+pub(super) fn check_target(target: &Path) -> Result<(), String> {
+    if target.as_os_str().is_empty() {
+        return Err("empty target".into());
+    }
+    if target.to_str().is_none() {
+        return Err("target is not valid UTF-8".into());
+    }
+    for (k, c) in target.components().enumerate() {
+        match c {
+            Component::Normal(n) => {
+                if k == 0 && n.as_encoded_bytes().starts_with(JOB_DIR_PREFIX.as_bytes()) {
+                    return Err("target names an airlock job directory".into());
+                }
+            }
+            _ => return Err("target is not a normalized relative path".into()),
+        }
+    }
+    Ok(())
+}
