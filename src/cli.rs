@@ -307,9 +307,10 @@ fn recover(a: RecoverArgs) -> i32 {
     };
     apply_overrides(&mut policy, a.workspace, a.state_dir);
     let d = &policy.daemon;
-    let result = crate::publish::Workspace::open(&d.workspace)
+    let result = crate::exec::lock_workspace(&d.workspace)
         .map_err(|e| e.to_string())
-        .and_then(|ws| {
+        .and_then(|lock| Ok((lock, crate::publish::Workspace::open(&d.workspace).map_err(|e| e.to_string())?)))
+        .and_then(|(_lock, ws)| {
             let sessions =
                 crate::session::SessionStore::open(&d.state_dir).map_err(|e| e.to_string())?;
             crate::exec::recover(&ws, &sessions).map_err(|e| e.to_string())

@@ -37,3 +37,11 @@ pub fn atomic_write(
     std::fs::rename(&tmp, dir.join(name))?;
     File::open(dir)?.sync_all()
 }
+
+/// Takes an exclusive, non-blocking `flock` on the directory `dir` itself, held for as long
+/// as the returned file lives: one daemon (or `airlock recover`) per workspace.
+pub fn lock_dir(dir: &Path) -> std::io::Result<File> {
+    let f = File::open(dir)?;
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(std::io::Error::from)?;
+    Ok(f)
+}

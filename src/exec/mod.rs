@@ -33,6 +33,8 @@ pub enum StartupError {
     Sessions(#[from] SessionError),
     #[error("startup recovery failed: {0}")]
     Recovery(String),
+    #[error("{path}: another airlock process holds this workspace ({source})")]
+    Busy { path: PathBuf, source: std::io::Error },
 }
 
 /// One `tools/call`, as the MCP layer hands it over.
@@ -114,6 +116,8 @@ pub struct Executor {
     slots: Arc<Semaphore>,
     shutdown: CancellationToken,
     counter: AtomicU64,
+    /// The exclusive lock on the workspace, held while the daemon runs.
+    _lock: std::fs::File,
 }
 
 impl Executor {
@@ -128,10 +132,12 @@ impl Executor {
             path: d.workspace.clone(),
             source,
         })?;
+        let lock = lock_workspace(&d.workspace)?;
         let workspace = Workspace::open(&d.workspace)?;
         let sessions = SessionStore::open(&d.state_dir)?;
         recover(&workspace, &sessions)?;
         Ok(Executor {
+            _lock: lock,
             audit: Audit::new(d.audit_ring),
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
             policy,
@@ -720,6 +726,14 @@ fn link(from: &CancellationToken, to: &CancellationToken) -> tokio_util::sync::D
         }
     });
     stop.drop_guard()
+}
+
+/// Locks the workspace for this process: recovery treats every job dir in it as its own.
+pub fn lock_workspace(path: &std::path::Path) -> Result<std::fs::File, StartupError> {
+    crate::fsutil::lock_dir(path).map_err(|source| StartupError::Busy {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Brings every leftover job dir to all-old or all-new before serving.
