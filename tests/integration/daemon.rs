@@ -355,20 +355,27 @@ async fn socket_is_private_and_never_stolen() {
     d.start();
     let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);
-    // A second daemon on the same socket refuses to start.
-    let out = std::process::Command::new(BIN)
-        .args(["serve", "--policies"])
-        .arg(&d.policies)
-        .arg("--socket")
-        .arg(&d.socket)
-        .arg("--workspace")
-        .arg(&d.workspace)
-        .arg("--state-dir")
-        .arg(d.dir.path().join("state2"))
-        .output()
-        .unwrap();
+    // A second daemon on the same socket refuses to start, and so does one on the same
+    // workspace.
+    let second = |socket: &std::path::Path, workspace: &std::path::Path| {
+        std::process::Command::new(BIN)
+            .args(["serve", "--policies"])
+            .arg(&d.policies)
+            .arg("--socket")
+            .arg(socket)
+            .arg("--workspace")
+            .arg(workspace)
+            .arg("--state-dir")
+            .arg(d.dir.path().join("state2"))
+            .output()
+            .unwrap()
+    };
+    let out = second(&d.socket, &d.dir.path().join("workspace2"));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("already listening"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = second(&d.dir.path().join("other.sock"), &d.workspace);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("holds this workspace"), "{}", String::from_utf8_lossy(&out.stderr));
     let c = d.client().await;
     assert!(c.list_all_tools().await.is_ok(), "the first daemon still serves");
     // A stale socket of a killed daemon is replaced.

@@ -1,6 +1,8 @@
 //! All integration tests, in one binary that drives the real `airlock` program over a real
 //! socket (the layout of Codex's Linux sandbox tests).
 
+mod crash;
 mod daemon;
 mod harness;
+mod race;
 mod sandbox;
