@@ -44,7 +44,7 @@ struct Race {
 
 /// Starts a daemon that pauses 1.5 s at failpoint `point`, runs `two_outputs` with `args` in
 /// the background, waits for the pause, runs `attack`, and returns the call's result.
-async fn race(args: Value, pre: &[(&str, &str)], point_name: &str, attack: impl FnOnce(&Path, &Path)) -> (Race, Value) {
+async fn run_race(args: Value, pre: &[(&str, &str)], point_name: &str, attack: impl FnOnce(&Path, &Path)) -> (Race, Value) {
     let index = point_index(&args, pre, point_name).await;
     let mut d = Daemon::new();
     for (p, c) in pre {
@@ -94,7 +94,7 @@ async fn parent_swapped_for_a_symlink_leading_out() {
     let args = json!({"a": "sub/a.txt", "b": "b.txt"});
     let pre = [("sub/a.txt", "old a"), ("b.txt", "old b")];
     for point in ["publish.journal_write", "publish.exchange"] {
-        let (race, r) = race(args.clone(), &pre, point, |ws, outside| {
+        let (race, r) = run_race(args.clone(), &pre, point, |ws, outside| {
             std::fs::rename(ws.join("sub"), ws.join("sub.moved")).unwrap();
             std::os::unix::fs::symlink(outside, ws.join("sub")).unwrap();
         })
@@ -117,7 +117,7 @@ async fn parent_swapped_for_a_symlink_leading_out() {
 #[tokio::test]
 async fn target_replaced_by_a_symlink() {
     let pre = [("a.txt", "old a"), ("b.txt", "old b")];
-    let (race, r) = race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, outside| {
+    let (race, r) = run_race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, outside| {
         std::fs::remove_file(ws.join("a.txt")).unwrap();
         std::os::unix::fs::symlink(outside.join("victim.txt"), ws.join("a.txt")).unwrap();
     })
@@ -133,7 +133,7 @@ async fn target_replaced_by_a_symlink() {
 #[tokio::test]
 async fn target_made_a_directory() {
     let pre = [("a.txt", "old a"), ("b.txt", "old b")];
-    let (race, r) = race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, _| {
+    let (race, r) = run_race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, _| {
         std::fs::remove_file(ws.join("a.txt")).unwrap();
         std::fs::create_dir(ws.join("a.txt")).unwrap();
         std::fs::write(ws.join("a.txt/inside"), "attacker").unwrap();
@@ -151,7 +151,7 @@ async fn target_hard_linked() {
     // A hard link inside the workspace: the old inode keeps its other name; publication is
     // correct. A hard link to a file outside: the victim must not be written or moved.
     let pre = [("a.txt", "old a"), ("b.txt", "old b")];
-    let (race, r) = race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, _| {
+    let (race, r) = run_race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, _| {
         std::fs::hard_link(ws.join("a.txt"), ws.join("a-link.txt")).unwrap();
     })
     .await;
@@ -160,7 +160,7 @@ async fn target_hard_linked() {
     assert_eq!(race.d.read("a.txt").as_deref(), Some("A\n"));
     assert_eq!(race.d.read("a-link.txt").as_deref(), Some("old a"));
 
-    let (race, r) = race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, outside| {
+    let (race, r) = run_race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, outside| {
         std::fs::remove_file(ws.join("a.txt")).unwrap();
         std::fs::hard_link(outside.join("victim.txt"), ws.join("a.txt")).unwrap();
     })
