@@ -4,16 +4,53 @@
 //! The daemon starts every worker as its own binary in launcher mode ([`LAUNCHER_ARG`]),
 //! dispatched in `main` before any runtime or thread exists, so nothing but `execve` of the
 //! launcher happens between fork and exec in the multi-threaded daemon.
+//!
+//! Life of a worker:
+//! 1. [`Worker::spawn`] builds the seccomp filters and the spec (so a bad profile fails before
+//!    any fork), creates the worker's cgroup if one is delegated, and hands the fork to the
+//!    spawner thread ([`process`]), which starts the launcher in a new process group with a
+//!    channel descriptor, opens its pidfd and registers it as a live leader.
+//! 2. The launcher reads the spec, sets itself up step by step ([`launcher`]) and reports
+//!    `ok` (or `{step, errno, message}`, which becomes [`SandboxError::Setup`]) before
+//!    `execve`. `spawn` returns once it has read the channel to EOF.
+//! 3. [`Worker::finish`] feeds stdin, drains stdout and stderr under a cap, waits for the
+//!    leader's exit (pidfd) or the timeout or the cancellation, terminates and confirms the
+//!    group empty, and reaps the leader last.
+//!
+//! The daemon calls [`init_daemon`] once: it becomes a child subreaper, so double-forked
+//! descendants come back to it to be killed and reaped.
 
-use std::path::PathBuf;
+mod explain;
+mod landlock;
+mod launcher;
+mod process;
+mod seccomp;
+mod sys;
+mod syscall_table;
+mod wire;
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
 
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
 use tokio_util::sync::CancellationToken;
 
 use crate::policy::Profile;
 
+pub use explain::explain;
+pub use launcher::launcher_main;
+pub use process::CgroupError;
+pub use seccomp::SeccompError;
+
 /// `argv[1]` that makes `main` run [`launcher_main`] instead of the CLI.
 pub const LAUNCHER_ARG: &str = "__airlock-launch";
+
+/// Overrides the launcher executable (default `/proc/self/exe`, the daemon's own binary).
+pub const LAUNCHER_EXE_ENV: &str = "AIRLOCK_LAUNCHER_EXE";
 
 /// What one worker is to run, and with which rights.
 #[derive(Debug, Clone)]
@@ -37,6 +74,7 @@ pub struct Launch {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
+    /// The launcher could not set up the sandbox (or `execve` the tool): not a tool failure.
     #[error("sandbox setup failed at step {step}: {message} (errno {errno})")]
     Setup {
         step: String,
@@ -46,6 +84,20 @@ pub enum SandboxError {
     #[error("cannot start the launcher {exe}: {source}")]
     Spawn {
         exe: PathBuf,
+        source: std::io::Error,
+    },
+    /// The launch request itself is unusable (checked before any fork).
+    #[error("invalid launch: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Seccomp(#[from] SeccompError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// Talking to the launcher, or waiting for the worker, failed.
+    #[error("worker {pid}: cannot {what}: {source}")]
+    Io {
+        pid: u32,
+        what: &'static str,
         source: std::io::Error,
     },
     #[error("{0}")]
@@ -74,9 +126,13 @@ pub struct Captured {
 pub struct Enforcement {
     /// "fully_enforced", "partially_enforced" or "not_enforced".
     pub landlock: String,
+    /// The kernel's Landlock ABI (0: none).
     pub landlock_abi: u8,
     /// "cgroup" or "process_group".
     pub containment: String,
+    /// The cgroup limit files written (`memory.max`, `pids.max`); a file the delegated
+    /// cgroup lacks (controller not enabled) is absent here.
+    pub cgroup_limits: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -88,54 +144,465 @@ pub struct Outcome {
     pub pid: u32,
 }
 
-/// A started worker.
+/// A started worker. Dropping it without [`Worker::finish`] kills its whole group (confirmed
+/// in the background when a runtime is available).
 pub struct Worker {
     pid: u32,
+    live: Option<Live>,
+}
+
+struct Live {
+    pidfd: AsyncFd<OwnedFd>,
+    stdin: Option<pipe::Sender>,
+    stdin_data: Vec<u8>,
+    stdout: pipe::Receiver,
+    stderr: pipe::Receiver,
+    output_cap: usize,
+    grace: Duration,
+    cgroup: Option<PathBuf>,
+    enforcement: Enforcement,
+}
+
+/// How long `finish` keeps draining stdout/stderr once the group is confirmed gone (a write
+/// end can only outlive it if it was passed to a process outside the group).
+const DRAIN: Duration = Duration::from_secs(1);
+
+/// How long the launcher may take to set up before `spawn` gives up on it.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+static LAUNCHER_EXE: OnceLock<PathBuf> = OnceLock::new();
+
+/// Sets the launcher executable for this process (tests: the `airlock` binary). Only the
+/// first call (or [`LAUNCHER_EXE_ENV`], read once) takes effect.
+pub fn set_launcher_exe(path: PathBuf) {
+    let _ = LAUNCHER_EXE.set(path);
+}
+
+fn launcher_exe() -> PathBuf {
+    LAUNCHER_EXE
+        .get_or_init(|| {
+            std::env::var_os(LAUNCHER_EXE_ENV)
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("/proc/self/exe"))
+        })
+        .clone()
 }
 
 impl Worker {
     /// Starts the launcher and returns once it has exec'd the tool, or with the step and
     /// errno at which the sandbox could not be set up.
     pub async fn spawn(launch: Launch) -> Result<Worker, SandboxError> {
-        let _ = launch;
-        Err(SandboxError::Other("sandbox not built yet".into()))
+        let Launch {
+            argv,
+            cwd,
+            stdin,
+            writable,
+            readable,
+            profile,
+            cgroup_parent,
+            job_id,
+        } = launch;
+        match argv.first() {
+            None => return Err(SandboxError::Invalid("empty argv".into())),
+            Some(a) if !a.starts_with('/') => {
+                return Err(SandboxError::Invalid(format!(
+                    "argv[0] {a:?} is not an absolute path"
+                )))
+            }
+            Some(_) => {}
+        }
+        let seccomp = seccomp::build(&profile)?;
+        let limits = &profile.limits;
+        let spec = wire::Spec {
+            argv,
+            cwd,
+            env_keep: profile.env.keep.clone(),
+            env_set: profile.env.set.clone(),
+            parent: rustix::process::getpid().as_raw_nonzero().get(),
+            cgroup: None,
+            rlimits: wire::Rlimits {
+                cpu_seconds: limits.cpu_seconds,
+                address_space_bytes: limits.address_space_bytes,
+                file_size_bytes: limits.file_size_bytes,
+                open_files: limits.open_files,
+                processes: limits.processes,
+            },
+            landlock: landlock::LandlockSpec {
+                abi: profile.landlock.abi,
+                best_effort: profile.landlock.best_effort,
+                network: profile.network,
+                read: profile.landlock.read.clone(),
+                exec: profile.landlock.exec.clone(),
+                write: profile.landlock.write.clone(),
+                writable,
+                readable,
+            },
+            seccomp: seccomp.iter().map(seccomp::encode).collect(),
+        };
+        // Serialize before creating anything that would need cleaning up.
+        let probe = serde_json::to_vec(&spec)
+            .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
+        drop(probe);
+
+        let (cgroup, cgroup_limits) = match &cgroup_parent {
+            Some(parent) => {
+                let (path, applied) =
+                    process::cgroup_create(parent, &job_id, limits.memory_bytes, limits.processes)?;
+                (Some(path), applied)
+            }
+            None => (None, Vec::new()),
+        };
+        let spec = wire::Spec {
+            cgroup: cgroup.clone(),
+            ..spec
+        };
+        let started = Self::start(
+            spec,
+            stdin,
+            limits.output_bytes,
+            limits.grace,
+            cgroup.clone(),
+            cgroup_limits,
+        )
+        .await;
+        if started.is_err() {
+            if let Some(path) = &cgroup {
+                process::cgroup_remove(path).await;
+            }
+        }
+        started
+    }
+
+    async fn start(
+        spec: wire::Spec,
+        stdin_data: Vec<u8>,
+        output_cap: usize,
+        grace: Duration,
+        cgroup: Option<PathBuf>,
+        cgroup_limits: Vec<String>,
+    ) -> Result<Worker, SandboxError> {
+        let bytes = serde_json::to_vec(&spec)
+            .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
+        let exe = launcher_exe();
+        let (ours, theirs) =
+            std::os::unix::net::UnixStream::pair().map_err(|source| SandboxError::Spawn {
+                exe: exe.clone(),
+                source,
+            })?;
+        let spawned = process::spawn_launcher(exe.clone(), OwnedFd::from(theirs))
+            .await
+            .map_err(|source| SandboxError::Spawn {
+                exe: exe.clone(),
+                source,
+            })?;
+        let pid = spawned.pid as u32;
+        let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };
+
+        // From here on the worker exists: on any error, dropping it kills the group.
+        let pidfd = match sys::watch_pidfd(spawned.pidfd) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // Nothing to wait with: kill the group now and leave the leader to the reaper.
+                let (fd, source) = e.into_parts();
+                process::kill_and_forget(spawned.pid, &fd);
+                return Err(SandboxError::Io {
+                    pid,
+                    what: "watch the pidfd",
+                    source,
+                });
+            }
+        };
+        let containment = if cgroup.is_some() {
+            "cgroup"
+        } else {
+            "process_group"
+        };
+        let mut worker = Worker {
+            pid,
+            live: Some(Live {
+                pidfd,
+                stdin: None,
+                stdin_data,
+                stdout: pipe::Receiver::from_owned_fd(OwnedFd::from(spawned.stdout))
+                    .map_err(io("watch stdout"))?,
+                stderr: pipe::Receiver::from_owned_fd(OwnedFd::from(spawned.stderr))
+                    .map_err(io("watch stderr"))?,
+                output_cap,
+                grace,
+                cgroup,
+                enforcement: Enforcement {
+                    landlock: String::new(),
+                    landlock_abi: 0,
+                    containment: containment.into(),
+                    cgroup_limits,
+                },
+            }),
+        };
+        if let Some(live) = worker.live.as_mut() {
+            live.stdin = Some(
+                pipe::Sender::from_owned_fd(OwnedFd::from(spawned.stdin))
+                    .map_err(io("feed stdin"))?,
+            );
+        }
+
+        // The spec out, the report back. A launcher that died early makes the write fail;
+        // the report (or its absence) says why.
+        ours.set_nonblocking(true)
+            .map_err(io("use the launcher channel"))?;
+        let mut channel =
+            tokio::net::UnixStream::from_std(ours).map_err(io("use the launcher channel"))?;
+        let exchange = async {
+            let _ = channel.write_all(&bytes).await;
+            let _ = channel.shutdown().await;
+            let mut report = Vec::new();
+            channel.read_to_end(&mut report).await.map(|_| report)
+        };
+        let report = match tokio::time::timeout(SETUP_TIMEOUT, exchange).await {
+            Ok(r) => r.map_err(io("read the launcher report"))?,
+            Err(_) => {
+                worker.abort().await;
+                return Err(SandboxError::Setup {
+                    step: "launcher".into(),
+                    errno: libc::ETIMEDOUT,
+                    message: format!("no report from the launcher within {SETUP_TIMEOUT:?}"),
+                });
+            }
+        };
+        match wire::verdict(&report) {
+            wire::Verdict::Running {
+                landlock,
+                landlock_abi,
+            } => {
+                if let Some(live) = worker.live.as_mut() {
+                    live.enforcement.landlock = landlock;
+                    live.enforcement.landlock_abi = landlock_abi;
+                }
+                Ok(worker)
+            }
+            wire::Verdict::Failed {
+                step,
+                errno,
+                message,
+            } => {
+                worker.abort().await;
+                Err(SandboxError::Setup {
+                    step,
+                    errno,
+                    message,
+                })
+            }
+        }
     }
 
     pub fn pid(&self) -> u32 {
         self.pid
     }
 
+    /// Kills and confirms the group, reaps the leader: for a worker that failed to start.
+    async fn abort(&mut self) {
+        if let Some(live) = self.live.take() {
+            let pgid = self.pid as i32;
+            process::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref()).await;
+            let _ = reap_leader(pgid, &live.pidfd).await;
+            if let Some(path) = &live.cgroup {
+                process::cgroup_remove(path).await;
+            }
+        }
+    }
+
     /// Waits for the worker to end, or for `timeout` or `cancel`; then terminates the whole
     /// group (SIGCONT+SIGTERM, the profile's grace, SIGKILL) and returns only once every
     /// process of it is gone and reaped.
     pub async fn finish(
-        self,
+        mut self,
         timeout: Duration,
         cancel: CancellationToken,
     ) -> Result<Outcome, SandboxError> {
-        let _ = (timeout, cancel);
-        Err(SandboxError::Other("sandbox not built yet".into()))
+        let pid = self.pid;
+        let Some(live) = self.live.take() else {
+            return Err(SandboxError::Other(format!(
+                "worker {pid} is already finished"
+            )));
+        };
+        let Live {
+            pidfd,
+            stdin,
+            stdin_data,
+            mut stdout,
+            mut stderr,
+            output_cap,
+            grace,
+            cgroup,
+            enforcement,
+        } = live;
+        let pgid = pid as i32;
+        let mut out = Captured::default();
+        let mut err = Captured::default();
+
+        let end = {
+            let feed = feed(stdin, stdin_data);
+            let read_out = capture(&mut stdout, output_cap, &mut out);
+            let read_err = capture(&mut stderr, output_cap, &mut err);
+            let control = control(pgid, &pidfd, timeout, cancel, grace, cgroup.as_deref());
+            tokio::pin!(feed, read_out, read_err, control);
+            let (mut fed, mut out_done, mut err_done) = (false, false, false);
+            let mut end = None;
+            let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
+            let mut drain_until = far;
+            loop {
+                tokio::select! {
+                    r = &mut control, if end.is_none() => {
+                        end = Some(r);
+                        drain_until = tokio::time::Instant::now() + DRAIN;
+                    }
+                    _ = &mut read_out, if !out_done => out_done = true,
+                    _ = &mut read_err, if !err_done => err_done = true,
+                    _ = &mut feed, if !fed => fed = true,
+                    _ = tokio::time::sleep_until(drain_until), if end.is_some() => {
+                        tracing::warn!(pid, "worker output still open after its group is gone; output may be cut");
+                        break;
+                    }
+                }
+                if end.is_some() && out_done && err_done {
+                    break;
+                }
+            }
+            end
+        };
+        if let Some(path) = &cgroup {
+            process::cgroup_remove(path).await;
+        }
+        let end = match end {
+            Some(end) => end?,
+            None => {
+                return Err(SandboxError::Other(format!(
+                    "worker {pid}: wait ended without a result"
+                )))
+            }
+        };
+        Ok(Outcome {
+            end,
+            stdout: out,
+            stderr: err,
+            enforcement,
+            pid,
+        })
     }
 }
 
-/// Entry point of launcher mode; never returns.
-pub fn launcher_main() -> ! {
-    std::process::exit(127)
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let Some(live) = self.live.take() else { return };
+        let pgid = self.pid as i32;
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    process::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref())
+                        .await;
+                    let _ = reap_leader(pgid, &live.pidfd).await;
+                    if let Some(path) = &live.cgroup {
+                        process::cgroup_remove(path).await;
+                    }
+                });
+            }
+            Err(_) => process::kill_and_forget(pgid, live.pidfd.get_ref()),
+        }
+    }
+}
+
+/// Waits for the leader's exit, the timeout or the cancellation; terminates and confirms the
+/// group; reaps the leader last.
+async fn control(
+    pgid: i32,
+    pidfd: &AsyncFd<OwnedFd>,
+    timeout: Duration,
+    cancel: CancellationToken,
+    grace: Duration,
+    cgroup: Option<&Path>,
+) -> Result<End, SandboxError> {
+    let pid = pgid as u32;
+    let stopped = tokio::select! {
+        biased;
+        r = pidfd.readable() => {
+            // Exit is final: the readiness is never cleared.
+            let _ready = r.map_err(|source| SandboxError::Io { pid, what: "wait for the leader", source })?;
+            None
+        }
+        _ = tokio::time::sleep(timeout) => Some(End::TimedOut),
+        _ = cancel.cancelled() => Some(End::Cancelled),
+    };
+    if stopped.is_some() {
+        process::terminate(pgid, pidfd.get_ref(), grace).await;
+    }
+    // Also after a plain exit: background children of the tool must not outlive the call.
+    process::kill_and_confirm(pgid, pidfd.get_ref(), cgroup).await;
+    let exit = reap_leader(pgid, pidfd).await?;
+    Ok(stopped.unwrap_or(match exit {
+        sys::Exit::Code(c) => End::Exited(c),
+        sys::Exit::Signal(s) => End::Signaled(s),
+    }))
+}
+
+async fn reap_leader(pgid: i32, pidfd: &AsyncFd<OwnedFd>) -> Result<sys::Exit, SandboxError> {
+    let pid = pgid as u32;
+    loop {
+        let mut guard = pidfd.readable().await.map_err(|source| SandboxError::Io {
+            pid,
+            what: "wait for the leader",
+            source,
+        })?;
+        match process::reap_leader(pgid, pidfd.get_ref()) {
+            Ok(Some(exit)) => return Ok(exit),
+            Ok(None) => guard.clear_ready(),
+            Err(source) => {
+                return Err(SandboxError::Io {
+                    pid,
+                    what: "reap the leader",
+                    source,
+                })
+            }
+        }
+    }
+}
+
+/// Writes `data` to the worker's stdin, then closes it. A worker that does not read its
+/// input (EPIPE) is not an error of ours.
+async fn feed(stdin: Option<pipe::Sender>, data: Vec<u8>) {
+    if let Some(mut tx) = stdin {
+        if !data.is_empty() {
+            let _ = tx.write_all(&data).await;
+        }
+    }
+}
+
+/// Reads `rx` to EOF, keeping the first `cap` bytes and counting the rest.
+async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match rx.read(&mut buf).await {
+            Ok(0) => return,
+            Ok(n) => {
+                into.total += n as u64;
+                let room = cap.saturating_sub(into.bytes.len());
+                into.bytes.extend_from_slice(&buf[..n.min(room)]);
+                if n > room {
+                    into.truncated = true;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
 }
 
 /// Makes the daemon a child subreaper and starts reaping orphans that are in no worker's
 /// group. Call once, inside the runtime, before the first worker starts.
 pub fn init_daemon() -> Result<(), SandboxError> {
-    Ok(())
+    process::start_reaper()
+        .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))
 }
 
 /// The syscall number of `name` on this architecture, if it has one.
 pub fn syscall_known(name: &str) -> Option<i64> {
-    let _ = name;
-    Some(0)
-}
-
-/// A reviewer's description of the sandbox a profile gives.
-pub fn explain(profile: &Profile) -> String {
-    format!("{profile:#?}\n")
+    seccomp::syscall_number(name)
 }

@@ -1,0 +1,227 @@
+//! `airlock policy explain`: the effective sandbox of a profile, in words, for a reviewer.
+//! It is derived from the same profile fields (and the same constants) the launcher and the
+//! seccomp builder use, so it cannot describe a sandbox other than the one applied.
+
+use std::fmt::Write;
+use std::path::Path;
+
+use crate::policy::{Profile, SeccompMode};
+
+use super::seccomp::CONTAINMENT;
+
+/// A human-readable description of the sandbox `profile` gives a worker.
+pub fn explain(profile: &Profile) -> String {
+    let mut s = String::new();
+    // Writing to a String cannot fail; `let _` keeps the lines short.
+    let _ = writeln!(s, "profile {}", profile.name);
+
+    let ll = &profile.landlock;
+    let _ = writeln!(s, "\nfilesystem (Landlock):");
+    let _ = writeln!(
+        s,
+        "  staging dir of the call     create, write, remove (no device nodes): the only writable workspace location"
+    );
+    let _ = writeln!(s, "  input files of the call     read");
+    for (paths, rights) in [
+        (&ll.read, "read"),
+        (&ll.exec, "read+exec"),
+        (&ll.write, "read+write (no create/remove)"),
+    ] {
+        for p in paths {
+            let _ = writeln!(s, "  {:<27} {rights}{}", p.display(), absent(p));
+        }
+    }
+    let _ = writeln!(s, "  everything else             denied");
+    let _ = writeln!(
+        s,
+        "  Landlock ABI {} required{}",
+        ll.abi,
+        if ll.best_effort {
+            "; best_effort: runs with whatever the kernel enforces (status recorded per call)"
+        } else {
+            " fully enforced; the call fails (step landlock) on a kernel below it"
+        }
+    );
+    if ll.abi >= 6 {
+        let _ = writeln!(
+            s,
+            "  signals and abstract Unix sockets scoped to the worker's own processes"
+        );
+    }
+
+    let _ = writeln!(s, "\nnetwork:");
+    if profile.network {
+        let _ = writeln!(s, "  allowed (no socket or TCP restriction)");
+    } else {
+        let _ = writeln!(
+            s,
+            "  denied: socket() with a domain other than AF_UNIX fails with EPERM (seccomp)"
+        );
+        if ll.abi >= 4 {
+            let _ = writeln!(s, "  TCP bind and connect denied (Landlock)");
+        }
+    }
+
+    let sc = &profile.seccomp;
+    let _ = writeln!(s, "\nsyscalls (seccomp):");
+    let list = if sc.syscalls.is_empty() {
+        "(none)".to_string()
+    } else {
+        sc.syscalls.join(", ")
+    };
+    match sc.mode {
+        SeccompMode::Deny => {
+            let _ = writeln!(s, "  allowed by default; denied with {}: {list}", sc.errno);
+            if sc.syscalls.iter().any(|n| n == "clone3") {
+                let _ = writeln!(
+                    s,
+                    "  clone3 fails with ENOSYS instead, so glibc falls back to clone"
+                );
+            }
+        }
+        SeccompMode::Allow => {
+            let _ = writeln!(s, "  denied by default with {}; allowed: {list}", sc.errno);
+            if !sc.syscalls.iter().any(|n| n == "clone3") {
+                let _ = writeln!(
+                    s,
+                    "  clone3 fails with ENOSYS instead, so glibc falls back to clone"
+                );
+            }
+        }
+    }
+    let _ = writeln!(
+        s,
+        "  always denied with EPERM: {} (the worker cannot leave its process group)",
+        CONTAINMENT.join(", ")
+    );
+    if cfg!(target_arch = "x86_64") {
+        let _ = writeln!(
+            s,
+            "  x32 syscalls fail with ENOSYS; other architectures' syscalls kill the process"
+        );
+    }
+
+    let _ = writeln!(s, "\nprivileges:");
+    let _ = writeln!(s, "  all capabilities dropped (effective, permitted, inheritable, ambient, bounding); no_new_privs");
+
+    let l = &profile.limits;
+    let _ = writeln!(s, "\nlimits:");
+    let _ = writeln!(s, "  CPU time          {} s (RLIMIT_CPU)", l.cpu_seconds);
+    let _ = writeln!(
+        s,
+        "  address space     {} (RLIMIT_AS)",
+        bytes(l.address_space_bytes)
+    );
+    let _ = writeln!(
+        s,
+        "  file size         {} (RLIMIT_FSIZE)",
+        bytes(l.file_size_bytes)
+    );
+    let _ = writeln!(s, "  open files        {} (RLIMIT_NOFILE)", l.open_files);
+    let _ = writeln!(
+        s,
+        "  processes         {} beyond those the uid already runs (RLIMIT_NPROC counts per uid, not for uid 0); pids.max where a cgroup is delegated",
+        l.processes
+    );
+    let _ = writeln!(
+        s,
+        "  memory            {} (memory.max, where a cgroup is delegated)",
+        bytes(l.memory_bytes)
+    );
+    let _ = writeln!(s, "  core dumps        off (RLIMIT_CORE 0)");
+    let _ = writeln!(
+        s,
+        "  output            first {} of stdout and of stderr kept, the rest counted",
+        bytes(l.output_bytes as u64)
+    );
+    let _ = writeln!(
+        s,
+        "  termination       SIGCONT+SIGTERM to the whole process group, {:?} grace, then SIGKILL; the call ends only when no process of the group remains",
+        l.grace
+    );
+
+    let _ = writeln!(s, "\nenvironment:");
+    let keep = if profile.env.keep.is_empty() {
+        "(none)".to_string()
+    } else {
+        profile.env.keep.join(", ")
+    };
+    let _ = writeln!(s, "  kept from the daemon: {keep}");
+    if profile.env.set.is_empty() {
+        let _ = writeln!(s, "  set: (none)");
+    }
+    for (k, v) in &profile.env.set {
+        let _ = writeln!(s, "  set: {k}={v}");
+    }
+    let _ = writeln!(s, "  nothing else is inherited");
+    s
+}
+
+fn absent(p: &Path) -> &'static str {
+    if p.exists() {
+        ""
+    } else {
+        "  (absent here: skipped)"
+    }
+}
+
+fn bytes(n: u64) -> String {
+    const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    for (size, unit) in UNITS {
+        if n >= size && n % size == 0 {
+            return format!("{} {unit}", n / size);
+        }
+    }
+    format!("{n} bytes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{EnvProfile, LandlockProfile, Limits, SeccompProfile};
+    use std::path::PathBuf;
+
+    #[test]
+    fn names_every_part() {
+        let profile = Profile {
+            name: "default".into(),
+            landlock: LandlockProfile {
+                abi: 6,
+                best_effort: false,
+                read: vec![PathBuf::from("/etc")],
+                exec: vec![PathBuf::from("/usr")],
+                write: vec![PathBuf::from("/dev/null")],
+            },
+            seccomp: SeccompProfile {
+                mode: SeccompMode::Deny,
+                syscalls: vec!["ptrace".into(), "clone3".into()],
+                errno: "EPERM".into(),
+            },
+            network: false,
+            limits: Limits::default(),
+            env: EnvProfile {
+                keep: vec!["LANG".into()],
+                set: [("PATH".into(), "/usr/bin".into())].into(),
+            },
+        };
+        let text = explain(&profile);
+        for needle in [
+            "/etc",
+            "read+exec",
+            "/dev/null",
+            "only writable workspace location",
+            "ABI 6 required",
+            "ptrace, clone3",
+            "ENOSYS",
+            "AF_UNIX",
+            "setsid, setpgid",
+            "RLIMIT_NPROC",
+            "2s grace",
+            "1 MiB",
+            "kept from the daemon: LANG",
+            "PATH=/usr/bin",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! The worker's Landlock ruleset, built and applied by the launcher.
+//!
+//! Rights, by path:
+//! - `writable` (the staging dir): every filesystem right but creating device nodes.
+//!   Symlinks, FIFOs and sockets may be created there; publication rejects such outputs.
+//! - `readable` (the call's inputs) and the profile's `read`: read files, list directories.
+//! - the profile's `exec`: the same plus execute.
+//! - the profile's `write` (device files such as `/dev/null`): read, write and truncate, but
+//!   never create or remove.
+//!
+//! With `network = false` and ABI >= 4, TCP bind and connect are handled and granted nowhere.
+//! With ABI >= 6, signals and abstract Unix sockets are scoped to the worker's domain.
+//!
+//! Fail closed: the ruleset asks for the rights of the profile's ABI as a hard requirement,
+//! and a kernel below that ABI is refused up front, unless the profile says `best_effort`.
+
+use std::path::{Path, PathBuf};
+
+use landlock::{
+    make_bitflags, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath,
+    PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, Scope, ABI,
+};
+use serde::{Deserialize, Serialize};
+
+use super::sys;
+
+/// What the launcher needs to build the ruleset.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct LandlockSpec {
+    pub abi: u8,
+    pub best_effort: bool,
+    pub network: bool,
+    /// Profile paths; skipped when absent.
+    pub read: Vec<PathBuf>,
+    pub exec: Vec<PathBuf>,
+    pub write: Vec<PathBuf>,
+    /// Per-call paths; must exist.
+    pub writable: Vec<PathBuf>,
+    pub readable: Vec<PathBuf>,
+}
+
+/// What the kernel enforces.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct Applied {
+    /// "fully_enforced", "partially_enforced" or "not_enforced".
+    pub status: String,
+    /// The kernel's Landlock ABI (0: no Landlock).
+    pub abi: u8,
+}
+
+/// A failure, with the errno of the underlying call when there is one.
+#[derive(Debug)]
+pub(crate) struct LandlockFailure {
+    pub errno: i32,
+    pub message: String,
+}
+
+impl LandlockFailure {
+    fn new(errno: i32, message: impl Into<String>) -> Self {
+        LandlockFailure {
+            errno,
+            message: message.into(),
+        }
+    }
+
+    fn of(context: String, error: &(dyn std::error::Error + 'static)) -> Self {
+        LandlockFailure {
+            errno: errno_in(error),
+            message: format!("{context}: {error}"),
+        }
+    }
+}
+
+/// The errno of the first `io::Error` in `error`'s source chain, or EPERM.
+fn errno_in(error: &(dyn std::error::Error + 'static)) -> i32 {
+    let mut cur = Some(error);
+    while let Some(e) = cur {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if let Some(n) = io.raw_os_error() {
+                return n;
+            }
+        }
+        cur = e.source();
+    }
+    libc::EPERM
+}
+
+/// The rights each kind of path gets, limited to what `abi` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rights {
+    pub handled: BitFlags<AccessFs>,
+    pub staging: BitFlags<AccessFs>,
+    pub read: BitFlags<AccessFs>,
+    pub exec: BitFlags<AccessFs>,
+    pub write: BitFlags<AccessFs>,
+}
+
+impl Rights {
+    pub(crate) fn for_abi(abi: ABI) -> Rights {
+        let handled = AccessFs::from_all(abi);
+        let staging = handled & !make_bitflags!(AccessFs::{MakeChar | MakeBlock});
+        let read = handled & make_bitflags!(AccessFs::{ReadFile | ReadDir});
+        let exec = handled & make_bitflags!(AccessFs::{ReadFile | ReadDir | Execute});
+        let write = handled & make_bitflags!(AccessFs::{ReadFile | ReadDir | WriteFile | Truncate});
+        Rights {
+            handled,
+            staging,
+            read,
+            exec,
+            write,
+        }
+    }
+}
+
+/// Applies the ruleset to the calling (single) thread.
+pub(crate) fn apply(spec: &LandlockSpec) -> Result<Applied, LandlockFailure> {
+    let kernel = sys::landlock_abi().map_err(|e| {
+        LandlockFailure::new(
+            e.raw_os_error().unwrap_or(0),
+            format!("cannot query the Landlock ABI: {e}"),
+        )
+    })?;
+    let kernel_abi = kernel.clamp(0, 255) as u8;
+    if kernel_abi < spec.abi && !spec.best_effort {
+        let what = if kernel_abi == 0 {
+            "no Landlock".to_string()
+        } else {
+            format!("Landlock ABI {kernel_abi}")
+        };
+        return Err(LandlockFailure::new(
+            libc::EOPNOTSUPP,
+            format!(
+                "the kernel has {what}; the profile requires ABI {} fully enforced (set best_effort to run anyway)",
+                spec.abi
+            ),
+        ));
+    }
+
+    let abi = ABI::from(i32::from(spec.abi));
+    let level = if spec.best_effort {
+        CompatLevel::BestEffort
+    } else {
+        CompatLevel::HardRequirement
+    };
+    let rights = Rights::for_abi(abi);
+    let ctx = |what: &str| {
+        format!(
+            "cannot {what} (kernel ABI {kernel_abi}, profile ABI {})",
+            spec.abi
+        )
+    };
+
+    let mut ruleset = Ruleset::default()
+        .set_compatibility(level)
+        .handle_access(rights.handled)
+        .map_err(|e| LandlockFailure::of(ctx("handle filesystem access"), &e))?;
+    if !spec.network && abi >= ABI::V4 {
+        ruleset = ruleset
+            .handle_access(AccessNet::from_all(abi))
+            .map_err(|e| LandlockFailure::of(ctx("handle network access"), &e))?;
+    }
+    if abi >= ABI::V6 {
+        ruleset = ruleset
+            .scope(Scope::from_all(abi))
+            .map_err(|e| LandlockFailure::of(ctx("scope signals and abstract sockets"), &e))?;
+    }
+    let mut created = ruleset
+        .create()
+        .map_err(|e| LandlockFailure::of(ctx("create the ruleset"), &e))?;
+
+    let groups: [(&[PathBuf], BitFlags<AccessFs>, bool); 5] = [
+        (&spec.writable, rights.staging, true),
+        (&spec.readable, rights.read, true),
+        (&spec.read, rights.read, false),
+        (&spec.exec, rights.exec, false),
+        (&spec.write, rights.write, false),
+    ];
+    for (paths, access, required) in groups {
+        for path in paths {
+            let Some(rule) = rule_for(path, access, abi, required)? else {
+                continue;
+            };
+            created = created.add_rule(rule).map_err(|e| {
+                LandlockFailure::of(format!("cannot add a rule for {}", path.display()), &e)
+            })?;
+        }
+    }
+
+    let status = created
+        .restrict_self()
+        .map_err(|e| LandlockFailure::of(ctx("restrict the launcher"), &e))?;
+    let status = match status.ruleset {
+        RulesetStatus::FullyEnforced => "fully_enforced",
+        RulesetStatus::PartiallyEnforced => "partially_enforced",
+        RulesetStatus::NotEnforced => "not_enforced",
+    };
+    if status != "fully_enforced" && !spec.best_effort {
+        return Err(LandlockFailure::new(
+            libc::EOPNOTSUPP,
+            format!("the ruleset is {status} on a kernel with Landlock ABI {kernel_abi}; the profile requires ABI {} fully enforced", spec.abi),
+        ));
+    }
+    Ok(Applied {
+        status: status.to_string(),
+        abi: kernel_abi,
+    })
+}
+
+/// The rule for one path: its rights, narrowed to file rights when it is not a directory.
+/// `Ok(None)` for an absent optional path.
+fn rule_for(
+    path: &Path,
+    access: BitFlags<AccessFs>,
+    abi: ABI,
+    required: bool,
+) -> Result<Option<PathBeneath<PathFd>>, LandlockFailure> {
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => return Ok(None),
+        Err(e) => {
+            return Err(LandlockFailure::new(
+                e.raw_os_error().unwrap_or(libc::ENOENT),
+                format!("cannot stat {}: {e}", path.display()),
+            ))
+        }
+    };
+    let access = if meta.is_dir() {
+        access
+    } else {
+        access & AccessFs::from_file(abi)
+    };
+    let fd = PathFd::new(path)
+        .map_err(|e| LandlockFailure::of(format!("cannot open {}", path.display()), &e))?;
+    Ok(Some(PathBeneath::new(fd, access)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_may_not_make_devices() {
+        let r = Rights::for_abi(ABI::V6);
+        assert!(!r.staging.contains(AccessFs::MakeChar));
+        assert!(!r.staging.contains(AccessFs::MakeBlock));
+        for a in [
+            AccessFs::MakeSym,
+            AccessFs::MakeFifo,
+            AccessFs::MakeDir,
+            AccessFs::MakeReg,
+            AccessFs::RemoveFile,
+        ] {
+            assert!(r.staging.contains(a), "{a:?}");
+        }
+    }
+
+    #[test]
+    fn read_write_exec_rights() {
+        let r = Rights::for_abi(ABI::V6);
+        assert_eq!(r.read, make_bitflags!(AccessFs::{ReadFile | ReadDir}));
+        assert_eq!(r.exec, r.read | AccessFs::Execute);
+        assert!(r.write.contains(AccessFs::WriteFile) && r.write.contains(AccessFs::Truncate));
+        assert!(!r
+            .write
+            .intersects(make_bitflags!(AccessFs::{MakeReg | RemoveFile | MakeDir})));
+        // ABI 1 has no Truncate: the write rights shrink instead of failing.
+        assert!(!Rights::for_abi(ABI::V1).write.contains(AccessFs::Truncate));
+        assert!(Rights::for_abi(ABI::V1).write.contains(AccessFs::WriteFile));
+    }
+
+    #[test]
+    fn errno_is_found_in_the_chain() {
+        let e = std::io::Error::from_raw_os_error(libc::EACCES);
+        assert_eq!(errno_in(&e), libc::EACCES);
+    }
+}

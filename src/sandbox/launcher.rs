@@ -1,0 +1,425 @@
+//! Launcher mode: a fresh, single-threaded process that turns itself into the sandboxed worker
+//! and `execve`s the tool.
+//!
+//! Like Firecracker's jailer, it first reads and validates everything ([`Plan::new`]), so
+//! that every later step is a plain system call, then runs the steps in a fixed order
+//! ([`Plan::run`]); each says why it comes where it does. Any failure writes one
+//! `{step, errno, message}` report to the channel and exits 126.
+
+use std::convert::Infallible;
+use std::ffi::{CString, OsStr, OsString};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+
+use rustix::process::{Resource, Rlimit};
+
+use super::landlock::{self, Applied};
+use super::seccomp;
+use super::sys;
+use super::wire::{Report, Rlimits, Spec, SETUP_FAILED};
+
+/// A failed step.
+struct Failure {
+    step: &'static str,
+    errno: i32,
+    message: String,
+}
+
+impl Failure {
+    fn new(step: &'static str, errno: i32, message: impl Into<String>) -> Self {
+        Failure {
+            step,
+            errno,
+            message: message.into(),
+        }
+    }
+
+    fn io(step: &'static str, what: impl std::fmt::Display, e: std::io::Error) -> Self {
+        Failure {
+            step,
+            errno: e.raw_os_error().unwrap_or(0),
+            message: format!("{what}: {e}"),
+        }
+    }
+}
+
+/// Entry point of launcher mode (`argv = [exe, LAUNCHER_ARG, CHANNEL_FD]`); never returns.
+pub fn launcher_main() -> ! {
+    let Some(mut channel) = channel_from_args() else {
+        // Without a channel there is no one to report to; say so where a human may see it.
+        let _ = writeln!(
+            std::io::stderr(),
+            "airlock launcher: no channel descriptor in argv[2]"
+        );
+        std::process::exit(SETUP_FAILED);
+    };
+    let failure = match Plan::new(&mut channel) {
+        Ok(plan) => match plan.run(&mut channel) {
+            Ok(never) => match never {},
+            Err(f) => f,
+        },
+        Err(f) => f,
+    };
+    let report = Report::Failed {
+        step: failure.step.into(),
+        errno: failure.errno,
+        message: failure.message,
+    };
+    let _ = channel.write_all(&report.line());
+    std::process::exit(SETUP_FAILED);
+}
+
+fn channel_from_args() -> Option<UnixStream> {
+    let arg = std::env::args_os().nth(2)?;
+    let fd: RawFd = arg.to_str()?.parse().ok()?;
+    if fd <= 2 || !sys::fd_is_open(fd) {
+        return None;
+    }
+    // SAFETY: the daemon passed this descriptor to us for this purpose and nothing else in this
+    // fresh process refers to it, so the OwnedFd is its only owner.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    Some(UnixStream::from(owned))
+}
+
+/// Everything, parsed and checked, before the first irreversible step.
+struct Plan {
+    spec: Spec,
+    exe: CString,
+    argv: Vec<CString>,
+    env: Vec<CString>,
+    seccomp: Vec<seccompiler::BpfProgram>,
+    channel_fd: RawFd,
+}
+
+impl Plan {
+    fn new(channel: &mut UnixStream) -> Result<Plan, Failure> {
+        let mut bytes = Vec::new();
+        channel
+            .read_to_end(&mut bytes)
+            .map_err(|e| Failure::io("spec", "cannot read the spec from the daemon", e))?;
+        let spec: Spec = serde_json::from_slice(&bytes)
+            .map_err(|e| Failure::new("spec", libc::EINVAL, format!("unreadable spec: {e}")))?;
+
+        let cstring = |what: &str, s: &[u8]| {
+            CString::new(s).map_err(|_| {
+                Failure::new("spec", libc::EINVAL, format!("{what} contains a NUL byte"))
+            })
+        };
+        let Some(first) = spec.argv.first() else {
+            return Err(Failure::new("spec", libc::EINVAL, "empty argv"));
+        };
+        if !first.starts_with('/') {
+            return Err(Failure::new(
+                "spec",
+                libc::EINVAL,
+                format!("argv[0] {first:?} is not an absolute path"),
+            ));
+        }
+        let exe = cstring("argv[0]", first.as_bytes())?;
+        let argv = spec
+            .argv
+            .iter()
+            .map(|a| cstring("an argument", a.as_bytes()))
+            .collect::<Result<Vec<_>, _>>()?;
+
+        // The tool's environment: only `keep` (from ours) and `set`, nothing else inherited.
+        let mut vars: Vec<(OsString, OsString)> = Vec::new();
+        for name in &spec.env_keep {
+            if let Some(value) = std::env::var_os(name) {
+                vars.push((OsString::from(name), value));
+            }
+        }
+        for (name, value) in &spec.env_set {
+            vars.retain(|(n, _)| n != OsStr::new(name));
+            vars.push((OsString::from(name), OsString::from(value)));
+        }
+        let mut env = Vec::with_capacity(vars.len());
+        for (name, value) in vars {
+            if name.is_empty() || name.as_bytes().contains(&b'=') {
+                return Err(Failure::new(
+                    "spec",
+                    libc::EINVAL,
+                    format!("bad variable name {name:?}"),
+                ));
+            }
+            let mut kv = name.into_vec();
+            kv.push(b'=');
+            kv.extend(value.into_vec());
+            env.push(cstring("an environment variable", &kv)?);
+        }
+
+        let seccomp = spec
+            .seccomp
+            .iter()
+            .map(|p| seccomp::decode(p))
+            .collect::<Vec<_>>();
+        if seccomp.iter().any(|p| p.is_empty() || p.len() > 4096) {
+            return Err(Failure::new(
+                "spec",
+                libc::EINVAL,
+                "empty or oversized seccomp program",
+            ));
+        }
+        Ok(Plan {
+            spec,
+            exe,
+            argv,
+            env,
+            seccomp,
+            channel_fd: channel.as_raw_fd(),
+        })
+    }
+
+    fn run(self, channel: &mut UnixStream) -> Result<Infallible, Failure> {
+        // 1. We must lead our own process group: the daemon signals and confirms the worker
+        //    by group, and `process_group(0)` made it so before our first instruction.
+        let pid = rustix::process::getpid();
+        if rustix::process::getpgrp() != pid {
+            return Err(Failure::new(
+                "process_group",
+                libc::EPERM,
+                "the launcher does not lead its own process group",
+            ));
+        }
+
+        // 2. Die with the daemon. PDEATHSIG only covers a parent that exits *after* it is set,
+        //    so the parent is checked again right after: if it already changed, the daemon
+        //    (or the thread that forked us) is gone and nobody would ever reap or bound us.
+        rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+            .map_err(|e| {
+                Failure::new(
+                    "parent_death",
+                    e.raw_os_error(),
+                    format!("PR_SET_PDEATHSIG: {e}"),
+                )
+            })?;
+        let parent = rustix::process::getppid()
+            .map(|p| p.as_raw_nonzero().get())
+            .unwrap_or(0);
+        if parent != self.spec.parent {
+            return Err(Failure::new(
+                "parent_death",
+                libc::ESRCH,
+                format!(
+                    "the parent is pid {parent}, expected the daemon, pid {}",
+                    self.spec.parent
+                ),
+            ));
+        }
+
+        // 3. Join the worker's cgroup first, so that everything from here on (and every
+        //    descendant) is counted and killable there, and while the path is still reachable
+        //    (Landlock comes later).
+        if let Some(cgroup) = &self.spec.cgroup {
+            let procs = cgroup.join("cgroup.procs");
+            std::fs::write(&procs, b"0").map_err(|e| Failure::io("cgroup", procs.display(), e))?;
+        }
+
+        // 4. Signals: the Rust runtime of this launcher ignores SIGPIPE, and an ignored signal
+        //    survives execve; restore the default and an empty mask for the tool.
+        sys::default_sigpipe().map_err(|e| Failure::io("signals", "SIGPIPE", e))?;
+        sys::unblock_all_signals().map_err(|e| Failure::io("signals", "sigprocmask", e))?;
+
+        // 5. Close every inherited descriptor but stdio and the channel, before anything else
+        //    is opened, so that nothing of the daemon's leaks into the tool.
+        let fd = self.channel_fd as u32;
+        if fd > 3 {
+            sys::close_range(3, fd - 1).map_err(|e| Failure::io("close_fds", "close_range", e))?;
+        }
+        sys::close_range(fd + 1, u32::MAX)
+            .map_err(|e| Failure::io("close_fds", "close_range", e))?;
+
+        // 6. Resource limits, while /proc is still readable (RLIMIT_NPROC needs a count).
+        set_rlimits(&self.spec.rlimits)?;
+
+        // 7. The working directory, by path, before Landlock could forbid the lookup.
+        std::env::set_current_dir(&self.spec.cwd)
+            .map_err(|e| Failure::io("chdir", self.spec.cwd.display(), e))?;
+
+        // 8. Landlock, while we still hold the capabilities to open every rule's path (and
+        //    CAP_SYS_ADMIN, so a root daemon does not even need no_new_privs for it).
+        let applied: Applied = landlock::apply(&self.spec.landlock)
+            .map_err(|f| Failure::new("landlock", f.errno, f.message))?;
+
+        // 9. Capabilities: drop all five sets now that nothing privileged is left to do.
+        drop_capabilities()?;
+
+        // 10. no_new_privs: no setuid bit or file capability can give anything back; seccomp
+        //     requires it as well.
+        rustix::thread::set_no_new_privs(true).map_err(|e| {
+            Failure::new(
+                "no_new_privs",
+                e.raw_os_error(),
+                format!("PR_SET_NO_NEW_PRIVS: {e}"),
+            )
+        })?;
+
+        // 11. seccomp last: the filters may forbid calls the steps above make.
+        for (i, program) in self.seccomp.iter().enumerate() {
+            seccompiler::apply_filter(program).map_err(|e| {
+                let errno = match &e {
+                    seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => {
+                        io.raw_os_error().unwrap_or(0)
+                    }
+                    _ => libc::EINVAL,
+                };
+                Failure::new("seccomp", errno, format!("cannot install filter {i}: {e}"))
+            })?;
+        }
+
+        // 12. Report success, then make the channel close on exec: EOF after `ok` tells the
+        //     daemon the tool is running. A failed execve still has the channel to report on.
+        let ok = Report::Ok {
+            landlock: applied.status,
+            landlock_abi: applied.abi,
+        };
+        channel
+            .write_all(&ok.line())
+            .map_err(|e| Failure::io("report", "cannot write the report", e))?;
+        rustix::io::fcntl_setfd(&*channel, rustix::io::FdFlags::CLOEXEC).map_err(|e| {
+            Failure::new(
+                "report",
+                e.raw_os_error(),
+                format!("FD_CLOEXEC on the channel: {e}"),
+            )
+        })?;
+
+        let Err(err) = nix::unistd::execve(&self.exe, &self.argv, &self.env);
+        Err(Failure::new(
+            "execve",
+            err as i32,
+            format!("cannot execute {:?}: {}", self.spec.argv[0], err.desc()),
+        ))
+    }
+}
+
+/// Step 6. RLIMIT_NPROC counts the tasks of the whole real uid, not the worker's, so the limit
+/// is what the uid already runs plus the profile's `processes`. The kernel does not apply it
+/// to uid 0 at all; there the cgroup's pids.max is the only process bound.
+fn set_rlimits(limits: &Rlimits) -> Result<(), Failure> {
+    let uid = rustix::process::getuid();
+    let nproc = if uid.is_root() {
+        limits.processes
+    } else {
+        tasks_of_uid(uid.as_raw()).saturating_add(limits.processes)
+    };
+    let all = [
+        (Resource::Cpu, "RLIMIT_CPU", limits.cpu_seconds),
+        (Resource::As, "RLIMIT_AS", limits.address_space_bytes),
+        (Resource::Fsize, "RLIMIT_FSIZE", limits.file_size_bytes),
+        (Resource::Nofile, "RLIMIT_NOFILE", limits.open_files),
+        (Resource::Nproc, "RLIMIT_NPROC", nproc),
+        (Resource::Core, "RLIMIT_CORE", 0),
+    ];
+    for (resource, name, value) in all {
+        let limit = Rlimit {
+            current: Some(value),
+            maximum: Some(value),
+        };
+        rustix::process::setrlimit(resource, limit).map_err(|e| {
+            Failure::new(
+                "rlimits",
+                e.raw_os_error(),
+                format!("{name} = {value}: {e}"),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// How many tasks (threads included, as the kernel counts them) run under real uid `uid`.
+fn tasks_of_uid(uid: u32) -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut count = 0u64;
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        if !name.as_bytes().iter().all(u8::is_ascii_digit) {
+            continue;
+        }
+        let mut path = PathBuf::from("/proc");
+        path.push(&name);
+        path.push("status");
+        let Ok(status) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let field = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.split_whitespace().next().map(str::to_owned))
+        };
+        if field("Uid:").and_then(|v| v.parse::<u32>().ok()) == Some(uid) {
+            count += field("Threads:")
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(1);
+        }
+    }
+    count
+}
+
+/// Step 9. Bounding set first (it needs CAP_SETPCAP, which the later steps remove), with
+/// securebits that stop uid 0 from regaining capabilities on execve; then ambient,
+/// inheritable, permitted and effective. Every set is read back and must be empty.
+fn drop_capabilities() -> Result<(), Failure> {
+    const SECBIT_NOROOT: u32 = 1 << 0;
+    const SECBIT_NOROOT_LOCKED: u32 = 1 << 1;
+    const SECBIT_NO_SETUID_FIXUP: u32 = 1 << 2;
+    const SECBIT_NO_SETUID_FIXUP_LOCKED: u32 = 1 << 3;
+    const SECBIT_KEEP_CAPS_LOCKED: u32 = 1 << 5;
+    const SECBIT_NO_CAP_AMBIENT_RAISE: u32 = 1 << 6;
+    const SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED: u32 = 1 << 7;
+    const CAP_SETPCAP: u32 = 8;
+    let step = "capabilities";
+
+    let (effective, _, _) = sys::capget().map_err(|e| Failure::io(step, "capget", e))?;
+    let setpcap = effective & (1 << CAP_SETPCAP) != 0;
+    if setpcap {
+        sys::set_securebits(
+            SECBIT_NOROOT
+                | SECBIT_NOROOT_LOCKED
+                | SECBIT_NO_SETUID_FIXUP
+                | SECBIT_NO_SETUID_FIXUP_LOCKED
+                | SECBIT_KEEP_CAPS_LOCKED
+                | SECBIT_NO_CAP_AMBIENT_RAISE
+                | SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED,
+        )
+        .map_err(|e| Failure::io(step, "PR_SET_SECUREBITS", e))?;
+        sys::bounding_drop_all().map_err(|e| Failure::io(step, "PR_CAPBSET_DROP", e))?;
+    }
+    sys::ambient_clear().map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_CLEAR_ALL", e))?;
+    sys::capset_empty().map_err(|e| Failure::io(step, "capset", e))?;
+
+    let (effective, permitted, inheritable) =
+        sys::capget().map_err(|e| Failure::io(step, "capget", e))?;
+    let ambient = sys::ambient_set().map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_IS_SET", e))?;
+    let bounding = sys::bounding_set().map_err(|e| Failure::io(step, "PR_CAPBSET_READ", e))?;
+    let mut left = Vec::new();
+    for (name, mask) in [
+        ("effective", effective),
+        ("permitted", permitted),
+        ("inheritable", inheritable),
+        ("ambient", ambient),
+    ] {
+        if mask != 0 {
+            left.push(format!("{name} {mask:#x}"));
+        }
+    }
+    // Without CAP_SETPCAP (a non-root daemon) the bounding set cannot be emptied; it then
+    // bounds nothing, since permitted is empty, uid is not 0, and no_new_privs follows.
+    if bounding != 0 && (setpcap || rustix::process::geteuid().is_root()) {
+        left.push(format!("bounding {bounding:#x}"));
+    }
+    if !left.is_empty() {
+        return Err(Failure::new(
+            step,
+            libc::EPERM,
+            format!("capabilities remain after dropping: {}", left.join(", ")),
+        ));
+    }
+    Ok(())
+}
