@@ -352,9 +352,18 @@ async fn fork_bombs_are_bounded_for_an_unprivileged_daemon() {
     give_to_nobody(&d);
     d.user = Some((65534, 65534));
     let c = started(&mut d).await;
-    let r = sh(&c, "b() { b | b & }; b; sleep 5").await;
+    let r = sh(&c, "b() { b | b & }; b; sleep 5 # fork-bomb-marker").await;
     assert!(is_error(&r), "{r}");
-    assert!(processes_with("run_sh").is_empty(), "fork bomb processes survived");
+    assert!(processes_with("fork-bomb-marker").is_empty(), "fork bomb processes survived");
+    // The bound itself: forking stops at the profile's `processes` (64) more than the uid had.
+    let r = py(
+        &c,
+        "import os, time\nn = 0\ntry:\n    while n < 1000:\n        if os.fork() == 0:\n            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('forks', n, 'then errno', e.errno)\n",
+    )
+    .await;
+    let out = text(&r);
+    let forks: u32 = out.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{r}"));
+    assert!(forks <= 64 && out.contains("errno 11"), "{out}");
     // The daemon is unaffected: the next call works.
     let r = call(&c, "write_text", json!({"session": "h", "text": "after", "out": "after.txt"})).await;
     assert!(!is_error(&r), "{r}");
@@ -387,7 +396,7 @@ async fn the_daemon_and_its_sandbox_work_unprivileged() {
     let r = call(&c, "counter", json!({"session": "h", "by": 3})).await;
     assert!(!is_error(&r), "{r}");
     let ws = d.workspace.display().to_string();
-    let r = sh(&c, &format!("echo x > '{ws}/pwned' 2>&1; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status")).await;
+    let r = sh(&c, &format!("{{ echo x > '{ws}/pwned'; }} 2>&1; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status")).await;
     let out = text(&r);
     assert!(out.contains("Permission denied") && out.contains("Seccomp:\t2"), "{out}");
     assert!(d.read("pwned").is_none());
