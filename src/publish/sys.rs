@@ -85,11 +85,16 @@ pub(super) fn describe(ft: FileType) -> &'static str {
     }
 }
 
-/// The identity of a file: what a target holds is told by (device, inode), never by name.
+/// The identity of a file: what a target holds is told by (device, inode, type), never by
+/// name. The type matters because a filesystem may hand a freed inode number straight to a
+/// new file: a directory planted where a file was removed can carry the old file's number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileId {
     pub dev: u64,
     pub ino: u64,
+    /// `st_mode & S_IFMT`.
+    #[serde(default)]
+    pub kind: u32,
 }
 
 impl FileId {
@@ -100,6 +105,7 @@ impl FileId {
         FileId {
             dev: st.st_dev as u64,
             ino: st.st_ino as u64,
+            kind: st.st_mode as u32 & libc::S_IFMT,
         }
     }
 }
