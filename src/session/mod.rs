@@ -120,6 +120,18 @@ impl SessionStore {
         })?;
         for entry in entries.flatten() {
             let path = entry.path();
+            let name = entry.file_name();
+            if name.to_string_lossy().starts_with('.') && name.to_string_lossy().ends_with(".tmp") {
+                // A write that crashed before its rename never committed: drop its temp file.
+                crate::failpoint::hit("session.remove_tmp")
+                    .and_then(|()| std::fs::remove_file(&path))
+                    .map_err(|source| SessionError::Io {
+                        op: "remove stale temp file",
+                        path: path.clone(),
+                        source,
+                    })?;
+                continue;
+            }
             if path.extension().is_none_or(|x| x != "json") {
                 continue;
             }

@@ -83,17 +83,12 @@ impl Template {
         }
     }
 
-    /// A fresh daemon dir holding a copy of `ws` and `state` (the template's by default).
-    fn fresh_from(&self, ws: &Path, state: &Path) -> Daemon {
-        let d = Daemon::new();
-        // The policy dir is the template's, so failpoint env is the only difference.
-        copy_into(ws, &d.workspace);
-        copy_into(state, &d.state);
-        d
-    }
-
+    /// A fresh daemon dir holding a copy of the template's workspace and state.
     fn fresh(&self) -> Daemon {
-        self.fresh_from(&self.daemon.workspace, &self.daemon.state)
+        let d = Daemon::new();
+        copy_into(&self.daemon.workspace, &d.workspace);
+        copy_into(&self.daemon.state, &d.state);
+        d
     }
 }
 
@@ -213,17 +208,18 @@ async fn run_scenario(s: Scenario) {
             break;
         }
         crashes += 1;
-        // Keep the crashed state for the second-crash runs.
-        let crashed = tempfile::tempdir().unwrap();
-        copy_into(&d.workspace, &crashed.path().join("ws"));
-        copy_into(&d.state, &crashed.path().join("state"));
         let o = check_consistent(&mut d, &t, &after, &format!("{} crash at {n}", s.name)).await;
         outcomes[usize::from(o == "after")] += 1;
 
-        // 2. The same crash, then a second crash at every point of recovery.
+        // 2. The same crash again (recovery decides by inode identity, so the crashed dir
+        // cannot be copied), then a second crash at every point of recovery.
         let mut m = 0u64;
         loop {
-            let mut d2 = t.fresh_from(&crashed.path().join("ws"), &crashed.path().join("state"));
+            let mut d2 = t.fresh();
+            d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), n.to_string())];
+            d2.start();
+            let _ = try_call(&d2, &s).await;
+            assert!(d2.wait_exit(Duration::from_secs(10)).is_some(), "{}: crash at {n} did not repeat", s.name);
             d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), m.to_string())];
             let serving = try_start(&mut d2);
             if serving {
