@@ -96,7 +96,7 @@ struct Plan {
 
 impl Plan {
     fn new(channel: &mut UnixStream) -> Result<Plan, Failure> {
-        let mut bytes = Vec::new();
+        let mut bytes = Vec::with_capacity(64 * 1024);
         channel
             .read_to_end(&mut bytes)
             .map_err(|e| Failure::io("spec", "cannot read the spec from the daemon", e))?;

@@ -228,13 +228,20 @@ pub(crate) fn reap_if_not_leader(pid: i32) -> bool {
 /// One pass over the group: reaps what is ours to reap, and says whether any process of it
 /// other than the leader's zombie is still there.
 fn group_is_empty(pgid: i32, me: i32) -> bool {
+    // The leader first: while it runs, the group is not empty, whatever else is in it.
+    match read_stat(pgid) {
+        Some(leader) if leader.pgrp == pgid && !leader.dead() => return false,
+        _ => {}
+    }
+    let candidates = match orphan_candidates(me) {
+        Some(children) => children,
+        None => all_processes(),
+    };
     let mut empty = true;
-    for p in all_processes().into_iter().filter(|p| p.pgrp == pgid) {
-        if p.pid == pgid {
-            // The leader is reaped last, by its worker.
-            empty &= p.dead();
-            continue;
-        }
+    for p in candidates
+        .into_iter()
+        .filter(|p| p.pgrp == pgid && p.pid != pgid)
+    {
         if p.ppid == me && reap_if_not_leader(p.pid) {
             continue;
         }
@@ -242,6 +249,34 @@ fn group_is_empty(pgid: i32, me: i32) -> bool {
         empty &= p.dead();
     }
     empty
+}
+
+/// Where the survivors of a group whose leader is dead can be, when the daemon is the child
+/// subreaper: every process of a worker's group descends from its leader (setsid and setpgid
+/// are denied), so once the leader has exited, the topmost survivors have been reparented to
+/// the daemon, to its main thread (the kernel picks the subreaper's first live thread, and
+/// the main thread of a Rust program lives as long as the process). They stay listed there
+/// until reaped, and only their worker reaps members of a live worker's group (see
+/// [`reap_orphans`]), so one read of that list sees every survivor or its ancestor.
+/// `None` when that shortcut does not hold: then the whole of `/proc` is scanned.
+fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
+    // Only once init_daemon made us the subreaper.
+    REAPER.get()?;
+    let children = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")).ok()?;
+    Some(
+        children
+            .split_ascii_whitespace()
+            .filter_map(|c| c.parse().ok())
+            .filter_map(read_stat)
+            .collect(),
+    )
+}
+
+fn read_stat(pid: i32) -> Option<ProcStat> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .as_deref()
+        .and_then(ProcStat::parse)
 }
 
 fn signal_group(pgid: i32, pidfd: &OwnedFd, sig: Signal) {
@@ -348,12 +383,15 @@ pub(crate) fn start_reaper() -> io::Result<()> {
     Ok(())
 }
 
-/// Reaps every zombie child of the daemon that is not the leader of a live worker.
+/// Reaps every zombie child of the daemon that is neither the leader of a live worker nor a
+/// member of its group (its worker's kill-and-confirm reaps those, and counts on seeing them
+/// until it does).
 pub(crate) fn reap_orphans() -> usize {
     let me = rustix::process::getpid().as_raw_nonzero().get();
+    let live_groups = leaders().clone();
     all_processes()
         .into_iter()
-        .filter(|p| p.ppid == me && p.dead())
+        .filter(|p| p.ppid == me && p.dead() && !live_groups.contains(&p.pgrp))
         .filter(|p| reap_if_not_leader(p.pid))
         .count()
 }
