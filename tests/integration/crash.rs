@@ -253,6 +253,9 @@ async fn run_scenario(s: Scenario) {
                 assert_eq!(ws, t.before, "{} {errno} at {n} ({}): failed call left changes: {r}", s.name, points[n]);
                 assert!(d.job_dirs().is_empty(), "{} {errno} at {n}: job dir left after rollback", s.name);
             } else {
+                // Committed. A failed cleanup may leave the job dir (journal `committed`) for
+                // the next startup's recovery to finish; the targets are already the new ones.
+                let ws: Vec<String> = ws.into_iter().filter(|l| !l.starts_with(".airlock-job-")).collect();
                 assert_eq!(ws, after.0, "{} {errno} at {n} ({}): successful call but workspace differs", s.name, points[n]);
             }
             d.stop();
