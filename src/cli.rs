@@ -309,7 +309,12 @@ fn recover(a: RecoverArgs) -> i32 {
     let d = &policy.daemon;
     let result = crate::exec::lock_workspace(&d.workspace)
         .map_err(|e| e.to_string())
-        .and_then(|lock| Ok((lock, crate::publish::Workspace::open(&d.workspace).map_err(|e| e.to_string())?)))
+        .and_then(|lock| {
+            Ok((
+                lock,
+                crate::publish::Workspace::open(&d.workspace).map_err(|e| e.to_string())?,
+            ))
+        })
         .and_then(|(_lock, ws)| {
             let sessions =
                 crate::session::SessionStore::open(&d.state_dir).map_err(|e| e.to_string())?;

@@ -37,7 +37,9 @@ pub fn hit(name: &'static str) -> std::io::Result<()> {
         }
     }
     if var("AIRLOCK_FAILPOINT_PAUSE_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {
-        let ms = var("AIRLOCK_FAILPOINT_PAUSE_MS").and_then(|v| v.parse().ok()).unwrap_or(500);
+        let ms = var("AIRLOCK_FAILPOINT_PAUSE_MS")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(500);
         std::thread::sleep(std::time::Duration::from_millis(ms));
     }
     if var("AIRLOCK_FAILPOINT_CRASH_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {

@@ -42,6 +42,7 @@ pub fn atomic_write(
 /// as the returned file lives: one daemon (or `airlock recover`) per workspace.
 pub fn lock_dir(dir: &Path) -> std::io::Result<File> {
     let f = File::open(dir)?;
-    rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(std::io::Error::from)?;
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        .map_err(std::io::Error::from)?;
     Ok(f)
 }

@@ -49,9 +49,10 @@ pub fn validate(tool: &Tool, args: &Map<String, Value>) -> Result<Map<String, Va
         out.insert(name.clone(), value.clone());
     }
     if tool.takes_session() && !args.contains_key("session") {
-        return Err(format!(
+        return Err(
             "missing required argument \"session\" (every write tool takes the session it mutates)"
-        ));
+                .to_string(),
+        );
     }
     for (name, p) in &tool.params {
         if out.contains_key(name) {

@@ -34,7 +34,10 @@ pub enum StartupError {
     #[error("startup recovery failed: {0}")]
     Recovery(String),
     #[error("{path}: another airlock process holds this workspace ({source})")]
-    Busy { path: PathBuf, source: std::io::Error },
+    Busy {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// One `tools/call`, as the MCP layer hands it over.
@@ -591,22 +594,26 @@ impl Executor {
         let stderr_tail = tail(&o.stderr.bytes, 2000);
         match o.end {
             End::Exited(0) => {}
-            End::Exited(code) => return Err(ToolReply::fault(
-                "TOOL_FAILED",
-                format!(
+            End::Exited(code) => {
+                return Err(ToolReply::fault(
+                    "TOOL_FAILED",
+                    format!(
                     "{} exited with status {code}; nothing was published; stderr: {stderr_tail}",
                     tool.name
                 ),
-            )
-            .into()),
-            End::Signaled(sig) => return Err(ToolReply::fault(
-                "TOOL_FAILED",
-                format!(
+                )
+                .into())
+            }
+            End::Signaled(sig) => {
+                return Err(ToolReply::fault(
+                    "TOOL_FAILED",
+                    format!(
                     "{} was killed by signal {sig}; nothing was published; stderr: {stderr_tail}",
                     tool.name
                 ),
-            )
-            .into()),
+                )
+                .into())
+            }
             End::TimedOut | End::Cancelled => return Err(Stop::Cancelled),
         }
         let stdout = String::from_utf8_lossy(&o.stdout.bytes).into_owned();

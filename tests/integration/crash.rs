@@ -19,11 +19,15 @@ use crate::harness::*;
 /// Every entry under `root` with its type, mode and content: what "unchanged" means.
 fn tree(root: &Path) -> Vec<String> {
     fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {
-        let Ok(rd) = std::fs::read_dir(dir) else { return };
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
         for e in rd.flatten() {
             let p = e.path();
             let rel = p.strip_prefix(root).unwrap_or(&p).display().to_string();
-            let Ok(m) = std::fs::symlink_metadata(&p) else { continue };
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
             let mode = m.permissions().mode() & 0o7777;
             if m.is_dir() {
                 out.push(format!("{rel} dir {mode:o}"));
@@ -32,7 +36,11 @@ fn tree(root: &Path) -> Vec<String> {
                 out.push(format!("{rel} symlink {:?}", std::fs::read_link(&p).ok()));
             } else {
                 let content = std::fs::read(&p).unwrap_or_default();
-                out.push(format!("{rel} file {mode:o} nlink={} {:?}", m.nlink(), String::from_utf8_lossy(&content)));
+                out.push(format!(
+                    "{rel} file {mode:o} nlink={} {:?}",
+                    m.nlink(),
+                    String::from_utf8_lossy(&content)
+                ));
             }
         }
     }
@@ -59,7 +67,12 @@ struct Template {
 
 fn copy_into(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
-    let st = Command::new("cp").arg("-a").arg(format!("{}/.", from.display())).arg(to).status().unwrap();
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(format!("{}/.", from.display()))
+        .arg(to)
+        .status()
+        .unwrap();
     assert!(st.success(), "cp -a {} {}", from.display(), to.display());
 }
 
@@ -71,7 +84,12 @@ impl Template {
         }
         daemon.start();
         let c = daemon.client().await;
-        let r = call(&c, "session_create", json!({"id": "s", "state": {"counter": 0}})).await;
+        let r = call(
+            &c,
+            "session_create",
+            json!({"id": "s", "state": {"counter": 0}}),
+        )
+        .await;
         assert!(!is_error(&r), "{r}");
         let before_session = session_of(&c).await;
         drop(c);
@@ -98,8 +116,12 @@ async fn session_of(c: &Client) -> Value {
 }
 
 async fn try_call(d: &Daemon, s: &Scenario) -> Result<Value, String> {
-    let stream = tokio::net::UnixStream::connect(&d.socket).await.map_err(|e| e.to_string())?;
-    let c = rmcp::ServiceExt::serve((), stream).await.map_err(|e| e.to_string())?;
+    let stream = tokio::net::UnixStream::connect(&d.socket)
+        .await
+        .map_err(|e| e.to_string())?;
+    let c = rmcp::ServiceExt::serve((), stream)
+        .await
+        .map_err(|e| e.to_string())?;
     let mut a = s.args.as_object().cloned().unwrap();
     a.insert("session".into(), "s".into());
     let r = tokio::time::timeout(
@@ -114,7 +136,11 @@ async fn try_call(d: &Daemon, s: &Scenario) -> Result<Value, String> {
 
 /// Starts a daemon that may crash during startup recovery; true if it is serving.
 fn try_start(d: &mut Daemon) -> bool {
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(&d.log).unwrap();
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&d.log)
+        .unwrap();
     let mut cmd = Command::new(BIN);
     cmd.arg("serve")
         .arg("--policies")
@@ -139,23 +165,38 @@ fn try_start(d: &mut Daemon) -> bool {
         if let Ok(Some(_)) = child.try_wait() {
             return false;
         }
-        assert!(std::time::Instant::now() < deadline, "daemon neither served nor exited:\n{}", d.log_text());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "daemon neither served nor exited:\n{}",
+            d.log_text()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
 
 /// Restarts `d` cleanly (recovery runs) and checks the promise. Returns "before" or "after".
-async fn check_consistent(d: &mut Daemon, t: &Template, after: &(Vec<String>, Value), what: &str) -> &'static str {
+async fn check_consistent(
+    d: &mut Daemon,
+    t: &Template,
+    after: &(Vec<String>, Value),
+    what: &str,
+) -> &'static str {
     d.env.clear();
     d.start();
     let c = d.client().await;
     let ws = tree(&d.workspace);
     let sess = session_of(&c).await;
     let outcome = if ws == t.before {
-        assert_eq!(sess, t.before_session, "{what}: workspace is the old one but the session is not");
+        assert_eq!(
+            sess, t.before_session,
+            "{what}: workspace is the old one but the session is not"
+        );
         "before"
     } else if ws == after.0 {
-        assert_eq!(sess, after.1, "{what}: workspace is the new one but the session is not");
+        assert_eq!(
+            sess, after.1,
+            "{what}: workspace is the new one but the session is not"
+        );
         "after"
     } else {
         panic!(
@@ -166,9 +207,19 @@ async fn check_consistent(d: &mut Daemon, t: &Template, after: &(Vec<String>, Va
             d.log_text()
         );
     };
-    assert!(d.job_dirs().is_empty(), "{what}: job dirs left: {:?}", d.job_dirs());
-    let leftovers: Vec<String> = tree(&d.state).into_iter().filter(|l| l.contains(".tmp")).collect();
-    assert!(leftovers.is_empty(), "{what}: temp files in the state dir: {leftovers:?}");
+    assert!(
+        d.job_dirs().is_empty(),
+        "{what}: job dirs left: {:?}",
+        d.job_dirs()
+    );
+    let leftovers: Vec<String> = tree(&d.state)
+        .into_iter()
+        .filter(|l| l.contains(".tmp"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "{what}: temp files in the state dir: {leftovers:?}"
+    );
     drop(c);
     d.stop();
     outcome
@@ -188,8 +239,16 @@ async fn run_scenario(s: Scenario) {
     drop(c);
     d.stop();
     assert_ne!(after.0, t.before, "{}: the call changed nothing", s.name);
-    let points: Vec<String> = std::fs::read_to_string(&log).unwrap().lines().map(str::to_string).collect();
-    assert!(!points.is_empty(), "{}: no failpoint was reached: is the binary built with --features failpoints?", s.name);
+    let points: Vec<String> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert!(
+        !points.is_empty(),
+        "{}: no failpoint was reached: is the binary built with --features failpoints?",
+        s.name
+    );
 
     // 1. A crash at every point, then recovery.
     let (mut crashes, mut recovery_crashes, mut outcomes) = (0, 0, [0usize; 2]);
@@ -219,7 +278,11 @@ async fn run_scenario(s: Scenario) {
             d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), n.to_string())];
             d2.start();
             let _ = try_call(&d2, &s).await;
-            assert!(d2.wait_exit(Duration::from_secs(10)).is_some(), "{}: crash at {n} did not repeat", s.name);
+            assert!(
+                d2.wait_exit(Duration::from_secs(10)).is_some(),
+                "{}: crash at {n} did not repeat",
+                s.name
+            );
             d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), m.to_string())];
             let serving = try_start(&mut d2);
             if serving {
@@ -227,7 +290,13 @@ async fn run_scenario(s: Scenario) {
             } else {
                 recovery_crashes += 1;
             }
-            check_consistent(&mut d2, &t, &after, &format!("{} crash at {n}, recovery crash at {m}", s.name)).await;
+            check_consistent(
+                &mut d2,
+                &t,
+                &after,
+                &format!("{} crash at {n}, recovery crash at {m}", s.name),
+            )
+            .await;
             if serving {
                 break;
             }
@@ -238,7 +307,7 @@ async fn run_scenario(s: Scenario) {
 
     // 3. An injected error at every point, rolled back in process.
     let mut injected = 0;
-    for n in 0..points.len() {
+    for (n, point) in points.iter().enumerate() {
         for errno in ["EIO", "ENOSPC", "EXDEV", "EINVAL"] {
             let mut d = t.fresh();
             d.env = vec![
@@ -246,17 +315,34 @@ async fn run_scenario(s: Scenario) {
                 ("AIRLOCK_FAILPOINT_ERRNO".into(), errno.into()),
             ];
             d.start();
-            let r = try_call(&d, &s).await.unwrap_or_else(|e| panic!("{} {errno} at {n}: {e}\n{}", s.name, d.log_text()));
+            let r = try_call(&d, &s)
+                .await
+                .unwrap_or_else(|e| panic!("{} {errno} at {n}: {e}\n{}", s.name, d.log_text()));
             // In process, before any restart: the reply tells which version is there.
             let ws = tree(&d.workspace);
             if is_error(&r) {
-                assert_eq!(ws, t.before, "{} {errno} at {n} ({}): failed call left changes: {r}", s.name, points[n]);
-                assert!(d.job_dirs().is_empty(), "{} {errno} at {n}: job dir left after rollback", s.name);
+                assert_eq!(
+                    ws, t.before,
+                    "{} {errno} at {n} ({}): failed call left changes: {r}",
+                    s.name, point
+                );
+                assert!(
+                    d.job_dirs().is_empty(),
+                    "{} {errno} at {n}: job dir left after rollback",
+                    s.name
+                );
             } else {
                 // Committed. A failed cleanup may leave the job dir (journal `committed`) for
                 // the next startup's recovery to finish; the targets are already the new ones.
-                let ws: Vec<String> = ws.into_iter().filter(|l| !l.starts_with(".airlock-job-")).collect();
-                assert_eq!(ws, after.0, "{} {errno} at {n} ({}): successful call but workspace differs", s.name, points[n]);
+                let ws: Vec<String> = ws
+                    .into_iter()
+                    .filter(|l| !l.starts_with(".airlock-job-"))
+                    .collect();
+                assert_eq!(
+                    ws, after.0,
+                    "{} {errno} at {n} ({}): successful call but workspace differs",
+                    s.name, point
+                );
             }
             d.stop();
             check_consistent(&mut d, &t, &after, &format!("{} {errno} at {n}", s.name)).await;
@@ -290,7 +376,11 @@ async fn crash_points_outputs_replacing_files() {
         name: "two outputs replacing files",
         tool: "two_outputs",
         args: json!({"a": "x/a.txt", "b": "y.txt"}),
-        pre: &[("x/a.txt", "old a"), ("y.txt", "old y"), ("keep.txt", "untouched")],
+        pre: &[
+            ("x/a.txt", "old a"),
+            ("y.txt", "old y"),
+            ("keep.txt", "untouched"),
+        ],
     })
     .await;
 }

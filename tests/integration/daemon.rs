@@ -14,7 +14,10 @@ async fn tools_list_has_schemas_and_annotations() {
     let c = d.client().await;
     let tools = c.list_all_tools().await.expect("tools/list");
     let find = |n: &str| {
-        let t = tools.iter().find(|t| t.name == n).unwrap_or_else(|| panic!("no tool {n}"));
+        let t = tools
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap_or_else(|| panic!("no tool {n}"));
         serde_json::to_value(t).expect("json")
     };
     let upper = find("upper");
@@ -22,7 +25,12 @@ async fn tools_list_has_schemas_and_annotations() {
     assert_eq!(schema["type"], "object");
     assert_eq!(schema["properties"]["source"]["type"], "string");
     assert_eq!(schema["properties"]["session"]["type"], "string");
-    let mut req: Vec<&str> = schema["required"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    let mut req: Vec<&str> = schema["required"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
     req.sort();
     assert_eq!(req, vec!["out", "session", "source"]);
     assert_eq!(upper["annotations"]["readOnlyHint"], false);
@@ -33,7 +41,12 @@ async fn tools_list_has_schemas_and_annotations() {
     assert!(cat["inputSchema"]["properties"].get("session").is_none());
     let counter = find("counter");
     assert_eq!(counter["inputSchema"]["properties"]["by"]["default"], 1);
-    for b in ["session_create", "session_destroy", "session_get", "session_list"] {
+    for b in [
+        "session_create",
+        "session_destroy",
+        "session_get",
+        "session_list",
+    ] {
         find(b);
     }
 }
@@ -43,7 +56,12 @@ async fn session_lifecycle() {
     let mut d = Daemon::new();
     d.start();
     let c = d.client().await;
-    let r = call(&c, "session_create", json!({"id": "alpha", "state": {"k": "v"}})).await;
+    let r = call(
+        &c,
+        "session_create",
+        json!({"id": "alpha", "state": {"k": "v"}}),
+    )
+    .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(r["structuredContent"]["version"], 0);
     let r = call(&c, "session_create", json!({"id": "alpha"})).await;
@@ -59,10 +77,21 @@ async fn session_lifecycle() {
     assert_eq!(r["structuredContent"]["state"]["counter"], 5);
     assert_eq!(r["structuredContent"]["state"]["k"], "v");
     let anon = call(&c, "session_create", json!({})).await;
-    let anon_id = anon["structuredContent"]["id"].as_str().expect("generated id").to_string();
+    let anon_id = anon["structuredContent"]["id"]
+        .as_str()
+        .expect("generated id")
+        .to_string();
     let r = call(&c, "session_list", json!({})).await;
-    let ids: Vec<&str> = r["structuredContent"]["sessions"].as_array().unwrap().iter().map(|s| s["id"].as_str().unwrap()).collect();
-    assert!(ids.contains(&"alpha") && ids.contains(&anon_id.as_str()), "{ids:?}");
+    let ids: Vec<&str> = r["structuredContent"]["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert!(
+        ids.contains(&"alpha") && ids.contains(&anon_id.as_str()),
+        "{ids:?}"
+    );
     let r = call(&c, "session_destroy", json!({"session": "alpha"})).await;
     assert!(!is_error(&r), "{r}");
     let r = call(&c, "session_get", json!({"session": "alpha"})).await;
@@ -70,18 +99,28 @@ async fn session_lifecycle() {
     let r = call(&c, "counter", json!({"session": "alpha"})).await;
     assert_eq!(code(&r), "SESSION_DESTROYED");
     let r = call(&c, "session_create", json!({"id": "alpha"})).await;
-    assert_eq!(code(&r), "SESSION_DESTROYED", "a destroyed id is never reused: {r}");
+    assert_eq!(
+        code(&r),
+        "SESSION_DESTROYED",
+        "a destroyed id is never reused: {r}"
+    );
     // Persisted: the session file and the tombstone survive a restart.
     d.stop();
     d.start();
     let c = d.client().await;
-    assert_eq!(code(&call(&c, "session_get", json!({"session": "alpha"})).await), "SESSION_DESTROYED");
+    assert_eq!(
+        code(&call(&c, "session_get", json!({"session": "alpha"})).await),
+        "SESSION_DESTROYED"
+    );
     assert_eq!(version(&c, &anon_id).await, 0);
 }
 
 fn stamps(r: &Value) -> (f64, f64) {
     let t = text(r);
-    let mut it = t.split_whitespace().map(|x| x.parse::<f64>().unwrap_or_else(|_| panic!("stamp in {t:?}")));
+    let mut it = t.split_whitespace().map(|x| {
+        x.parse::<f64>()
+            .unwrap_or_else(|_| panic!("stamp in {t:?}"))
+    });
     (it.next().expect("start"), it.next().expect("end"))
 }
 
@@ -93,7 +132,9 @@ async fn reads_run_in_parallel() {
     let mut tasks = Vec::new();
     for _ in 0..8 {
         let c = c.clone();
-        tasks.push(tokio::spawn(async move { call(&c, "slow_read", json!({"seconds": 1})).await }));
+        tasks.push(tokio::spawn(async move {
+            call(&c, "slow_read", json!({"seconds": 1})).await
+        }));
     }
     let mut spans = Vec::new();
     for t in tasks {
@@ -104,7 +145,10 @@ async fn reads_run_in_parallel() {
     // Every call started before any call ended: all eight ran at the same time.
     let last_start = spans.iter().map(|s| s.0).fold(f64::MIN, f64::max);
     let first_end = spans.iter().map(|s| s.1).fold(f64::MAX, f64::min);
-    assert!(last_start < first_end, "reads did not all overlap: {spans:?}");
+    assert!(
+        last_start < first_end,
+        "reads did not all overlap: {spans:?}"
+    );
 }
 
 #[tokio::test]
@@ -116,7 +160,9 @@ async fn same_session_writes_serialize_without_lost_updates() {
     let mut tasks = Vec::new();
     for _ in 0..100 {
         let c = c.clone();
-        tasks.push(tokio::spawn(async move { call(&c, "counter", json!({"session": "inc"})).await }));
+        tasks.push(tokio::spawn(async move {
+            call(&c, "counter", json!({"session": "inc"})).await
+        }));
     }
     for t in tasks {
         let r = t.await.expect("join");
@@ -136,21 +182,43 @@ async fn two_sessions_writes_overlap() {
     session(&c, "s1").await;
     session(&c, "s2").await;
     let (a, b) = tokio::join!(
-        call(&c, "stamp_write", json!({"session": "s1", "seconds": 1, "out": "one.txt"})),
-        call(&c, "stamp_write", json!({"session": "s2", "seconds": 1, "out": "two.txt"})),
+        call(
+            &c,
+            "stamp_write",
+            json!({"session": "s1", "seconds": 1, "out": "one.txt"})
+        ),
+        call(
+            &c,
+            "stamp_write",
+            json!({"session": "s2", "seconds": 1, "out": "two.txt"})
+        ),
     );
     assert!(!is_error(&a) && !is_error(&b), "{a} {b}");
     let (sa, sb) = (stamps(&a), stamps(&b));
-    assert!(sa.0 < sb.1 && sb.0 < sa.1, "writes of two sessions did not overlap: {sa:?} {sb:?}");
+    assert!(
+        sa.0 < sb.1 && sb.0 < sa.1,
+        "writes of two sessions did not overlap: {sa:?} {sb:?}"
+    );
     assert_eq!(d.read("one.txt").as_deref(), Some("stamped\n"));
     assert_eq!(d.read("two.txt").as_deref(), Some("stamped\n"));
     // Same target from two sessions: serialized, never interleaved.
     let (a, b) = tokio::join!(
-        call(&c, "stamp_write", json!({"session": "s1", "seconds": 0.5, "out": "same.txt"})),
-        call(&c, "stamp_write", json!({"session": "s2", "seconds": 0.5, "out": "same.txt"})),
+        call(
+            &c,
+            "stamp_write",
+            json!({"session": "s1", "seconds": 0.5, "out": "same.txt"})
+        ),
+        call(
+            &c,
+            "stamp_write",
+            json!({"session": "s2", "seconds": 0.5, "out": "same.txt"})
+        ),
     );
     let (sa, sb) = (stamps(&a), stamps(&b));
-    assert!(sa.1 <= sb.0 || sb.1 <= sa.0, "writes to one target overlapped: {sa:?} {sb:?}");
+    assert!(
+        sa.1 <= sb.0 || sb.1 <= sa.0,
+        "writes to one target overlapped: {sa:?} {sb:?}"
+    );
 }
 
 #[tokio::test]
@@ -161,29 +229,53 @@ async fn destroy_fails_queued_mutators() {
     session(&c, "doomed").await;
     // Holds the session's lock for a second.
     let c1 = c.clone();
-    let first = tokio::spawn(async move { call(&c1, "stamp_write", json!({"session": "doomed", "seconds": 1, "out": "first.txt"})).await });
+    let first = tokio::spawn(async move {
+        call(
+            &c1,
+            "stamp_write",
+            json!({"session": "doomed", "seconds": 1, "out": "first.txt"}),
+        )
+        .await
+    });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let c2 = c.clone();
-    let destroy = tokio::spawn(async move { call(&c2, "session_destroy", json!({"session": "doomed"})).await });
+    let destroy =
+        tokio::spawn(
+            async move { call(&c2, "session_destroy", json!({"session": "doomed"})).await },
+        );
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut queued = Vec::new();
     for i in 0..5 {
         let c = c.clone();
         queued.push(tokio::spawn(async move {
-            call(&c, "counter", json!({"session": "doomed", "note": format!("note{i}.txt")})).await
+            call(
+                &c,
+                "counter",
+                json!({"session": "doomed", "note": format!("note{i}.txt")}),
+            )
+            .await
         }));
     }
     let first = first.await.expect("join");
-    assert!(!is_error(&first), "the call ahead of destroy commits: {first}");
+    assert!(
+        !is_error(&first),
+        "the call ahead of destroy commits: {first}"
+    );
     assert!(!is_error(&destroy.await.expect("join")));
     for q in queued {
         let r = q.await.expect("join");
         assert_eq!(code(&r), "SESSION_DESTROYED", "{r}");
     }
     for i in 0..5 {
-        assert!(d.read(&format!("note{i}.txt")).is_none(), "a queued mutator published after destroy");
+        assert!(
+            d.read(&format!("note{i}.txt")).is_none(),
+            "a queued mutator published after destroy"
+        );
     }
-    assert_eq!(code(&call(&c, "session_get", json!({"session": "doomed"})).await), "SESSION_DESTROYED");
+    assert_eq!(
+        code(&call(&c, "session_get", json!({"session": "doomed"})).await),
+        "SESSION_DESTROYED"
+    );
     assert!(d.job_dirs().is_empty());
 }
 
@@ -197,10 +289,24 @@ async fn overlapping_targets_are_rejected_before_running() {
         let r = call(&c, "two_outputs", json!({"session": "o", "a": a, "b": b})).await;
         assert_eq!(code(&r), "OVERLAPPING_OUTPUTS", "{a} {b}: {r}");
     }
-    assert!(snapshot(&d.workspace).is_empty(), "{:?}", snapshot(&d.workspace));
+    assert!(
+        snapshot(&d.workspace).is_empty(),
+        "{:?}",
+        snapshot(&d.workspace)
+    );
     let events = audit(&c).await;
-    assert!(!events.iter().any(|e| e["tool"] == "two_outputs" && e["kind"] == "spawned"), "a rejected call ran");
-    let r = call(&c, "two_outputs", json!({"session": "o", "a": "x/a", "b": "x/b"})).await;
+    assert!(
+        !events
+            .iter()
+            .any(|e| e["tool"] == "two_outputs" && e["kind"] == "spawned"),
+        "a rejected call ran"
+    );
+    let r = call(
+        &c,
+        "two_outputs",
+        json!({"session": "o", "a": "x/a", "b": "x/b"}),
+    )
+    .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("x/a").as_deref(), Some("A\n"));
     assert_eq!(version(&c, "o").await, 1);
@@ -219,9 +325,14 @@ async fn timeout_leaves_state_workspace_and_process_table_unchanged() {
     assert_eq!(snapshot(&d.workspace), before);
     assert_eq!(version(&c, "t").await, 0);
     assert!(d.job_dirs().is_empty());
-    assert!(processes_with("sleep 31.4159").is_empty(), "the worker outlived its call");
+    assert!(
+        processes_with("sleep 31.4159").is_empty(),
+        "the worker outlived its call"
+    );
     let events = audit(&c).await;
-    assert!(events.iter().any(|e| e["tool"] == "sleepy" && e["kind"] == "timeout"));
+    assert!(events
+        .iter()
+        .any(|e| e["tool"] == "sleepy" && e["kind"] == "timeout"));
 }
 
 #[tokio::test]
@@ -232,12 +343,18 @@ async fn double_forked_descendants_die_with_the_group() {
     session(&c, "f").await;
     let r = call(&c, "forker", json!({"session": "f", "out": "f.txt"})).await;
     assert_eq!(code(&r), "TOOL_TIMEOUT", "{r}");
-    assert!(processes_with("sleep 31.77").is_empty(), "a double-forked descendant survived the timeout");
+    assert!(
+        processes_with("sleep 31.77").is_empty(),
+        "a double-forked descendant survived the timeout"
+    );
     assert!(d.read("f.txt").is_none());
     // A successful tool's leftover descendants are killed before the result, too.
     let r = call(&c, "forker_ok", json!({"session": "f", "out": "ok.txt"})).await;
     assert!(!is_error(&r), "{r}");
-    assert!(processes_with("sleep 31.88").is_empty(), "a descendant outlived a successful call");
+    assert!(
+        processes_with("sleep 31.88").is_empty(),
+        "a descendant outlived a successful call"
+    );
     assert_eq!(d.read("ok.txt").as_deref(), Some("ok\n"));
 }
 
@@ -267,11 +384,18 @@ async fn cancellation_kills_the_worker_and_sends_no_response() {
     let before = snapshot(&d.workspace);
     let mut raw = d.raw();
     raw.initialize();
-    raw.call(7, "slow_write", json!({"session": "c", "seconds": 30, "out": "out.txt"}));
+    raw.call(
+        7,
+        "slow_write",
+        json!({"session": "c", "seconds": 30, "out": "out.txt"}),
+    );
     // Wait until the worker runs.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while processes_with("sleep 30").is_empty() {
-        assert!(std::time::Instant::now() < deadline, "the worker never started");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker never started"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     raw.send(&json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7, "reason": "test"}}));
@@ -279,7 +403,10 @@ async fn cancellation_kills_the_worker_and_sends_no_response() {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let events = audit(&c).await;
-        if events.iter().any(|e| e["tool"] == "slow_write" && e["kind"] == "cancelled") {
+        if events
+            .iter()
+            .any(|e| e["tool"] == "slow_write" && e["kind"] == "cancelled")
+        {
             break;
         }
         assert!(std::time::Instant::now() < deadline, "no cancelled event");
@@ -287,7 +414,10 @@ async fn cancellation_kills_the_worker_and_sends_no_response() {
     }
     raw.send(&json!({"jsonrpc": "2.0", "id": 8, "method": "ping"}));
     let next = raw.recv();
-    assert_eq!(next["id"], 8, "got {next} before the ping's response: a cancelled id was answered");
+    assert_eq!(
+        next["id"], 8,
+        "got {next} before the ping's response: a cancelled id was answered"
+    );
     assert!(raw.recv_within(Duration::from_millis(500)).is_none());
     assert!(processes_with("sleep 30").is_empty());
     assert_eq!(snapshot(&d.workspace), before);
@@ -307,28 +437,68 @@ async fn bad_input_gets_clear_errors_and_the_daemon_keeps_serving() {
     raw.send_bytes(b"{this is not json\n");
     let r = raw.recv();
     assert_eq!(r["error"]["code"], -32700, "{r}");
-    assert!(r["error"]["message"].as_str().unwrap().starts_with("Parse error"));
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("Parse error"));
     let mut big = vec![b'x'; 5 * 1024 * 1024];
     big.push(b'\n');
     raw.send_bytes(&big);
     let r = raw.recv();
     assert_eq!(r["error"]["code"], -32600, "{r}");
-    assert!(r["error"]["message"].as_str().unwrap().contains("4194304"), "{r}");
+    assert!(
+        r["error"]["message"].as_str().unwrap().contains("4194304"),
+        "{r}"
+    );
     raw.call(3, "no_such_tool", json!({}));
     let r = raw.response(3);
     assert_eq!(r["error"]["code"], -32602, "{r}");
-    assert!(r["error"]["message"].as_str().unwrap().contains("no_such_tool"));
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no_such_tool"));
     raw.send(&json!({"jsonrpc": "2.0", "id": 4, "method": "ping"}));
-    assert!(raw.response(4)["result"].is_object(), "the connection survives bad input");
+    assert!(
+        raw.response(4)["result"].is_object(),
+        "the connection survives bad input"
+    );
 
     let cases = [
-        (json!({"session": "b", "text": 5, "out": "a.txt"}), "INVALID_ARGUMENT", "must be a string"),
-        (json!({"session": "b", "text": "x"}), "INVALID_ARGUMENT", "missing required argument \"out\""),
-        (json!({"text": "x", "out": "a.txt"}), "INVALID_ARGUMENT", "session"),
-        (json!({"session": "nope", "text": "x", "out": "a.txt"}), "NO_SUCH_SESSION", "nope"),
-        (json!({"session": "b", "text": "x", "out": "../escape.txt"}), "PATH_REJECTED", "escape"),
-        (json!({"session": "b", "text": "x", "out": "/etc/airlock-escape"}), "PATH_REJECTED", "/etc"),
-        (json!({"session": "b", "text": "x", "out": "link/escape.txt"}), "PATH_REJECTED", "link"),
+        (
+            json!({"session": "b", "text": 5, "out": "a.txt"}),
+            "INVALID_ARGUMENT",
+            "must be a string",
+        ),
+        (
+            json!({"session": "b", "text": "x"}),
+            "INVALID_ARGUMENT",
+            "missing required argument \"out\"",
+        ),
+        (
+            json!({"text": "x", "out": "a.txt"}),
+            "INVALID_ARGUMENT",
+            "session",
+        ),
+        (
+            json!({"session": "nope", "text": "x", "out": "a.txt"}),
+            "NO_SUCH_SESSION",
+            "nope",
+        ),
+        (
+            json!({"session": "b", "text": "x", "out": "../escape.txt"}),
+            "PATH_REJECTED",
+            "escape",
+        ),
+        (
+            json!({"session": "b", "text": "x", "out": "/etc/airlock-escape"}),
+            "PATH_REJECTED",
+            "/etc",
+        ),
+        (
+            json!({"session": "b", "text": "x", "out": "link/escape.txt"}),
+            "PATH_REJECTED",
+            "link",
+        ),
     ];
     std::os::unix::fs::symlink("/tmp", d.workspace.join("link")).expect("symlink");
     for (i, (a, want, needle)) in cases.iter().enumerate() {
@@ -336,15 +506,26 @@ async fn bad_input_gets_clear_errors_and_the_daemon_keeps_serving() {
         let r = raw.response(10 + i as i64);
         let result = &r["result"];
         assert_eq!(result["isError"], true, "{a}: {r}");
-        assert_eq!(result["structuredContent"]["error"]["code"], *want, "{a}: {r}");
+        assert_eq!(
+            result["structuredContent"]["error"]["code"], *want,
+            "{a}: {r}"
+        );
         let msg = result["content"][0]["text"].as_str().unwrap_or("");
-        assert!(msg.contains(needle), "{a}: {msg:?} does not mention {needle:?}");
+        assert!(
+            msg.contains(needle),
+            "{a}: {msg:?} does not mention {needle:?}"
+        );
     }
     assert!(!std::path::Path::new("/etc/airlock-escape").exists());
     assert!(!std::path::Path::new("/tmp/escape.txt").exists());
     // Another connection was never disturbed.
     assert_eq!(version(&other, "b").await, 0);
-    let r = call(&other, "write_text", json!({"session": "b", "text": "fine", "out": "fine.txt"})).await;
+    let r = call(
+        &other,
+        "write_text",
+        json!({"session": "b", "text": "fine", "out": "fine.txt"}),
+    )
+    .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("fine.txt").as_deref(), Some("fine"));
 }
@@ -372,12 +553,23 @@ async fn socket_is_private_and_never_stolen() {
     };
     let out = second(&d.socket, &d.dir.path().join("workspace2"));
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("already listening"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("already listening"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = second(&d.dir.path().join("other.sock"), &d.workspace);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("holds this workspace"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("holds this workspace"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let c = d.client().await;
-    assert!(c.list_all_tools().await.is_ok(), "the first daemon still serves");
+    assert!(
+        c.list_all_tools().await.is_ok(),
+        "the first daemon still serves"
+    );
     // A stale socket of a killed daemon is replaced.
     d.kill9();
     assert!(d.socket.exists());
@@ -394,8 +586,12 @@ async fn many_concurrent_connections() {
     for i in 0..64 {
         let socket = d.socket.clone();
         tasks.push(tokio::spawn(async move {
-            let stream = tokio::net::UnixStream::connect(&socket).await.expect("connect");
-            let c = rmcp::ServiceExt::serve((), stream).await.expect("handshake");
+            let stream = tokio::net::UnixStream::connect(&socket)
+                .await
+                .expect("connect");
+            let c = rmcp::ServiceExt::serve((), stream)
+                .await
+                .expect("handshake");
             let r = call(&c, "session_create", json!({"id": format!("conn{i}")})).await;
             assert!(!is_error(&r), "{r}");
             c.list_all_tools().await.expect("list").len()
@@ -406,7 +602,10 @@ async fn many_concurrent_connections() {
     }
     let c = d.client().await;
     let r = call(&c, "session_list", json!({})).await;
-    assert_eq!(r["structuredContent"]["sessions"].as_array().unwrap().len(), 64);
+    assert_eq!(
+        r["structuredContent"]["sessions"].as_array().unwrap().len(),
+        64
+    );
 }
 
 #[tokio::test]
@@ -422,15 +621,50 @@ async fn cli_call_and_connect() {
             .expect("run airlock")
     };
     let out = run(&["call", "session_create", "--arg", "id=cli"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = run(&["call", "write_text", "--session", "cli", "--arg", "text=42", "--arg", "out=cli.txt"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&[
+        "call",
+        "write_text",
+        "--session",
+        "cli",
+        "--arg",
+        "text=42",
+        "--arg",
+        "out=cli.txt",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).expect("call prints JSON");
     assert_eq!(v["structuredContent"]["version"], 1);
-    assert_eq!(d.read("cli.txt").as_deref(), Some("42"), "--arg text=42 stays a string");
-    let out = run(&["call", "counter", "--session", "cli", "--json", r#"{"by": 2}"#]);
+    assert_eq!(
+        d.read("cli.txt").as_deref(),
+        Some("42"),
+        "--arg text=42 stays a string"
+    );
+    let out = run(&[
+        "call",
+        "counter",
+        "--session",
+        "cli",
+        "--json",
+        r#"{"by": 2}"#,
+    ]);
     assert!(out.status.success());
-    let out = run(&["call", "fail_tool", "--session", "cli", "--arg", "out=x.txt"]);
+    let out = run(&[
+        "call",
+        "fail_tool",
+        "--session",
+        "cli",
+        "--arg",
+        "out=x.txt",
+    ]);
     assert_eq!(out.status.code(), Some(1), "a tool error exits 1");
     let v: Value = serde_json::from_slice(&out.stdout).expect("JSON even on error");
     assert_eq!(v["isError"], true);
@@ -475,16 +709,36 @@ fn policy_check_reports_every_error_with_its_place() {
     let p = dir.path();
     std::fs::create_dir_all(p.join("tools")).unwrap();
     std::fs::create_dir_all(p.join("profiles")).unwrap();
-    std::fs::copy(repo().join("policies/profiles/default.toml"), p.join("profiles/default.toml")).unwrap();
+    std::fs::copy(
+        repo().join("policies/profiles/default.toml"),
+        p.join("profiles/default.toml"),
+    )
+    .unwrap();
     std::fs::write(
         p.join("tools/a.toml"),
         "name = \"a\"\ncapability = \"write\"\ncommand = [\"sh\", \"{nope}\"]\ntimeout = \"0s\"\nprofile = \"missing\"\n\n[params.n]\ntype = \"integer\"\npath = \"input\"\n",
     )
     .unwrap();
-    std::fs::write(p.join("tools/b.toml"), "name = \"a\"\ncapability = \"read\"\ncommand = [\"/bin/true\"]\ncolour = 1\n").unwrap();
-    std::fs::write(p.join("tools/c.toml"), "name = \"session_get\"\ncapability = \"read\"\ncommand = [\"/bin/true\"]\n").unwrap();
-    std::fs::write(p.join("tools/d.toml"), "name = \"d\"\ncapability = \"read\"\ncommand = [\"/bin/true\"]\ntimeout = \"soon\"\n").unwrap();
-    let out = std::process::Command::new(BIN).args(["policy", "check", "--policies"]).arg(p).output().unwrap();
+    std::fs::write(
+        p.join("tools/b.toml"),
+        "name = \"a\"\ncapability = \"read\"\ncommand = [\"/bin/true\"]\ncolour = 1\n",
+    )
+    .unwrap();
+    std::fs::write(
+        p.join("tools/c.toml"),
+        "name = \"session_get\"\ncapability = \"read\"\ncommand = [\"/bin/true\"]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        p.join("tools/d.toml"),
+        "name = \"d\"\ncapability = \"read\"\ncommand = [\"/bin/true\"]\ntimeout = \"soon\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["policy", "check", "--policies"])
+        .arg(p)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let s = String::from_utf8_lossy(&out.stdout);
     let a = p.join("tools/a.toml").display().to_string();
@@ -500,7 +754,15 @@ fn policy_check_reports_every_error_with_its_place() {
     ] {
         assert!(s.contains(&want), "missing {want:?} in:\n{s}");
     }
-    let ok = std::process::Command::new(BIN).args(["policy", "check", "--policies"]).arg(repo().join("policies")).output().unwrap();
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stdout));
+    let ok = std::process::Command::new(BIN)
+        .args(["policy", "check", "--policies"])
+        .arg(repo().join("policies"))
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stdout)
+    );
     assert!(String::from_utf8_lossy(&ok.stdout).contains("write_text"));
 }

@@ -41,13 +41,21 @@ pub type Client = RunningService<RoleClient, ()>;
 impl Daemon {
     /// Shipped policies plus `tests/tools/*.toml`.
     pub fn new() -> Daemon {
-        let dir = tempfile::Builder::new().prefix("airlock-test-").tempdir().expect("tempdir");
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let dir = tempfile::Builder::new()
+            .prefix("airlock-test-")
+            .tempdir()
+            .expect("tempdir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod");
         let policies = dir.path().join("policies");
         copy_dir(&repo().join("policies"), &policies);
         for entry in std::fs::read_dir(repo().join("tests/tools")).expect("tests/tools") {
             let p = entry.expect("entry").path();
-            std::fs::copy(&p, policies.join("tools").join(p.file_name().expect("name"))).expect("copy tool");
+            std::fs::copy(
+                &p,
+                policies.join("tools").join(p.file_name().expect("name")),
+            )
+            .expect("copy tool");
         }
         let workspace = dir.path().join("workspace");
         std::fs::create_dir_all(&workspace).expect("workspace");
@@ -110,9 +118,16 @@ impl Daemon {
                 break;
             }
             if let Ok(Some(status)) = child.try_wait() {
-                panic!("airlock serve exited with {status} before listening:\n{}", self.log_text());
+                panic!(
+                    "airlock serve exited with {status} before listening:\n{}",
+                    self.log_text()
+                );
             }
-            assert!(Instant::now() < deadline, "airlock serve did not listen within 20s:\n{}", self.log_text());
+            assert!(
+                Instant::now() < deadline,
+                "airlock serve did not listen within 20s:\n{}",
+                self.log_text()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         self.child = Some(child);
@@ -160,7 +175,9 @@ impl Daemon {
     }
 
     pub async fn client(&self) -> Client {
-        let stream = tokio::net::UnixStream::connect(&self.socket).await.expect("connect");
+        let stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .expect("connect");
         ().serve(stream).await.expect("MCP handshake")
     }
 
@@ -194,7 +211,11 @@ impl Daemon {
 
     /// Adds a tool file to this daemon's policy (before `start`).
     pub fn add_tool(&self, name: &str, toml: &str) {
-        std::fs::write(self.policies.join("tools").join(format!("{name}.toml")), toml).expect("tool");
+        std::fs::write(
+            self.policies.join("tools").join(format!("{name}.toml")),
+            toml,
+        )
+        .expect("tool");
     }
 }
 
@@ -237,13 +258,21 @@ pub fn is_error(r: &Value) -> bool {
 pub fn text(r: &Value) -> String {
     r["content"]
         .as_array()
-        .map(|a| a.iter().filter_map(|c| c["text"].as_str()).collect::<Vec<_>>().join("\n"))
+        .map(|a| {
+            a.iter()
+                .filter_map(|c| c["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
         .unwrap_or_default()
 }
 
 /// The stable error code of a tool fault.
 pub fn code(r: &Value) -> String {
-    r["structuredContent"]["error"]["code"].as_str().unwrap_or("").to_string()
+    r["structuredContent"]["error"]["code"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
 }
 
 pub async fn session(client: &Client, id: &str) -> Value {
@@ -254,12 +283,16 @@ pub async fn session(client: &Client, id: &str) -> Value {
 
 pub async fn version(client: &Client, id: &str) -> u64 {
     let r = call(client, "session_get", json!({"session": id})).await;
-    r["structuredContent"]["version"].as_u64().unwrap_or_else(|| panic!("session_get {id}: {r}"))
+    r["structuredContent"]["version"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("session_get {id}: {r}"))
 }
 
 pub async fn audit(client: &Client) -> Vec<Value> {
     let r = client
-        .read_resource(rmcp::model::ReadResourceRequestParams::new("airlock://audit/events"))
+        .read_resource(rmcp::model::ReadResourceRequestParams::new(
+            "airlock://audit/events",
+        ))
         .await
         .expect("read audit");
     let v = serde_json::to_value(r).expect("json");
@@ -271,7 +304,9 @@ pub async fn audit(client: &Client) -> Vec<Value> {
 pub fn processes_with(needle: &str) -> Vec<i32> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
         if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
             let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
             if cmd.contains(needle) {
@@ -285,7 +320,9 @@ pub fn processes_with(needle: &str) -> Vec<i32> {
 /// Every file under `root` (but job dirs) with its content, for byte-for-byte comparisons.
 pub fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
     fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
-        let Ok(rd) = std::fs::read_dir(dir) else { return };
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
         for e in rd.flatten() {
             let p = e.path();
             let rel = p.strip_prefix(root).unwrap_or(&p).display().to_string();
@@ -294,7 +331,9 @@ pub fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
                 out.push((format!("{rel}/"), Vec::new()));
                 walk(root, &p, out);
             } else if ft.is_symlink() {
-                let t = std::fs::read_link(&p).map(|t| t.display().to_string()).unwrap_or_default();
+                let t = std::fs::read_link(&p)
+                    .map(|t| t.display().to_string())
+                    .unwrap_or_default();
                 out.push((format!("{rel}@"), t.into_bytes()));
             } else {
                 out.push((rel, std::fs::read(&p).unwrap_or_default()));
@@ -316,7 +355,9 @@ pub struct Raw {
 impl Raw {
     pub fn connect(socket: &Path) -> Raw {
         let stream = StdUnixStream::connect(socket).expect("connect");
-        stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
         let reader = BufReader::new(stream.try_clone().expect("clone"));
         Raw { stream, reader }
     }
@@ -333,17 +374,22 @@ impl Raw {
 
     /// The next message, or None if nothing arrives within `timeout`.
     pub fn recv_within(&mut self, timeout: Duration) -> Option<Value> {
-        self.stream.set_read_timeout(Some(timeout)).expect("timeout");
+        self.stream
+            .set_read_timeout(Some(timeout))
+            .expect("timeout");
         let mut line = String::new();
         match self.reader.read_line(&mut line) {
             Ok(0) => None,
-            Ok(_) => Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad line {line:?}: {e}"))),
+            Ok(_) => Some(
+                serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad line {line:?}: {e}")),
+            ),
             Err(_) => None,
         }
     }
 
     pub fn recv(&mut self) -> Value {
-        self.recv_within(Duration::from_secs(30)).expect("a message within 30s")
+        self.recv_within(Duration::from_secs(30))
+            .expect("a message within 30s")
     }
 
     /// The response to request `id`, skipping notifications.
@@ -357,9 +403,11 @@ impl Raw {
     }
 
     pub fn initialize(&mut self) {
-        self.send(&json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        self.send(
+            &json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
             "protocolVersion": "2025-11-25", "capabilities": {},
-            "clientInfo": {"name": "raw-test", "version": "0"}}}));
+            "clientInfo": {"name": "raw-test", "version": "0"}}}),
+        );
         let r = self.response(0);
         assert!(r["result"]["serverInfo"].is_object(), "initialize: {r}");
         self.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
@@ -375,5 +423,8 @@ impl Raw {
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "this test needs root (it runs the daemon as another user); run the suite as root");
+    assert_eq!(
+        euid, 0,
+        "this test needs root (it runs the daemon as another user); run the suite as root"
+    );
 }

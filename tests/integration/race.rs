@@ -31,7 +31,9 @@ async fn point_index(args: &Value, pre: &[(&str, &str)], name: &str) -> u64 {
     let line = text
         .lines()
         .find(|l| l.ends_with(&format!(" {name}")))
-        .unwrap_or_else(|| panic!("no failpoint {name} in:\n{text}\n(built without --features failpoints?)"));
+        .unwrap_or_else(|| {
+            panic!("no failpoint {name} in:\n{text}\n(built without --features failpoints?)")
+        });
     // Counting restarts with each daemon, and the session_create above passed none.
     line.split_whitespace().next().unwrap().parse().unwrap()
 }
@@ -44,7 +46,12 @@ struct Race {
 
 /// Starts a daemon that pauses 1.5 s at failpoint `point`, runs `two_outputs` with `args` in
 /// the background, waits for the pause, runs `attack`, and returns the call's result.
-async fn run_race(args: Value, pre: &[(&str, &str)], point_name: &str, attack: impl FnOnce(&Path, &Path)) -> (Race, Value) {
+async fn run_race(
+    args: Value,
+    pre: &[(&str, &str)],
+    point_name: &str,
+    attack: impl FnOnce(&Path, &Path),
+) -> (Race, Value) {
     let index = point_index(&args, pre, point_name).await;
     let mut d = Daemon::new();
     for (p, c) in pre {
@@ -69,18 +76,33 @@ async fn run_race(args: Value, pre: &[(&str, &str)], point_name: &str, attack: i
     let running = tokio::spawn(async move { call(&c2, "two_outputs", a).await });
     let deadline = Instant::now() + Duration::from_secs(20);
     let want = format!("{index} {point_name}");
-    while !std::fs::read_to_string(&log).unwrap_or_default().lines().any(|l| l == want) {
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l == want)
+    {
         assert!(Instant::now() < deadline, "the daemon never reached {want}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     attack(&d.workspace, &outside);
     let r = running.await.unwrap();
-    (Race { d, outside, outside_before }, r)
+    (
+        Race {
+            d,
+            outside,
+            outside_before,
+        },
+        r,
+    )
 }
 
 impl Race {
     fn assert_outside_untouched(&self) {
-        assert_eq!(snapshot(&self.outside), self.outside_before, "something outside the workspace changed");
+        assert_eq!(
+            snapshot(&self.outside),
+            self.outside_before,
+            "something outside the workspace changed"
+        );
     }
 }
 
@@ -100,14 +122,25 @@ async fn parent_swapped_for_a_symlink_leading_out() {
         })
         .await;
         race.assert_outside_untouched();
-        assert!(!race.outside.join("a.txt").exists(), "published through the symlink ({point})");
+        assert!(
+            !race.outside.join("a.txt").exists(),
+            "published through the symlink ({point})"
+        );
         if is_error(&r) {
             clear_error(&r);
-            assert_eq!(race.d.read("sub.moved/a.txt").as_deref(), Some("old a"), "{point}");
+            assert_eq!(
+                race.d.read("sub.moved/a.txt").as_deref(),
+                Some("old a"),
+                "{point}"
+            );
             assert_eq!(race.d.read("b.txt").as_deref(), Some("old b"), "{point}");
         } else {
             // Published into the directory it resolved, wherever it now is.
-            assert_eq!(race.d.read("sub.moved/a.txt").as_deref(), Some("A\n"), "{point}: {r}");
+            assert_eq!(
+                race.d.read("sub.moved/a.txt").as_deref(),
+                Some("A\n"),
+                "{point}: {r}"
+            );
             assert_eq!(race.d.read("b.txt").as_deref(), Some("B\n"), "{point}");
         }
         assert!(race.d.job_dirs().is_empty());
@@ -117,15 +150,23 @@ async fn parent_swapped_for_a_symlink_leading_out() {
 #[tokio::test]
 async fn target_replaced_by_a_symlink() {
     let pre = [("a.txt", "old a"), ("b.txt", "old b")];
-    let (race, r) = run_race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, outside| {
-        std::fs::remove_file(ws.join("a.txt")).unwrap();
-        std::os::unix::fs::symlink(outside.join("victim.txt"), ws.join("a.txt")).unwrap();
-    })
+    let (race, r) = run_race(
+        json!({"a": "a.txt", "b": "b.txt"}),
+        &pre,
+        "publish.exchange",
+        |ws, outside| {
+            std::fs::remove_file(ws.join("a.txt")).unwrap();
+            std::os::unix::fs::symlink(outside.join("victim.txt"), ws.join("a.txt")).unwrap();
+        },
+    )
     .await;
     race.assert_outside_untouched();
     clear_error(&r);
     // The attacker's symlink is back where it put it, b.txt is the old one.
-    assert!(std::fs::symlink_metadata(race.d.workspace.join("a.txt")).unwrap().file_type().is_symlink());
+    assert!(std::fs::symlink_metadata(race.d.workspace.join("a.txt"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
     assert_eq!(race.d.read("b.txt").as_deref(), Some("old b"));
     assert!(race.d.job_dirs().is_empty());
 }
@@ -133,11 +174,16 @@ async fn target_replaced_by_a_symlink() {
 #[tokio::test]
 async fn target_made_a_directory() {
     let pre = [("a.txt", "old a"), ("b.txt", "old b")];
-    let (race, r) = run_race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, _| {
-        std::fs::remove_file(ws.join("a.txt")).unwrap();
-        std::fs::create_dir(ws.join("a.txt")).unwrap();
-        std::fs::write(ws.join("a.txt/inside"), "attacker").unwrap();
-    })
+    let (race, r) = run_race(
+        json!({"a": "a.txt", "b": "b.txt"}),
+        &pre,
+        "publish.exchange",
+        |ws, _| {
+            std::fs::remove_file(ws.join("a.txt")).unwrap();
+            std::fs::create_dir(ws.join("a.txt")).unwrap();
+            std::fs::write(ws.join("a.txt/inside"), "attacker").unwrap();
+        },
+    )
     .await;
     race.assert_outside_untouched();
     clear_error(&r);
@@ -151,23 +197,37 @@ async fn target_hard_linked() {
     // A hard link inside the workspace: the old inode keeps its other name; publication is
     // correct. A hard link to a file outside: the victim must not be written or moved.
     let pre = [("a.txt", "old a"), ("b.txt", "old b")];
-    let (race, r) = run_race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, _| {
-        std::fs::hard_link(ws.join("a.txt"), ws.join("a-link.txt")).unwrap();
-    })
+    let (race, r) = run_race(
+        json!({"a": "a.txt", "b": "b.txt"}),
+        &pre,
+        "publish.exchange",
+        |ws, _| {
+            std::fs::hard_link(ws.join("a.txt"), ws.join("a-link.txt")).unwrap();
+        },
+    )
     .await;
     race.assert_outside_untouched();
     assert!(!is_error(&r), "{r}");
     assert_eq!(race.d.read("a.txt").as_deref(), Some("A\n"));
     assert_eq!(race.d.read("a-link.txt").as_deref(), Some("old a"));
 
-    let (race, r) = run_race(json!({"a": "a.txt", "b": "b.txt"}), &pre, "publish.exchange", |ws, outside| {
-        std::fs::remove_file(ws.join("a.txt")).unwrap();
-        std::fs::hard_link(outside.join("victim.txt"), ws.join("a.txt")).unwrap();
-    })
+    let (race, r) = run_race(
+        json!({"a": "a.txt", "b": "b.txt"}),
+        &pre,
+        "publish.exchange",
+        |ws, outside| {
+            std::fs::remove_file(ws.join("a.txt")).unwrap();
+            std::fs::hard_link(outside.join("victim.txt"), ws.join("a.txt")).unwrap();
+        },
+    )
     .await;
     race.assert_outside_untouched();
     clear_error(&r);
-    assert_eq!(race.d.read("a.txt").as_deref(), Some("victim"), "the attacker's link is left as it was");
+    assert_eq!(
+        race.d.read("a.txt").as_deref(),
+        Some("victim"),
+        "the attacker's link is left as it was"
+    );
     assert_eq!(race.d.read("b.txt").as_deref(), Some("old b"));
     assert!(race.d.job_dirs().is_empty());
 }

@@ -78,7 +78,11 @@ async fn writes_outside_staging_are_denied() {
     ];
     let script = targets
         .iter()
-        .map(|t| format!("if echo x > '{t}' 2>/dev/null; then echo WROTE '{t}'; else echo denied '{t}'; fi"))
+        .map(|t| {
+            format!(
+                "if echo x > '{t}' 2>/dev/null; then echo WROTE '{t}'; else echo denied '{t}'; fi"
+            )
+        })
         .collect::<Vec<_>>()
         .join("; ");
     let r = sh(&c, &script).await;
@@ -91,8 +95,17 @@ async fn writes_outside_staging_are_denied() {
     }
     assert_eq!(snapshot(&d.workspace), before);
     // Removing and renaming are writes too.
-    let r = sh(&c, &format!("rm -f '{ws}/existing.txt' 2>&1; mv '{ws}/existing.txt' '{ws}/moved' 2>&1; echo end")).await;
-    assert!(text(&r).contains("denied") || text(&r).contains("Permission denied"), "{r}");
+    let r = sh(
+        &c,
+        &format!(
+            "rm -f '{ws}/existing.txt' 2>&1; mv '{ws}/existing.txt' '{ws}/moved' 2>&1; echo end"
+        ),
+    )
+    .await;
+    assert!(
+        text(&r).contains("denied") || text(&r).contains("Permission denied"),
+        "{r}"
+    );
     assert_eq!(snapshot(&d.workspace), before);
 }
 
@@ -103,12 +116,23 @@ async fn undeclared_reads_are_denied() {
     d.write("secret.txt", "top secret");
     let before = snapshot(&d.workspace);
     let ws = d.workspace.display().to_string();
-    let r = sh(&c, &format!("cat '{ws}/secret.txt' 2>&1; ls '{ws}' 2>&1; cat /root/.bash_history 2>&1; echo end")).await;
+    let r = sh(
+        &c,
+        &format!(
+            "cat '{ws}/secret.txt' 2>&1; ls '{ws}' 2>&1; cat /root/.bash_history 2>&1; echo end"
+        ),
+    )
+    .await;
     let out = text(&r);
     assert!(!out.contains("top secret"), "{out}");
     assert!(out.matches("Permission denied").count() >= 2, "{out}");
     // Declared as input, the same file is readable.
-    let r = call(&c, "upper", json!({"session": "h", "source": "secret.txt", "out": "SECRET.txt"})).await;
+    let r = call(
+        &c,
+        "upper",
+        json!({"session": "h", "source": "secret.txt", "out": "SECRET.txt"}),
+    )
+    .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("SECRET.txt").as_deref(), Some("TOP SECRET"));
     let _ = before;
@@ -122,15 +146,27 @@ async fn non_regular_outputs_are_rejected_at_publish() {
     let before = snapshot(&d.workspace);
     for (what, script) in [
         ("symlink", "ln -s /etc/passwd \"$1\""),
-        ("hard link", "echo x > \"$1.other\" && ln \"$1.other\" \"$1\""),
+        (
+            "hard link",
+            "echo x > \"$1.other\" && ln \"$1.other\" \"$1\"",
+        ),
         ("fifo", "mkfifo \"$1\""),
         ("directory", "mkdir \"$1\" && echo x > \"$1/f\""),
         ("missing", "true"),
     ] {
-        let r = call(&c, "run_sh", json!({"session": "h", "script": script, "out": "target.txt"})).await;
+        let r = call(
+            &c,
+            "run_sh",
+            json!({"session": "h", "script": script, "out": "target.txt"}),
+        )
+        .await;
         assert!(is_error(&r), "{what}: {r}");
         assert_eq!(code(&r), "PUBLISH_FAILED", "{what}: {r}");
-        assert_eq!(snapshot(&d.workspace), before, "{what} changed the workspace");
+        assert_eq!(
+            snapshot(&d.workspace),
+            before,
+            "{what} changed the workspace"
+        );
         assert!(d.job_dirs().is_empty(), "{what} left a job dir");
     }
     assert_eq!(version(&c, "h").await, 0);
@@ -191,7 +227,10 @@ async fn abstract_unix_sockets_are_out_of_reach() {
     )
     .await;
     assert!(text(&r).contains("denied 1"), "{r}");
-    assert!(listener.accept().is_err(), "the worker reached an abstract socket");
+    assert!(
+        listener.accept().is_err(),
+        "the worker reached an abstract socket"
+    );
 }
 
 #[tokio::test]
@@ -199,8 +238,16 @@ async fn the_daemon_cannot_be_signalled_or_traced() {
     let mut d = hostile_daemon();
     let c = started(&mut d).await;
     let pid = d.pid();
-    let r = sh(&c, &format!("kill -TERM {pid} 2>&1; kill -KILL {pid} 2>&1; echo end")).await;
-    assert_eq!(text(&r).matches("Operation not permitted").count(), 2, "{r}");
+    let r = sh(
+        &c,
+        &format!("kill -TERM {pid} 2>&1; kill -KILL {pid} 2>&1; echo end"),
+    )
+    .await;
+    assert_eq!(
+        text(&r).matches("Operation not permitted").count(),
+        2,
+        "{r}"
+    );
     let r = py(
         &c,
         &format!(
@@ -209,7 +256,10 @@ async fn the_daemon_cannot_be_signalled_or_traced() {
     )
     .await;
     let out = text(&r);
-    assert!(out.contains("attach -1 1") && out.contains("traceme -1 1"), "{out}");
+    assert!(
+        out.contains("attach -1 1") && out.contains("traceme -1 1"),
+        "{out}"
+    );
     // Still alive and serving.
     assert_eq!(version(&c, "h").await, 2);
     assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none());
@@ -219,9 +269,16 @@ async fn the_daemon_cannot_be_signalled_or_traced() {
 async fn namespaces_mounts_and_io_uring_are_denied() {
     let mut d = hostile_daemon();
     let c = started(&mut d).await;
-    let r = sh(&c, "unshare -U true 2>&1; echo unshare=$?; mount -t tmpfs tmpfs /mnt 2>&1; echo mount=$?").await;
+    let r = sh(
+        &c,
+        "unshare -U true 2>&1; echo unshare=$?; mount -t tmpfs tmpfs /mnt 2>&1; echo mount=$?",
+    )
+    .await;
     let out = text(&r);
-    assert!(!out.contains("unshare=0") && !out.contains("mount=0"), "{out}");
+    assert!(
+        !out.contains("unshare=0") && !out.contains("mount=0"),
+        "{out}"
+    );
     let r = py(
         &c,
         "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(120)\nr = libc.syscall(425, 4, buf)\nprint('io_uring_setup', r, ctypes.get_errno())\nr = libc.syscall(272, 0x10000000)\nprint('unshare', r, ctypes.get_errno())\n",
@@ -239,8 +296,14 @@ async fn setsid_and_double_fork_cannot_escape_the_group() {
     let c = started(&mut d).await;
     let r = sh(&c, "setsid sleep 31.51 & (sleep 31.52 &); python3 -c 'import os; os.setpgid(0, 0)' 2>&1; sleep 30").await;
     assert_eq!(code(&r), "TOOL_TIMEOUT", "{r}");
-    assert!(processes_with("sleep 31.51").is_empty(), "setsid'd sleeper survived");
-    assert!(processes_with("sleep 31.52").is_empty(), "double-forked sleeper survived");
+    assert!(
+        processes_with("sleep 31.51").is_empty(),
+        "setsid'd sleeper survived"
+    );
+    assert!(
+        processes_with("sleep 31.52").is_empty(),
+        "double-forked sleeper survived"
+    );
     assert!(d.job_dirs().is_empty());
 }
 
@@ -252,8 +315,18 @@ async fn sigterm_ignorers_are_killed_after_the_grace() {
     assert_eq!(code(&r), "TOOL_TIMEOUT", "{r}");
     assert!(processes_with("sleep 31.61").is_empty() && processes_with("sleep 31.62").is_empty());
     let events = audit(&c).await;
-    let sb = events.iter().rev().find(|e| e["tool"] == "run_sh" && e["kind"] == "sandbox").expect("sandbox event");
-    assert!(sb["detail"]["end"].as_str().unwrap_or("").contains("TimedOut"), "{sb}");
+    let sb = events
+        .iter()
+        .rev()
+        .find(|e| e["tool"] == "run_sh" && e["kind"] == "sandbox")
+        .expect("sandbox event");
+    assert!(
+        sb["detail"]["end"]
+            .as_str()
+            .unwrap_or("")
+            .contains("TimedOut"),
+        "{sb}"
+    );
 }
 
 #[tokio::test]
@@ -261,10 +334,18 @@ async fn huge_output_is_capped_and_marked() {
     let mut d = hostile_daemon();
     let c = started(&mut d).await;
     let r = sh(&c, "head -c 104857600 /dev/zero | tr '\\0' a").await;
-    assert!(!is_error(&r), "{}", &r.to_string()[..200.min(r.to_string().len())]);
+    assert!(
+        !is_error(&r),
+        "{}",
+        &r.to_string()[..200.min(r.to_string().len())]
+    );
     let out = text(&r);
     assert!(out.len() < 2 * 1024 * 1024, "kept {} bytes", out.len());
-    assert!(out.contains("stdout truncated") && out.contains("104857600"), "{}", &out[out.len() - 200..]);
+    assert!(
+        out.contains("stdout truncated") && out.contains("104857600"),
+        "{}",
+        &out[out.len() - 200..]
+    );
     // The daemon did not buffer 100 MiB.
     let status = std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap();
     let hwm: u64 = status
@@ -290,9 +371,21 @@ async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
     let mut d = hostile_daemon();
     let c = started(&mut d).await;
     // From inside.
-    let r = sh(&c, "grep -E '^(NoNewPrivs|Seccomp|CapEff|CapPrm|CapBnd|CapAmb|CapInh):' /proc/self/status").await;
+    let r = sh(
+        &c,
+        "grep -E '^(NoNewPrivs|Seccomp|CapEff|CapPrm|CapBnd|CapAmb|CapInh):' /proc/self/status",
+    )
+    .await;
     let out = text(&r);
-    for want in ["NoNewPrivs:\t1", "Seccomp:\t2", "CapEff:\t0000000000000000", "CapPrm:\t0000000000000000", "CapBnd:\t0000000000000000", "CapAmb:\t0000000000000000", "CapInh:\t0000000000000000"] {
+    for want in [
+        "NoNewPrivs:\t1",
+        "Seccomp:\t2",
+        "CapEff:\t0000000000000000",
+        "CapPrm:\t0000000000000000",
+        "CapBnd:\t0000000000000000",
+        "CapAmb:\t0000000000000000",
+        "CapInh:\t0000000000000000",
+    ] {
         assert!(out.contains(want), "missing {want:?} in {out}");
     }
     // From outside, on a running worker found through the audit's pid.
@@ -302,8 +395,17 @@ async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let pid = loop {
         let events = audit(&c).await;
-        if let Some(e) = events.iter().rev().find(|e| e["kind"] == "spawned" && e["tool"] == "run_sh") {
-            if events.iter().filter(|x| x["tool"] == "run_sh" && x["kind"] == "spawned").count() == 2 {
+        if let Some(e) = events
+            .iter()
+            .rev()
+            .find(|e| e["kind"] == "spawned" && e["tool"] == "run_sh")
+        {
+            if events
+                .iter()
+                .filter(|x| x["tool"] == "run_sh" && x["kind"] == "spawned")
+                .count()
+                == 2
+            {
                 break e["detail"]["pid"].as_u64().unwrap();
             }
         }
@@ -311,13 +413,31 @@ async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("worker status");
-    assert!(status.contains("NoNewPrivs:\t1") && status.contains("Seccomp:\t2") && status.contains("CapEff:\t0000000000000000"), "{status}");
+    assert!(
+        status.contains("NoNewPrivs:\t1")
+            && status.contains("Seccomp:\t2")
+            && status.contains("CapEff:\t0000000000000000"),
+        "{status}"
+    );
     assert!(!is_error(&running.await.unwrap()));
     // The enforcement is recorded with the call.
     let events = audit(&c).await;
-    let sb = events.iter().rev().find(|e| e["kind"] == "sandbox").unwrap();
-    assert_eq!(sb["detail"]["enforcement"]["landlock"], "fully_enforced", "{sb}");
-    assert!(sb["detail"]["enforcement"]["landlock_abi"].as_u64().unwrap() >= 6, "{sb}");
+    let sb = events
+        .iter()
+        .rev()
+        .find(|e| e["kind"] == "sandbox")
+        .unwrap();
+    assert_eq!(
+        sb["detail"]["enforcement"]["landlock"], "fully_enforced",
+        "{sb}"
+    );
+    assert!(
+        sb["detail"]["enforcement"]["landlock_abi"]
+            .as_u64()
+            .unwrap()
+            >= 6,
+        "{sb}"
+    );
 }
 
 #[tokio::test]
@@ -332,12 +452,25 @@ async fn setuid_binaries_grant_nothing() {
     std::fs::set_permissions(&suid, std::fs::Permissions::from_mode(0o4755)).unwrap();
     let profile = d.policies.join("profiles/default.toml");
     let text_ = std::fs::read_to_string(&profile).unwrap();
-    let text_ = text_.replace("exec = [\"/usr\"", &format!("exec = [\"{}\", \"/usr\"", bin.display()));
+    let text_ = text_.replace(
+        "exec = [\"/usr\"",
+        &format!("exec = [\"{}\", \"/usr\"", bin.display()),
+    );
     std::fs::write(&profile, text_).unwrap();
     let c = started(&mut d).await;
-    let r = sh(&c, &format!("'{}' /proc/self/status | grep -E '^(Uid|CapEff|NoNewPrivs):'", suid.display())).await;
+    let r = sh(
+        &c,
+        &format!(
+            "'{}' /proc/self/status | grep -E '^(Uid|CapEff|NoNewPrivs):'",
+            suid.display()
+        ),
+    )
+    .await;
     let out = text(&r);
-    assert!(out.contains("CapEff:\t0000000000000000") && out.contains("NoNewPrivs:\t1"), "{out}");
+    assert!(
+        out.contains("CapEff:\t0000000000000000") && out.contains("NoNewPrivs:\t1"),
+        "{out}"
+    );
     // Also /usr/bin/su, a real setuid program.
     let r = sh(&c, "/usr/bin/su -c id nobody 2>&1; echo su=$?").await;
     assert!(!text(&r).contains("su=0"), "{r}");
@@ -354,7 +487,10 @@ async fn fork_bombs_are_bounded_for_an_unprivileged_daemon() {
     let c = started(&mut d).await;
     let r = sh(&c, "b() { b | b & }; b; sleep 5 # fork-bomb-marker").await;
     assert!(is_error(&r), "{r}");
-    assert!(processes_with("fork-bomb-marker").is_empty(), "fork bomb processes survived");
+    assert!(
+        processes_with("fork-bomb-marker").is_empty(),
+        "fork bomb processes survived"
+    );
     // The bound itself: forking stops at the profile's `processes` (64) more than the uid had.
     let r = py(
         &c,
@@ -362,17 +498,30 @@ async fn fork_bombs_are_bounded_for_an_unprivileged_daemon() {
     )
     .await;
     let out = text(&r);
-    let forks: u32 = out.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{r}"));
+    let forks: u32 = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{r}"));
     assert!(forks <= 64 && out.contains("errno 11"), "{out}");
     // The daemon is unaffected: the next call works.
-    let r = call(&c, "write_text", json!({"session": "h", "text": "after", "out": "after.txt"})).await;
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "h", "text": "after", "out": "after.txt"}),
+    )
+    .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("after.txt").as_deref(), Some("after"));
 }
 
 /// Hands the daemon's test dir to `nobody`, so the daemon can run as that user.
 pub fn give_to_nobody(d: &Daemon) {
-    let status = std::process::Command::new("chown").args(["-R", "65534:65534"]).arg(d.dir.path()).status().unwrap();
+    let status = std::process::Command::new("chown")
+        .args(["-R", "65534:65534"])
+        .arg(d.dir.path())
+        .status()
+        .unwrap();
     assert!(status.success());
 }
 
@@ -390,20 +539,37 @@ async fn the_daemon_and_its_sandbox_work_unprivileged() {
         .unwrap()
         .to_string();
     assert!(uid_line.contains("65534"), "{uid_line}");
-    let r = call(&c, "write_text", json!({"session": "h", "text": "as nobody", "out": "n/nobody.txt"})).await;
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "h", "text": "as nobody", "out": "n/nobody.txt"}),
+    )
+    .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("n/nobody.txt").as_deref(), Some("as nobody"));
     let r = call(&c, "counter", json!({"session": "h", "by": 3})).await;
     assert!(!is_error(&r), "{r}");
     let ws = d.workspace.display().to_string();
-    let r = sh(&c, &format!("{{ echo x > '{ws}/pwned'; }} 2>&1; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status")).await;
+    let r = sh(
+        &c,
+        &format!(
+            "{{ echo x > '{ws}/pwned'; }} 2>&1; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status"
+        ),
+    )
+    .await;
     let out = text(&r);
-    assert!(out.contains("Permission denied") && out.contains("Seccomp:\t2"), "{out}");
+    assert!(
+        out.contains("Permission denied") && out.contains("Seccomp:\t2"),
+        "{out}"
+    );
     assert!(d.read("pwned").is_none());
     let r = sh(&c, "sleep 30").await;
     assert_eq!(code(&r), "TOOL_TIMEOUT");
     assert_eq!(version(&c, "h").await, 3);
     let mut log = String::new();
-    std::fs::File::open(&d.log).unwrap().read_to_string(&mut log).unwrap();
+    std::fs::File::open(&d.log)
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
     assert!(!log.contains("panicked"), "{log}");
 }
