@@ -274,7 +274,6 @@ fn policy_explain(dir: &Path, name: &str) -> i32 {
     }
     match policy.profiles.get(&ext.profile) {
         Some(profile) => {
-            println!("profile {}", ext.profile);
             print!("{}", crate::sandbox::explain(profile));
         }
         None => println!("profile {}: missing", ext.profile),

@@ -336,7 +336,14 @@ struct RawSeccomp {
     mode: SeccompMode,
     syscalls: Vec<Spanned<String>>,
     errno: Option<Spanned<String>>,
+    /// Syscalls added on one architecture only (`x86_64 = [...]`, `aarch64 = [...]`): the
+    /// legacy calls x86_64 has and aarch64 does not (`open`, `stat`, `fork`, ...).
+    #[serde(default)]
+    arch: BTreeMap<String, Spanned<Vec<Spanned<String>>>>,
 }
+
+/// The architectures a profile may name in `[seccomp.arch]`.
+const ARCHES: &[&str] = &["x86_64", "aarch64"];
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -436,19 +443,40 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
                 }
                 e.into_inner()
             });
-            for sc in &s.syscalls {
+            let mut names = s.syscalls;
+            for (arch, list) in s.arch {
+                if !ARCHES.contains(&arch.as_str()) {
+                    cx.at(
+                        path,
+                        &text,
+                        list.span(),
+                        format!(
+                            "unknown architecture {arch:?} (known: {})",
+                            ARCHES.join(", ")
+                        ),
+                    );
+                } else if arch == std::env::consts::ARCH {
+                    // Only this machine's list can be checked; another's is kept unread.
+                    names.extend(list.into_inner());
+                }
+            }
+            for sc in &names {
                 if crate::sandbox::syscall_known(sc.get_ref()).is_none() {
                     cx.at(
                         path,
                         &text,
                         sc.span(),
-                        format!("unknown syscall {:?} on this architecture", sc.get_ref()),
+                        format!(
+                            "unknown syscall {:?} on {} (list one architecture's syscalls under [seccomp.arch])",
+                            sc.get_ref(),
+                            std::env::consts::ARCH
+                        ),
                     );
                 }
             }
             SeccompProfile {
                 mode: s.mode,
-                syscalls: s.syscalls.into_iter().map(Spanned::into_inner).collect(),
+                syscalls: names.into_iter().map(Spanned::into_inner).collect(),
                 errno: errno.unwrap_or_else(|| "EPERM".into()),
             }
         }

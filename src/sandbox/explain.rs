@@ -81,6 +81,11 @@ pub fn explain(profile: &Profile) -> String {
         }
         SeccompMode::Allow => {
             let _ = writeln!(s, "  denied by default with {}; allowed: {list}", sc.errno);
+            let _ = writeln!(
+                s,
+                "  also allowed: {} (the launcher installs the filters, then execs the tool)",
+                super::seccomp::ALLOW_LIST_ALWAYS.join(", ")
+            );
             if !sc.syscalls.iter().any(|n| n == "clone3") {
                 let _ = writeln!(
                     s,

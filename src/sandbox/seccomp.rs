@@ -74,6 +74,9 @@ pub(crate) fn errno_number(name: &str) -> Option<i32> {
 /// process group (or session) would take a process out of reach of kill-and-confirm.
 pub(crate) const CONTAINMENT: &[&str] = &["setsid", "setpgid"];
 
+/// Syscalls an allow list always includes: the launcher needs them after installing it.
+pub(crate) const ALLOW_LIST_ALWAYS: &[&str] = &["seccomp", "execve"];
+
 /// The filters for `profile`, in installation order.
 pub(crate) fn build(profile: &Profile) -> Result<Vec<BpfProgram>, SeccompError> {
     let arch = target_arch()?;
@@ -110,7 +113,11 @@ pub(crate) fn build(profile: &Profile) -> Result<Vec<BpfProgram>, SeccompError> 
     for name in &profile.seccomp.syscalls {
         listed.insert(number(name)?, Vec::<SeccompRule>::new());
     }
-    let clone3_listed = listed.remove(&clone3).is_some();
+    let clone3_listed = listed.contains_key(&clone3);
+    if profile.seccomp.mode == SeccompMode::Deny {
+        // A denied clone3 gets ENOSYS from its own filter, not the profile's errno.
+        listed.remove(&clone3);
+    }
     match profile.seccomp.mode {
         SeccompMode::Deny => {
             if !listed.is_empty() {
@@ -123,6 +130,11 @@ pub(crate) fn build(profile: &Profile) -> Result<Vec<BpfProgram>, SeccompError> 
             }
         }
         SeccompMode::Allow => {
+            // The launcher still has to install the filters after this one and then execve
+            // the tool. Allowing `seccomp` costs nothing: a filter can only narrow rights.
+            for name in ALLOW_LIST_ALWAYS {
+                listed.insert(number(name)?, Vec::new());
+            }
             programs.push(compile(
                 "profile",
                 listed,

@@ -573,3 +573,89 @@ async fn the_daemon_and_its_sandbox_work_unprivileged() {
         .unwrap();
     assert!(!log.contains("panicked"), "{log}");
 }
+
+#[tokio::test]
+async fn the_strict_profile_runs_shell_coreutils_and_python_tools() {
+    let mut d = hostile_daemon();
+    // Every shipped tool, again under the strict (allow-list) profile.
+    for name in ["write_text", "upper", "archive", "counter"] {
+        let src = std::fs::read_to_string(d.policies.join(format!("tools/{name}.toml"))).unwrap();
+        let mut strict = src.replace(
+            &format!("name = \"{name}\""),
+            &format!("name = \"{name}_strict\""),
+        );
+        strict = if strict.contains("profile = \"default\"") {
+            strict.replace("profile = \"default\"", "profile = \"strict\"")
+        } else {
+            strict.replacen(
+                "capability = \"write\"",
+                "capability = \"write\"\nprofile = \"strict\"",
+                1,
+            )
+        };
+        d.add_tool(&format!("{name}_strict"), &strict);
+    }
+    d.add_tool(
+        "probe_strict",
+        r#"name = "probe_strict"
+capability = "write"
+profile = "strict"
+command = ["/usr/bin/python3", "-I", "-c", "{code}"]
+[params.code]
+type = "string"
+"#,
+    );
+    let c = started(&mut d).await;
+    let ok = |r: &Value| assert!(!is_error(r), "{r}");
+    ok(&call(
+        &c,
+        "write_text_strict",
+        json!({"session": "h", "text": "strict text", "out": "s/a.txt"}),
+    )
+    .await);
+    assert_eq!(d.read("s/a.txt").as_deref(), Some("strict text"));
+    ok(&call(
+        &c,
+        "upper_strict",
+        json!({"session": "h", "source": "s/a.txt", "out": "s/b.txt"}),
+    )
+    .await);
+    assert_eq!(d.read("s/b.txt").as_deref(), Some("STRICT TEXT"));
+    ok(&call(
+        &c,
+        "archive_strict",
+        json!({"session": "h", "source": "s", "out": "s.tar"}),
+    )
+    .await);
+    let listing = std::process::Command::new("tar")
+        .arg("-tf")
+        .arg(d.workspace.join("s.tar"))
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    assert!(
+        listing.contains("s/a.txt") && listing.contains("s/b.txt"),
+        "{listing}"
+    );
+    ok(&call(
+        &c,
+        "counter_strict",
+        json!({"session": "h", "by": 2, "note": "s/n.txt"}),
+    )
+    .await);
+    assert_eq!(d.read("s/n.txt").as_deref(), Some("counter=2\n"));
+    // Outside the list: EPERM; clone3: ENOSYS, so glibc falls back to clone.
+    let r = call(
+        &c,
+        "probe_strict",
+        json!({"session": "h", "code": "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nr = libc.syscall(162)\nprint('sync', r, ctypes.get_errno())\nr = libc.syscall(435, 0, 0)\nprint('clone3', r, ctypes.get_errno())\nprint('fork', os.fork() > 0 or os._exit(0))\n"}),
+    )
+    .await;
+    let out = text(&r);
+    #[cfg(target_arch = "x86_64")]
+    assert!(out.contains("sync -1 1"), "{out}");
+    assert!(
+        out.contains("clone3 -1 38") && out.contains("fork True"),
+        "{out}"
+    );
+}
