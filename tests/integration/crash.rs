@@ -406,3 +406,78 @@ async fn crash_points_state_and_output_together() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn offline_recover_rolls_back_and_is_idempotent() {
+    let s = Scenario {
+        name: "offline recover",
+        tool: "two_outputs",
+        args: json!({"a": "r/a.txt", "b": "b.txt"}),
+        pre: &[("b.txt", "old b")],
+    };
+    let t = Template::new(&s).await;
+    // Find the first point after both targets are in place (the committing_state journal).
+    let mut d = t.fresh();
+    let log = d.dir.path().join("points.log");
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    assert!(!is_error(&try_call(&d, &s).await.unwrap()));
+    d.stop();
+    let points = std::fs::read_to_string(&log).unwrap();
+    let renames: Vec<usize> = points
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("publish.exchange") || l.contains("publish.rename_noreplace"))
+        .map(|(i, _)| i)
+        .collect();
+    let crash_at = renames.last().unwrap() + 1;
+
+    let mut d = t.fresh();
+    d.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), crash_at.to_string())];
+    d.start();
+    let _ = try_call(&d, &s).await;
+    assert!(
+        d.wait_exit(Duration::from_secs(10)).is_some(),
+        "no crash at {crash_at}"
+    );
+    assert_eq!(
+        d.read("b.txt").as_deref(),
+        Some("B\n"),
+        "the crash left the new file in place"
+    );
+    assert_eq!(d.job_dirs().len(), 1);
+    let (policies, workspace, state) = (d.policies.clone(), d.workspace.clone(), d.state.clone());
+    let recover = || {
+        Command::new(BIN)
+            .args(["recover", "--policies"])
+            .arg(&policies)
+            .arg("--workspace")
+            .arg(&workspace)
+            .arg("--state-dir")
+            .arg(&state)
+            .output()
+            .unwrap()
+    };
+    let out = recover();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("rolled back") && stdout.contains("recovered 1 job(s)"),
+        "{stdout}"
+    );
+    assert_eq!(tree(&d.workspace), t.before);
+    let out = recover();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("recovered 0 job(s)"));
+    // Never while a daemon holds the workspace.
+    d.env.clear();
+    d.start();
+    let out = recover();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("holds this workspace"));
+    let c = d.client().await;
+    assert_eq!(session_of(&c).await, t.before_session);
+}

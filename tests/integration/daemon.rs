@@ -387,11 +387,11 @@ async fn cancellation_kills_the_worker_and_sends_no_response() {
     raw.call(
         7,
         "slow_write",
-        json!({"session": "c", "seconds": 30, "out": "out.txt"}),
+        json!({"session": "c", "seconds": 30.01, "out": "out.txt"}),
     );
     // Wait until the worker runs.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while processes_with("sleep 30").is_empty() {
+    while processes_with("sleep 30.01").is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
             "the worker never started"
@@ -419,7 +419,7 @@ async fn cancellation_kills_the_worker_and_sends_no_response() {
         "got {next} before the ping's response: a cancelled id was answered"
     );
     assert!(raw.recv_within(Duration::from_millis(500)).is_none());
-    assert!(processes_with("sleep 30").is_empty());
+    assert!(processes_with("sleep 30.01").is_empty());
     assert_eq!(snapshot(&d.workspace), before);
     assert_eq!(version(&c, "c").await, 0);
     assert!(d.job_dirs().is_empty());
@@ -765,4 +765,124 @@ fn policy_check_reports_every_error_with_its_place() {
         String::from_utf8_lossy(&ok.stdout)
     );
     assert!(String::from_utf8_lossy(&ok.stdout).contains("write_text"));
+}
+
+#[tokio::test]
+async fn shutdown_cancels_running_calls_and_publishes_nothing() {
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "sd").await;
+    d.write("out.txt", "old");
+    let before = snapshot(&d.workspace);
+    let c = std::sync::Arc::new(c);
+    let c2 = c.clone();
+    let running = tokio::spawn(async move {
+        let a = args(json!({"session": "sd", "seconds": 30.02, "out": "out.txt"}));
+        c2.call_tool(rmcp::model::CallToolRequestParams::new("slow_write").with_arguments(a))
+            .await
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while processes_with("sleep 30.02").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = d.stop();
+    assert!(status.success(), "daemon exit: {status}\n{}", d.log_text());
+    assert!(
+        running.await.unwrap().is_err(),
+        "a call cut by shutdown has no successful result"
+    );
+    assert!(
+        processes_with("sleep 30.02").is_empty(),
+        "the worker outlived the daemon's shutdown"
+    );
+    assert_eq!(snapshot(&d.workspace), before);
+    assert!(d.job_dirs().is_empty());
+    assert!(!d.socket.exists(), "the socket file is removed at shutdown");
+    d.start();
+    let c = d.client().await;
+    assert_eq!(version(&c, "sd").await, 0);
+}
+
+#[tokio::test]
+async fn delegated_cgroup_contains_each_worker() {
+    require_root();
+    let root = std::path::Path::new("/sys/fs/cgroup/unified");
+    assert!(
+        root.join("cgroup.procs").exists(),
+        "this test needs cgroup v2 at {}",
+        root.display()
+    );
+    let parent = root.join(format!("airlock-test-{}", std::process::id()));
+    std::fs::create_dir_all(&parent).expect("create the delegated cgroup");
+    let mut d = Daemon::new();
+    let conf = d.policies.join("airlock.toml");
+    let text_ = std::fs::read_to_string(&conf).unwrap();
+    std::fs::write(
+        &conf,
+        format!("{text_}\n").replace(
+            "# cgroup = ",
+            &format!("cgroup = \"{}\"\n# ", parent.display()),
+        ),
+    )
+    .unwrap();
+    d.start();
+    let c = d.client().await;
+    session(&c, "cg").await;
+    let r = call(&c, "forker_ok", json!({"session": "cg", "out": "cg.txt"})).await;
+    assert!(!is_error(&r), "{r}");
+    let events = audit(&c).await;
+    let sb = events
+        .iter()
+        .rev()
+        .find(|e| e["kind"] == "sandbox")
+        .unwrap();
+    assert_eq!(sb["detail"]["enforcement"]["containment"], "cgroup", "{sb}");
+    assert!(processes_with("sleep 31.88").is_empty());
+    let left: Vec<_> = std::fs::read_dir(&parent)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .collect();
+    assert!(left.is_empty(), "worker cgroups left behind: {left:?}");
+    d.stop();
+    let _ = std::fs::remove_dir(&parent);
+}
+
+#[test]
+fn policy_explain_shows_the_effective_sandbox() {
+    let out = std::process::Command::new(BIN)
+        .args(["policy", "explain", "upper", "--policies"])
+        .arg(repo().join("policies"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let s = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "timeout:  20s",
+        "param source: workspace path, readable by the worker",
+        "staging dir of the call",
+        "/usr                        read+exec",
+        "/etc                        read",
+        "/dev/null                   read+write",
+        "denied with EPERM: ptrace",
+        "io_uring_setup",
+        "socket() with a domain other than AF_UNIX fails with EPERM",
+        "RLIMIT_AS",
+        "kept from the daemon: LANG, LC_ALL, TZ",
+        "2s grace",
+    ] {
+        assert!(s.contains(want), "missing {want:?} in:\n{s}");
+    }
+    let out = std::process::Command::new(BIN)
+        .args(["policy", "explain", "nope", "--policies"])
+        .arg(repo().join("policies"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no tool \"nope\""));
 }
