@@ -4,12 +4,11 @@
 //! Run with `cargo test --test sandbox_smoke`. Tests that need a kernel feature or root check
 //! for it and fail with a message saying what is missing; none passes silently.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use airlock::policy::{EnvProfile, LandlockProfile, Limits, Profile, SeccompMode, SeccompProfile};
+use airlock::policy::{Limits, Profile};
 use airlock::sandbox::{self, End, Launch, Outcome, SandboxError, Worker};
 use tokio_util::sync::CancellationToken;
 
@@ -56,63 +55,13 @@ fn require_root() {
     );
 }
 
+/// The shipped `default` profile, with a short grace so the SIGTERM tests are quick.
 fn profile() -> Profile {
-    let paths = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
-    Profile {
-        name: "smoke".into(),
-        landlock: LandlockProfile {
-            abi: 6,
-            best_effort: false,
-            // /dev/zero: for the 100 MiB output test.
-            read: paths(&["/usr", "/bin", "/lib", "/lib64", "/etc", "/dev/zero"]),
-            exec: paths(&["/usr", "/bin", "/lib", "/lib64"]),
-            write: paths(&["/dev/null"]),
-        },
-        seccomp: SeccompProfile {
-            mode: SeccompMode::Deny,
-            syscalls: [
-                "ptrace",
-                "process_vm_readv",
-                "process_vm_writev",
-                "mount",
-                "umount2",
-                "pivot_root",
-                "chroot",
-                "unshare",
-                "setns",
-                "bpf",
-                "perf_event_open",
-                "kexec_load",
-                "kexec_file_load",
-                "init_module",
-                "finit_module",
-                "delete_module",
-                "keyctl",
-                "add_key",
-                "request_key",
-                "userfaultfd",
-                "io_uring_setup",
-                "io_uring_enter",
-                "io_uring_register",
-                "personality",
-                "setsid",
-                "setpgid",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-            errno: "EPERM".into(),
-        },
-        network: false,
-        limits: Limits {
-            grace: Duration::from_millis(500),
-            ..Limits::default()
-        },
-        env: EnvProfile {
-            keep: vec!["PATH".into(), "LANG".into()],
-            set: BTreeMap::from([("PATH".to_string(), "/usr/bin:/bin".to_string())]),
-        },
-    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+    let policy = airlock::policy::load(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let mut p = policy.profiles["default"].clone();
+    p.limits.grace = Duration::from_millis(500);
+    p
 }
 
 fn launch(argv: &[&str], staging: &Path) -> Launch {
@@ -190,6 +139,8 @@ fn stdin_is_fed_and_env_is_clean() {
     require_landlock(6);
     rt().block_on(async {
         let dir = tempdir();
+        std::env::set_var("AIRLOCK_SMOKE_SECRET", "must not reach the tool");
+        std::env::set_var("TZ", "UTC");
         let mut l = sh("cat; /usr/bin/env", dir.path());
         l.stdin = b"hello from stdin\n".to_vec();
         let o = run(l, Duration::from_secs(10)).await;
@@ -199,13 +150,27 @@ fn stdin_is_fed_and_env_is_clean() {
         assert_eq!(lines.next(), Some("hello from stdin"));
         for var in lines {
             let name = var.split('=').next().unwrap_or("");
+            // The profile keeps LANG, LC_ALL, TZ and sets PATH, HOME, PYTHONDONTWRITEBYTECODE;
             // PWD is set by the shell itself.
             assert!(
-                ["PATH", "LANG", "PWD"].contains(&name),
+                [
+                    "PATH",
+                    "HOME",
+                    "PYTHONDONTWRITEBYTECODE",
+                    "LANG",
+                    "LC_ALL",
+                    "TZ",
+                    "PWD"
+                ]
+                .contains(&name),
                 "unexpected variable in the tool's env: {var}"
             );
         }
-        assert!(out.contains("PATH=/usr/bin:/bin\n"), "{out}");
+        assert!(out.contains("PATH=/usr/local/bin:/usr/bin:/bin\n"), "{out}");
+        assert!(
+            out.contains("TZ=UTC\n") && !out.contains("AIRLOCK_SMOKE_SECRET"),
+            "{out}"
+        );
     });
 }
 

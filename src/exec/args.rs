@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::policy::{ParamType, Tool};
+use crate::policy::{ParamType, PathRole, Tool};
 
 /// Checks `args` against the tool's declared params: no unknown names, every required one
 /// present, every value of its declared type. Returns the arguments with defaults applied
@@ -152,15 +152,60 @@ pub fn substitute(command: &[String], values: &BTreeMap<String, String>) -> Vec<
     argv
 }
 
-/// Joins a validated workspace-relative path to the root.
-pub fn absolute(root: &Path, rel: &Path) -> PathBuf {
-    root.join(rel)
+/// One call's arguments as the worker sees them.
+#[derive(Debug, Default, PartialEq)]
+pub struct Bound {
+    /// Placeholder name to text (`{session}` included).
+    pub subst: BTreeMap<String, String>,
+    /// The arguments of a `json` request, path arguments rewritten.
+    pub arguments: Map<String, Value>,
+    /// The input paths the worker may read.
+    pub readable: Vec<PathBuf>,
+}
+
+/// Binds validated arguments: an input path becomes its absolute path in the workspace (and
+/// readable), output `i` (in `paths` order) becomes `staged(i)`, anything else its text.
+pub fn bind(
+    values: &Map<String, Value>,
+    paths: &[(String, PathRole, PathBuf)],
+    root: &Path,
+    session: Option<&str>,
+    mut staged: impl FnMut(usize) -> PathBuf,
+) -> Bound {
+    let mut b = Bound {
+        arguments: values.clone(),
+        ..Bound::default()
+    };
+    if let Some(s) = session {
+        b.subst.insert("session".to_string(), s.to_string());
+    }
+    for (name, v) in values {
+        b.subst.insert(name.clone(), render(v));
+    }
+    let mut outputs = 0;
+    for (name, role, rel) in paths {
+        let abs = match role {
+            PathRole::Input => {
+                let abs = root.join(rel);
+                b.readable.push(abs.clone());
+                abs
+            }
+            PathRole::Output => {
+                outputs += 1;
+                staged(outputs - 1)
+            }
+        };
+        let text = abs.display().to_string();
+        b.subst.insert(name.clone(), text.clone());
+        b.arguments.insert(name.clone(), text.into());
+    }
+    b
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{Annotations, Capability, Param, PathRole};
+    use crate::policy::{Annotations, Capability, Param};
 
     fn tool() -> Tool {
         let mut params = std::collections::BTreeMap::new();
@@ -234,6 +279,29 @@ mod tests {
         assert!(check_overlap(&[p("a", "x/y"), p("b", "x/y")]).is_err());
         assert!(check_overlap(&[p("a", "x"), p("b", "x/y")]).is_err());
         assert!(check_overlap(&[p("a", "xy"), p("b", "x")]).is_ok());
+    }
+
+    #[test]
+    fn binding_rewrites_paths() {
+        let values = obj(serde_json::json!({"src": "in/a.txt", "out": "b.txt", "n": 2}));
+        let paths = vec![
+            ("out".to_string(), PathRole::Output, PathBuf::from("b.txt")),
+            (
+                "src".to_string(),
+                PathRole::Input,
+                PathBuf::from("in/a.txt"),
+            ),
+        ];
+        let b = bind(&values, &paths, Path::new("/ws"), Some("s1"), |i| {
+            PathBuf::from(format!("/ws/.job/stage/{i}/b.txt"))
+        });
+        assert_eq!(b.subst["out"], "/ws/.job/stage/0/b.txt");
+        assert_eq!(b.subst["src"], "/ws/in/a.txt");
+        assert_eq!(b.subst["n"], "2");
+        assert_eq!(b.subst["session"], "s1");
+        assert_eq!(b.arguments["src"], "/ws/in/a.txt");
+        assert_eq!(b.arguments["n"], 2);
+        assert_eq!(b.readable, vec![PathBuf::from("/ws/in/a.txt")]);
     }
 
     #[test]

@@ -330,24 +330,22 @@ impl Executor {
         };
         let paths = self.resolve_paths(tool, &values)?;
         let root = self.workspace.root().to_path_buf();
-        let mut subst = BTreeMap::new();
-        let mut rewritten = values.clone();
-        let mut readable = Vec::new();
-        for (name, v) in &values {
-            subst.insert(name.clone(), args::render(v));
-        }
-        for (name, _, rel) in &paths {
-            let abs = args::absolute(&root, rel);
-            subst.insert(name.clone(), abs.display().to_string());
-            rewritten.insert(name.clone(), abs.display().to_string().into());
-            readable.push(abs);
-        }
+        // Read tools have no outputs (the policy loader refuses them), so nothing is staged.
+        let bound = args::bind(&values, &paths, &root, None, |_| root.clone());
         let _slot = self.slot(cancel).await?;
         let stdin = match ext.protocol {
-            Protocol::Json => json_request(&tool.name, &rewritten, None),
+            Protocol::Json => json_request(&tool.name, &bound.arguments, None),
             Protocol::Argv => Vec::new(),
         };
-        let launch = self.launch(tool, &subst, root, Vec::new(), readable, stdin, &call.call)?;
+        let launch = self.launch(
+            tool,
+            &bound.subst,
+            root,
+            Vec::new(),
+            bound.readable,
+            stdin,
+            &call.call,
+        )?;
         let outcome = self
             .spawn_and_wait(call, launch, ext.timeout, cancel, None)
             .await?;
@@ -400,63 +398,34 @@ impl Executor {
         let mut job = Job::create(&self.workspace, spec)
             .map_err(|e| ToolReply::fault("PUBLISH_FAILED", e))?;
         let root = self.workspace.root().to_path_buf();
-        let mut subst = BTreeMap::new();
-        subst.insert("session".to_string(), session.to_string());
-        for (name, v) in &values {
-            subst.insert(name.clone(), args::render(v));
-        }
-        let mut rewritten = values.clone();
-        let mut readable = Vec::new();
-        let mut out_index = 0;
-        for (name, role, rel) in &paths {
-            let abs = match role {
-                PathRole::Input => {
-                    let abs = args::absolute(&root, rel);
-                    readable.push(abs.clone());
-                    abs
-                }
-                PathRole::Output => {
-                    let staged = job.staged_path(out_index);
-                    out_index += 1;
-                    staged
-                }
-            };
-            subst.insert(name.clone(), abs.display().to_string());
-            rewritten.insert(name.clone(), abs.display().to_string().into());
-        }
+        let bound = args::bind(&values, &paths, &root, Some(session), |i| {
+            job.staged_path(i)
+        });
         let stdin = match ext.protocol {
-            Protocol::Json => json_request(&tool.name, &rewritten, Some(&before)),
+            Protocol::Json => json_request(&tool.name, &bound.arguments, Some(&before)),
             Protocol::Argv => Vec::new(),
         };
 
-        // 5-6. Spawn the sandboxed worker and wait, bounded.
+        // 5-6. Spawn the sandboxed worker and wait, bounded. Whatever stops the call here,
+        // nothing was published: the job dir is discarded.
         let stage = job.stage_dir();
-        let launch = match self.launch(
-            tool,
-            &subst,
-            stage.clone(),
-            vec![stage],
-            readable,
-            stdin,
-            &call.call,
-        ) {
-            Ok(l) => l,
-            Err(stop) => {
-                discard(job);
-                return Err(stop);
-            }
-        };
-        let outcome = match self
-            .spawn_and_wait(call, launch, ext.timeout, cancel, Some(&mut job))
-            .await
-        {
-            Ok(o) => o,
-            Err(stop) => {
-                discard(job);
-                return Err(stop);
-            }
-        };
-        let (mut reply, new_state) = match self.interpret(tool, &outcome) {
+        let ran = async {
+            let launch = self.launch(
+                tool,
+                &bound.subst,
+                stage.clone(),
+                vec![stage],
+                bound.readable,
+                stdin,
+                &call.call,
+            )?;
+            let outcome = self
+                .spawn_and_wait(call, launch, ext.timeout, cancel, Some(&mut job))
+                .await?;
+            self.interpret(tool, &outcome)
+        }
+        .await;
+        let (mut reply, new_state) = match ran {
             Ok(r) => r,
             Err(stop) => {
                 discard(job);
@@ -476,11 +445,13 @@ impl Executor {
         if let Err(e) = published {
             self.audit
                 .record(call, "rollback", json!({"reason": e.to_string()}));
-            return Err(ToolReply::fault(
-                "PUBLISH_FAILED",
-                format!("{e}; every target was restored"),
-            )
-            .into());
+            let what = match e {
+                publish::PublishError::RollbackFailed { .. } => {
+                    "the targets are restored by recovery at the next start"
+                }
+                _ => "every target was restored and the state is unchanged",
+            };
+            return Err(ToolReply::fault("PUBLISH_FAILED", format!("{e}; {what}")).into());
         }
         let version = committed.as_ref().map_or(before.version, |s| s.version);
         self.audit.record(

@@ -134,46 +134,6 @@ async fn try_call(d: &Daemon, s: &Scenario) -> Result<Value, String> {
     Ok(serde_json::to_value(r).unwrap())
 }
 
-/// Starts a daemon that may crash during startup recovery; true if it is serving.
-fn try_start(d: &mut Daemon) -> bool {
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&d.log)
-        .unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.arg("serve")
-        .arg("--policies")
-        .arg(&d.policies)
-        .arg("--socket")
-        .arg(&d.socket)
-        .arg("--workspace")
-        .arg(&d.workspace)
-        .arg("--state-dir")
-        .arg(&d.state)
-        .stderr(log);
-    for (k, v) in &d.env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        if std::os::unix::net::UnixStream::connect(&d.socket).is_ok() {
-            d.child = Some(child);
-            return true;
-        }
-        if let Ok(Some(_)) = child.try_wait() {
-            return false;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "daemon neither served nor exited:\n{}",
-            d.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 /// Restarts `d` cleanly (recovery runs) and checks the promise. Returns "before" or "after".
 async fn check_consistent(
     d: &mut Daemon,
@@ -284,7 +244,7 @@ async fn run_scenario(s: Scenario) {
                 s.name
             );
             d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), m.to_string())];
-            let serving = try_start(&mut d2);
+            let serving = d2.try_start().is_ok();
             if serving {
                 d2.kill9();
             } else {

@@ -74,6 +74,18 @@ impl Daemon {
 
     /// Starts the daemon and waits until its socket accepts connections.
     pub fn start(&mut self) -> &mut Self {
+        if let Err(status) = self.try_start() {
+            panic!(
+                "airlock serve exited with {status} before listening:\n{}",
+                self.log_text()
+            );
+        }
+        self
+    }
+
+    /// Starts the daemon; `Err` with its exit status if it exits before serving (a crash
+    /// during startup recovery, say).
+    pub fn try_start(&mut self) -> Result<(), std::process::ExitStatus> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -115,23 +127,19 @@ impl Daemon {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if StdUnixStream::connect(&self.socket).is_ok() {
-                break;
+                self.child = Some(child);
+                return Ok(());
             }
             if let Ok(Some(status)) = child.try_wait() {
-                panic!(
-                    "airlock serve exited with {status} before listening:\n{}",
-                    self.log_text()
-                );
+                return Err(status);
             }
             assert!(
                 Instant::now() < deadline,
-                "airlock serve did not listen within 20s:\n{}",
+                "airlock serve neither served nor exited within 20s:\n{}",
                 self.log_text()
             );
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(5));
         }
-        self.child = Some(child);
-        self
     }
 
     pub fn pid(&self) -> u32 {
