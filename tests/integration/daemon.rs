@@ -886,3 +886,61 @@ fn policy_explain_shows_the_effective_sandbox() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no tool \"nope\""));
 }
+
+#[tokio::test]
+async fn serve_with_no_flags_uses_the_checkout_layout() {
+    // From a directory holding `policies/`: ./workspace is created, ./airlock.sock listens.
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::new();
+    let status = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&d.policies)
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let conf = dir.path().join("policies/airlock.toml");
+    let text_ = std::fs::read_to_string(&conf).unwrap();
+    std::fs::write(
+        &conf,
+        text_.replace(
+            "socket_mode = \"0600\"",
+            "socket_mode = \"0660\"\nsocket_group = \"nogroup\"",
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(BIN)
+        .args(["--log-format", "json", "serve"])
+        .current_dir(dir.path())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let socket = dir.path().join("airlock.sock");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no socket at ./airlock.sock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(dir.path().join("workspace").is_dir());
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(&socket).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o660);
+    let nogroup = nix::unistd::Group::from_name("nogroup")
+        .unwrap()
+        .expect("group nogroup")
+        .gid
+        .as_raw();
+    assert_eq!(meta.gid(), nogroup);
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let first = stderr.lines().next().expect("a log line");
+    let v: Value = serde_json::from_str(first)
+        .unwrap_or_else(|e| panic!("--log-format json printed {first:?}: {e}"));
+    assert!(v["fields"]["message"].is_string(), "{v}");
+}

@@ -388,26 +388,30 @@ async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
     ] {
         assert!(out.contains(want), "missing {want:?} in {out}");
     }
+    // Nothing inherited but stdin, stdout and stderr (3 is ls's own directory fd).
+    let r = sh(&c, "ls /proc/self/fd | tr '\\n' ' '").await;
+    assert_eq!(text(&r).trim(), "0 1 2 3", "{r}");
     // From outside, on a running worker found through the audit's pid.
     let c = std::sync::Arc::new(c);
+    let spawned = |events: &[Value]| {
+        events
+            .iter()
+            .filter(|e| e["tool"] == "run_sh" && e["kind"] == "spawned")
+            .count()
+    };
+    let earlier = spawned(&audit(&c).await);
     let c2 = c.clone();
     let running = tokio::spawn(async move { sh(&c2, "sleep 2").await });
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let pid = loop {
         let events = audit(&c).await;
-        if let Some(e) = events
-            .iter()
-            .rev()
-            .find(|e| e["kind"] == "spawned" && e["tool"] == "run_sh")
-        {
-            if events
+        if spawned(&events) > earlier {
+            let e = events
                 .iter()
-                .filter(|x| x["tool"] == "run_sh" && x["kind"] == "spawned")
-                .count()
-                == 2
-            {
-                break e["detail"]["pid"].as_u64().unwrap();
-            }
+                .rev()
+                .find(|e| e["kind"] == "spawned" && e["tool"] == "run_sh")
+                .unwrap();
+            break e["detail"]["pid"].as_u64().unwrap();
         }
         assert!(std::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -658,4 +662,25 @@ type = "string"
         out.contains("clone3 -1 38") && out.contains("fork True"),
         "{out}"
     );
+}
+
+#[tokio::test]
+async fn setup_failures_are_sandbox_errors_not_tool_failures() {
+    let mut d = hostile_daemon();
+    d.add_tool(
+        "missing_exe",
+        r#"name = "missing_exe"
+capability = "write"
+command = ["/nonexistent/tool", "{out}"]
+[params.out]
+type = "string"
+path = "output"
+"#,
+    );
+    let c = started(&mut d).await;
+    let r = call(&c, "missing_exe", json!({"session": "h", "out": "x.txt"})).await;
+    assert_eq!(code(&r), "SANDBOX_ERROR", "{r}");
+    let t = text(&r);
+    assert!(t.contains("execve") && t.contains("errno 2"), "{t}");
+    assert!(d.read("x.txt").is_none() && d.job_dirs().is_empty());
 }
