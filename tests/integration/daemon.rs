@@ -909,7 +909,7 @@ async fn serve_with_no_flags_uses_the_checkout_layout() {
         ),
     )
     .unwrap();
-    let mut child = std::process::Command::new(BIN)
+    let child = std::process::Command::new(BIN)
         .args(["--log-format", "json", "serve"])
         .current_dir(dir.path())
         .stderr(std::process::Stdio::piped())
