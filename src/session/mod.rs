@@ -4,7 +4,7 @@
 //! Mutators hold the session's [`SessionGuard`] from before they clone the state until after
 //! they commit. Readers never take the lock: they read the last committed snapshot.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -293,11 +293,6 @@ impl SessionStore {
             path: self.path(&snap.id),
             source,
         })
-    }
-
-    /// Every session's committed version, for tests and `session_list`.
-    pub fn versions(&self) -> BTreeMap<String, u64> {
-        self.list().into_iter().map(|s| (s.id, s.version)).collect()
     }
 }
 

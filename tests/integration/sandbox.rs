@@ -684,3 +684,38 @@ path = "output"
     assert!(t.contains("execve") && t.contains("errno 2"), "{t}");
     assert!(d.read("x.txt").is_none() && d.job_dirs().is_empty());
 }
+
+#[tokio::test]
+async fn a_profile_that_allows_network_gets_it() {
+    let mut d = hostile_daemon();
+    let default = std::fs::read_to_string(d.policies.join("profiles/default.toml")).unwrap();
+    std::fs::write(
+        d.policies.join("profiles/net.toml"),
+        default.replace("allow = false", "allow = true"),
+    )
+    .unwrap();
+    d.add_tool(
+        "net_py",
+        r#"name = "net_py"
+capability = "write"
+profile = "net"
+command = ["/usr/bin/python3", "-I", "-c", "{code}"]
+[params.code]
+type = "string"
+"#,
+    );
+    let c = started(&mut d).await;
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = tcp.local_addr().unwrap().port();
+    let code_ = format!("import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=5)\ns.sendall(b'hello')\nprint('sent')\n");
+    let r = call(&c, "net_py", json!({"session": "h", "code": code_})).await;
+    assert!(!is_error(&r) && text(&r).contains("sent"), "{r}");
+    let (mut conn, _) = tcp.accept().unwrap();
+    let mut got = String::new();
+    conn.read_to_string(&mut got).unwrap();
+    assert_eq!(got, "hello");
+    // The same code under the default profile is refused.
+    let r = py(&c, &code_).await;
+    assert_eq!(code(&r), "TOOL_FAILED", "{r}");
+    assert!(text(&r).contains("Operation not permitted"), "{r}");
+}
