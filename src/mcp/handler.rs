@@ -105,7 +105,7 @@ impl ServerHandler for Handler {
             // rmcp sends nothing for a request the client cancelled; this only reaches a
             // client when the daemon itself is shutting down.
             Reply::Cancelled => Err(McpError::internal_error(
-                "call cancelled: the daemon is shutting down",
+                "call cancelled: the daemon is shutting down or the client went away",
                 None,
             )),
         }

@@ -142,13 +142,17 @@ pub async fn serve_connection(
     let (from_rmcp, to_rmcp) = tokio::io::split(ours);
     let (tx, rx) = mpsc::channel::<Vec<u8>>(64);
     let writer = tokio::spawn(framing::write_lines(sock_w, rx));
-    let reader = tokio::spawn(framing::pump_in(
-        framing::LineReader::new(sock_r, limit),
-        to_rmcp,
-        tx.clone(),
-    ));
-    let out = tokio::spawn(framing::pump_out(from_rmcp, tx));
+    // The end of the client's input ends its session (as closing stdin does for a stdio
+    // server): its running calls are cancelled at once, so a client that went away never
+    // has a call commit behind its back. rmcp alone would let them run on for a while.
     let ct = shutdown.child_token();
+    let input_ended = ct.clone();
+    let pump = framing::pump_in(framing::LineReader::new(sock_r, limit), to_rmcp, tx.clone());
+    let reader = tokio::spawn(async move {
+        pump.await;
+        input_ended.cancel();
+    });
+    let out = tokio::spawn(framing::pump_out(from_rmcp, tx));
     match Handler::new(exec, peer.clone())
         .serve_with_ct(rmcp_side, ct)
         .await

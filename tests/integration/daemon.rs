@@ -944,3 +944,56 @@ async fn serve_with_no_flags_uses_the_checkout_layout() {
         .unwrap_or_else(|e| panic!("--log-format json printed {first:?}: {e}"));
     assert!(v["fields"]["message"].is_string(), "{v}");
 }
+
+#[tokio::test]
+async fn a_client_that_disconnects_cancels_its_calls() {
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "dc").await;
+    let mut raw = d.raw();
+    raw.initialize();
+    raw.call(
+        5,
+        "slow_write",
+        json!({"session": "dc", "seconds": 30.03, "out": "dc.txt"}),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while processes_with("sleep 30.03").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(raw);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !processes_with("sleep 30.03").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker outlived its client"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !audit(&c)
+        .await
+        .iter()
+        .any(|e| e["tool"] == "slow_write" && e["kind"] == "cancelled")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no cancelled event: {:#?}\n{}",
+            audit(&c)
+                .await
+                .iter()
+                .filter(|e| e["tool"] == "slow_write")
+                .collect::<Vec<_>>(),
+            d.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(d.read("dc.txt").is_none());
+    assert!(d.job_dirs().is_empty());
+    assert_eq!(version(&c, "dc").await, 0);
+}
