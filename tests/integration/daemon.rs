@@ -390,28 +390,10 @@ async fn cancellation_kills_the_worker_and_sends_no_response() {
         json!({"session": "c", "seconds": 30.01, "out": "out.txt"}),
     );
     // Wait until the worker runs.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while processes_with("sleep 30.01").is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the worker never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_process("sleep 30.01").await;
     raw.send(&json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7, "reason": "test"}}));
     // The cancelled call leaves no trace once its audit event is out.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let events = audit(&c).await;
-        if events
-            .iter()
-            .any(|e| e["tool"] == "slow_write" && e["kind"] == "cancelled")
-        {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "no cancelled event");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_event(&c, "slow_write", "cancelled").await;
     raw.send(&json!({"jsonrpc": "2.0", "id": 8, "method": "ping"}));
     let next = raw.recv();
     assert_eq!(
@@ -782,14 +764,7 @@ async fn shutdown_cancels_running_calls_and_publishes_nothing() {
         c2.call_tool(rmcp::model::CallToolRequestParams::new("slow_write").with_arguments(a))
             .await
     });
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while processes_with("sleep 30.02").is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the worker never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_process("sleep 30.02").await;
     let status = d.stop();
     assert!(status.success(), "daemon exit: {status}\n{}", d.log_text());
     assert!(
@@ -916,14 +891,10 @@ async fn serve_with_no_flags_uses_the_checkout_layout() {
         .spawn()
         .unwrap();
     let socket = dir.path().join("airlock.sock");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no socket at ./airlock.sock"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("a socket at ./airlock.sock", || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    })
+    .await;
     assert!(dir.path().join("workspace").is_dir());
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(&socket).unwrap();
@@ -958,41 +929,10 @@ async fn a_client_that_disconnects_cancels_its_calls() {
         "slow_write",
         json!({"session": "dc", "seconds": 30.03, "out": "dc.txt"}),
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while processes_with("sleep 30.03").is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the worker never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_process("sleep 30.03").await;
     drop(raw);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !processes_with("sleep 30.03").is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the worker outlived its client"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !audit(&c)
-        .await
-        .iter()
-        .any(|e| e["tool"] == "slow_write" && e["kind"] == "cancelled")
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no cancelled event: {:#?}\n{}",
-            audit(&c)
-                .await
-                .iter()
-                .filter(|e| e["tool"] == "slow_write")
-                .collect::<Vec<_>>(),
-            d.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_no_process("sleep 30.03").await;
+    wait_for_event(&c, "slow_write", "cancelled").await;
     assert!(d.read("dc.txt").is_none());
     assert!(d.job_dirs().is_empty());
     assert_eq!(version(&c, "dc").await, 0);

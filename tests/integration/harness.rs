@@ -436,3 +436,48 @@ pub fn require_root() {
         "this test needs root (it runs the daemon as another user); run the suite as root"
     );
 }
+
+/// Polls `done` until it holds, for at most 10 s; fails naming `what` otherwise.
+pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "waited 10 s for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until some process's command line contains `needle`.
+pub async fn wait_for_process(needle: &str) {
+    wait_until(&format!("a process running {needle:?}"), || {
+        !processes_with(needle).is_empty()
+    })
+    .await;
+}
+
+/// Waits until no process's command line contains `needle`.
+pub async fn wait_no_process(needle: &str) {
+    wait_until(&format!("every process running {needle:?} to end"), || {
+        processes_with(needle).is_empty()
+    })
+    .await;
+}
+
+/// Waits until the audit holds an event `kind` of `tool`.
+pub async fn wait_for_event(c: &Client, tool: &str, kind: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let events = audit(c).await;
+        if events
+            .iter()
+            .any(|e| e["tool"] == tool && e["kind"] == kind)
+        {
+            return;
+        }
+        let mine: Vec<&Value> = events.iter().filter(|e| e["tool"] == tool).collect();
+        assert!(
+            Instant::now() < deadline,
+            "no {kind} event of {tool} within 10 s: {mine:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
