@@ -122,7 +122,12 @@ struct RecoverArgs {
 /// Parses argv, runs the command, returns the exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // The daemon tells what it does; a one-shot client speaks only of trouble.
+    let default_filter = match cli.command {
+        Command::Serve(_) | Command::Recover(_) => "info,rmcp=warn",
+        _ => "warn",
+    };
+    init_logging(cli.log_format, default_filter);
     match cli.command {
         Command::Policy(PolicyCommand::Check { policies }) => policy_check(&policies),
         Command::Policy(PolicyCommand::Explain { tool, policies }) => {
@@ -150,11 +155,13 @@ fn runtime() -> Option<tokio::runtime::Runtime> {
     }
 }
 
-fn init_logging(format: LogFormat) {
+/// Logs to stderr; `AIRLOCK_LOG` (a tracing filter such as `debug`) overrides the default.
+fn init_logging(format: LogFormat, default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Human => b.try_init(),
