@@ -48,7 +48,7 @@ enum Command {
     #[command(subcommand)]
     Policy(PolicyCommand),
     /// Roll back or complete every job a crashed daemon left, then exit.
-    Recover(RecoverArgs),
+    Recover(Dirs),
 }
 
 #[derive(Args)]
@@ -58,11 +58,9 @@ struct SocketArg {
     socket: PathBuf,
 }
 
+/// Where the policy, the workspace and the sessions are: `serve` and `recover`.
 #[derive(Args)]
-struct ServeArgs {
-    /// Socket path [default: the policy's daemon.socket].
-    #[arg(long)]
-    socket: Option<PathBuf>,
+struct Dirs {
     /// Policy directory.
     #[arg(long, default_value = "policies")]
     policies: PathBuf,
@@ -72,6 +70,15 @@ struct ServeArgs {
     /// Where sessions persist [default: the policy's daemon.state_dir].
     #[arg(long)]
     state_dir: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Socket path [default: the policy's daemon.socket].
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    #[command(flatten)]
+    dirs: Dirs,
 }
 
 #[derive(Args)]
@@ -107,16 +114,6 @@ enum PolicyCommand {
         #[arg(long, default_value = "policies")]
         policies: PathBuf,
     },
-}
-
-#[derive(Args)]
-struct RecoverArgs {
-    #[arg(long, default_value = "policies")]
-    policies: PathBuf,
-    #[arg(long)]
-    workspace: Option<PathBuf>,
-    #[arg(long)]
-    state_dir: Option<PathBuf>,
 }
 
 /// Parses argv, runs the command, returns the exit code.
@@ -297,7 +294,7 @@ fn apply_overrides(p: &mut Policy, workspace: Option<PathBuf>, state_dir: Option
     }
 }
 
-fn recover(a: RecoverArgs) -> i32 {
+fn recover(a: Dirs) -> i32 {
     let mut policy = match policy::load(&a.policies) {
         Ok(p) => p,
         Err(_) if a.workspace.is_some() && a.state_dir.is_some() => Policy {
@@ -342,11 +339,11 @@ fn recover(a: RecoverArgs) -> i32 {
 }
 
 async fn serve(a: ServeArgs) -> i32 {
-    let mut policy = match load_policy(&a.policies) {
+    let mut policy = match load_policy(&a.dirs.policies) {
         Ok(p) => p,
         Err(code) => return code,
     };
-    apply_overrides(&mut policy, a.workspace, a.state_dir);
+    apply_overrides(&mut policy, a.dirs.workspace, a.dirs.state_dir);
     if let Some(s) = a.socket {
         policy.daemon.socket = s;
     }
