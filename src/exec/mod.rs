@@ -15,7 +15,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::audit::{Audit, CallRef, Principal};
-use crate::policy::{Builtin, Capability, PathRole, Policy, Protocol, Tool};
+use crate::policy::{Builtin, Capability, ExternalTool, PathRole, Policy, Protocol, Tool};
 use crate::publish::{self, Job, JobSpec, Workspace};
 use crate::sandbox::{End, Launch, Outcome, Worker};
 use crate::session::{SessionError, SessionStore};
@@ -188,13 +188,20 @@ impl Executor {
         );
         let outcome = match args::validate(tool, &req.args) {
             Err(msg) => Err(ToolReply::fault("INVALID_ARGUMENT", msg).into()),
-            Ok(values) => match (tool.builtin, tool.capability) {
-                (Some(b), _) => self.builtin(&call, b, &req.args, &cancel).await,
-                (None, Capability::Read) => self.run_read(&call, tool, values, &cancel).await,
-                (None, Capability::Write) => {
-                    let id = session.unwrap_or_default();
-                    self.run_write(&call, tool, &id, values, &cancel).await
+            Ok(values) => match (tool.builtin, &tool.exec, tool.capability) {
+                (Some(b), _, _) => self.builtin(&call, b, &req.args, &cancel).await,
+                (None, Some(ext), Capability::Read) => {
+                    self.run_read(&call, tool, ext, values, &cancel).await
                 }
+                (None, Some(ext), Capability::Write) => {
+                    let id = session.unwrap_or_default();
+                    self.run_write(&call, tool, ext, &id, values, &cancel).await
+                }
+                (None, None, _) => Err(ToolReply::fault(
+                    "INTERNAL",
+                    "a tool with neither a command nor a built-in",
+                )
+                .into()),
             },
         };
         match outcome {
@@ -322,12 +329,10 @@ impl Executor {
         &self,
         call: &CallRef,
         tool: &Tool,
+        ext: &ExternalTool,
         values: Map<String, Value>,
         cancel: &CancellationToken,
     ) -> Result<ToolReply, Stop> {
-        let Some(ext) = &tool.exec else {
-            return Err(ToolReply::fault("INTERNAL", "read tool without a command").into());
-        };
         let paths = self.resolve_paths(tool, &values)?;
         let root = self.workspace.root().to_path_buf();
         // Read tools have no outputs (the policy loader refuses them), so nothing is staged.
@@ -338,7 +343,7 @@ impl Executor {
             Protocol::Argv => Vec::new(),
         };
         let launch = self.launch(
-            tool,
+            ext,
             &bound.subst,
             root,
             Vec::new(),
@@ -353,17 +358,16 @@ impl Executor {
         Ok(reply)
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn run_write(
         &self,
         call: &CallRef,
         tool: &Tool,
+        ext: &ExternalTool,
         session: &str,
         values: Map<String, Value>,
         cancel: &CancellationToken,
     ) -> Result<ToolReply, Stop> {
-        let Some(ext) = &tool.exec else {
-            return Err(ToolReply::fault("INTERNAL", "write tool without a command").into());
-        };
         // Everything that can be rejected without touching anything is rejected first.
         let paths = self.resolve_paths(tool, &values)?;
         let outputs: Vec<(String, PathBuf)> = paths
@@ -411,7 +415,7 @@ impl Executor {
         let stage = job.stage_dir();
         let ran = async {
             let launch = self.launch(
-                tool,
+                ext,
                 &bound.subst,
                 stage.clone(),
                 vec![stage],
@@ -436,7 +440,7 @@ impl Executor {
         // 7. Publish the outputs, then commit the state: the commit point.
         let state = new_state.unwrap_or_else(|| before.state.clone());
         let mut committed = None;
-        let published = job.publish_and_commit(&self.workspace, || {
+        let published = job.publish_and_commit(|| {
             self.sessions
                 .commit(&guard, state, &call.call)
                 .map(|snap| committed = Some(snap))
@@ -480,7 +484,7 @@ impl Executor {
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
-        tool: &Tool,
+        ext: &ExternalTool,
         subst: &BTreeMap<String, String>,
         cwd: PathBuf,
         writable: Vec<PathBuf>,
@@ -488,10 +492,6 @@ impl Executor {
         stdin: Vec<u8>,
         job_id: &str,
     ) -> Result<Launch, Stop> {
-        let ext = tool
-            .exec
-            .as_ref()
-            .ok_or_else(|| ToolReply::fault("INTERNAL", "no command"))?;
         let profile = self.policy.profiles.get(&ext.profile).ok_or_else(|| {
             ToolReply::fault("INTERNAL", format!("unknown profile {}", ext.profile))
         })?;

@@ -190,10 +190,8 @@ impl Job {
     /// caller should treat the targets as unknown until it runs.
     pub fn publish_and_commit(
         mut self,
-        ws: &Workspace,
         commit: impl FnOnce() -> Result<(), String>,
     ) -> Result<(), PublishError> {
-        let _ = ws; // the job holds its own dup of the root fd
         if let Err(e) = self.publish() {
             return Err(self.fail(e));
         }

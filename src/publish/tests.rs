@@ -248,7 +248,7 @@ fn publishes_one_new_file() {
     stage(&job, 0, "hello");
     let staged_ino = fs::metadata(job.staged_path(0)).unwrap().ino();
     let mut called = false;
-    job.publish_and_commit(&ws, || {
+    job.publish_and_commit(|| {
         called = true;
         Ok(())
     })
@@ -276,7 +276,7 @@ fn replaces_an_existing_file_by_exchange() {
     let staged = job.staged_path(0);
     let staged_ino = fs::metadata(&staged).unwrap().ino();
     let job_dir = job.dir().to_path_buf();
-    job.publish_and_commit(&ws, || {
+    job.publish_and_commit(|| {
         // At the commit point the old file sits under the staged name: the backup.
         assert_eq!(fs::read_to_string(&staged).unwrap(), "old");
         assert_eq!(fs::metadata(&staged).unwrap().ino(), old_ino);
@@ -311,7 +311,7 @@ fn publishes_several_outputs_with_new_subdirectories() {
     stage(&job, 0, "new a");
     stage(&job, 1, "new b");
     stage(&job, 2, "new c");
-    job.publish_and_commit(&ws, || Ok(())).unwrap();
+    job.publish_and_commit(|| Ok(())).unwrap();
     let snap = snapshot(tmp.path());
     let expect: BTreeMap<PathBuf, Entry> = [
         ("a.txt", Entry::File(b"new a".to_vec())),
@@ -356,7 +356,7 @@ fn bad_outputs_are_rejected_and_the_workspace_is_unchanged() {
         plant(&job.staged_path(1), ws.root());
         let mut called = false;
         let err = job
-            .publish_and_commit(&ws, || {
+            .publish_and_commit(|| {
                 called = true;
                 Ok(())
             })
@@ -386,7 +386,7 @@ fn commit_failure_restores_every_target_and_removes_created_dirs() {
         stage(&job, i, "new");
     }
     let err = job
-        .publish_and_commit(&ws, || Err("disk full".into()))
+        .publish_and_commit(|| Err("disk full".into()))
         .unwrap_err();
     assert!(
         matches!(err, PublishError::Commit(ref m) if m == "disk full"),
@@ -407,7 +407,7 @@ fn target_changed_after_resolution_fails_closed() {
     stage(&job, 1, "new");
     fs::create_dir(tmp.path().join("t.txt")).unwrap();
     let before = snapshot(tmp.path());
-    let err = job.publish_and_commit(&ws, || Ok(())).unwrap_err();
+    let err = job.publish_and_commit(|| Ok(())).unwrap_err();
     assert!(matches!(err, PublishError::TargetChanged { .. }), "{err:?}");
     let mut after_expected = before.clone();
     after_expected.retain(|p, _| !p.starts_with(".airlock-job-j"));
@@ -422,7 +422,7 @@ fn target_changed_after_resolution_fails_closed() {
     stage(&job, 0, "new");
     stage(&job, 1, "new");
     std::os::unix::fs::symlink(outside.path(), tmp.path().join("sub")).unwrap();
-    let err = job.publish_and_commit(&ws, || Ok(())).unwrap_err();
+    let err = job.publish_and_commit(|| Ok(())).unwrap_err();
     assert!(matches!(err, PublishError::TargetChanged { .. }), "{err:?}");
     assert_eq!(fs::read_to_string(tmp.path().join("a.txt")).unwrap(), "old");
     assert!(fs::read_dir(outside.path()).unwrap().next().is_none());
@@ -491,7 +491,7 @@ fn run_call(root: &Path, marker: &Path, commit_ok: bool) -> Result<(), PublishEr
     fs::write(job.staged_path(0), "new a").unwrap();
     fs::write(job.staged_path(1), "new b").unwrap();
     fs::write(job.staged_path(2), "new c").unwrap();
-    job.publish_and_commit(&ws, || {
+    job.publish_and_commit(|| {
         if !commit_ok {
             return Err("session store refused".into());
         }
@@ -710,7 +710,7 @@ fn recovery_reports_one_action_per_job() {
     // Crash right before the committing_state journal: after the mkdir and the 2 renames.
     let mut seen = 0;
     testsim::arm(Mode::Crash(5));
-    let _ = j2.publish_and_commit(&ws, || {
+    let _ = j2.publish_and_commit(|| {
         seen += 1;
         Ok(())
     });
@@ -735,7 +735,7 @@ fn recovery_reports_one_action_per_job() {
     let j3 = Job::create(&ws, spec("j3", &["c.txt"])).unwrap();
     stage(&j3, 0, "new c");
     testsim::arm(Mode::Crash(7)); // after the committed journal rename, before cleanup
-    let _ = j3.publish_and_commit(&ws, || Ok(()));
+    let _ = j3.publish_and_commit(|| Ok(()));
     let names = testsim::disarm();
     assert_eq!(names[6], "publish.journal_rename");
     assert_eq!(names[7], "publish.cleanup_unlink");
