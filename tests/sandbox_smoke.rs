@@ -74,6 +74,8 @@ fn launch(argv: &[&str], staging: &Path) -> Launch {
         profile: profile(),
         cgroup_parent: None,
         job_id: format!("smoke-{}", std::process::id()),
+        identity: None,
+        registry: None,
     }
 }
 

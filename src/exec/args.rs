@@ -217,6 +217,7 @@ mod tests {
                 required: true,
                 default: None,
                 path: Some(PathRole::Output),
+                mode: None,
             },
         );
         params.insert(
@@ -227,6 +228,7 @@ mod tests {
                 required: false,
                 default: Some(3.into()),
                 path: None,
+                mode: None,
             },
         );
         Tool {

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use crate::audit::{Audit, CallRef, Principal};
 use crate::policy::{Builtin, Capability, ExternalTool, PathRole, Policy, Protocol, Tool};
 use crate::publish::{self, Job, JobSpec, Workspace};
-use crate::sandbox::{End, Launch, Outcome, Worker};
+use crate::sandbox::{End, Identities, Launch, Outcome, Registry, Worker};
 use crate::session::{SessionError, SessionStore};
 
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +38,10 @@ pub enum StartupError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("worker identities: {0}")]
+    Identity(#[from] crate::sandbox::IdentityError),
+    #[error("cannot open the worker registry: {0}")]
+    Registry(std::io::Error),
 }
 
 /// One `tools/call`, as the MCP layer hands it over.
@@ -119,6 +123,10 @@ pub struct Executor {
     slots: Arc<Semaphore>,
     shutdown: CancellationToken,
     counter: AtomicU64,
+    /// Who workers run as.
+    identities: Identities,
+    /// Live workers, for the next start to sweep if the daemon dies.
+    registry: Registry,
     /// The exclusive lock on the workspace, held while the daemon runs.
     _lock: std::fs::File,
 }
@@ -138,8 +146,14 @@ impl Executor {
         let lock = lock_workspace(&d.workspace)?;
         let workspace = Workspace::open(&d.workspace)?;
         let sessions = SessionStore::open(&d.state_dir)?;
+        let identities = Identities::detect(d.worker_user, d.worker_uids, d.max_concurrent_calls)?;
+        tracing::info!("workers run as {}", identities.describe());
+        // Before recovery touches a job dir, nothing a dead daemon's workers left may run.
+        let registry = sweep_leftovers(d, identities.range())?;
         recover(&workspace, &sessions)?;
         Ok(Executor {
+            identities,
+            registry,
             _lock: lock,
             audit: Audit::new(d.audit_ring),
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
@@ -350,6 +364,7 @@ impl Executor {
             bound.readable,
             stdin,
             &call.call,
+            self.lease()?,
         )?;
         let outcome = self
             .spawn_and_wait(call, launch, ext.timeout, cancel, None)
@@ -393,11 +408,23 @@ impl Executor {
         let before = guard.snapshot();
 
         // 4. The job dir, its journal, and the staged path of every output.
+        // The worker's own uid, if it gets one, owns its staging dirs.
+        let identity = self.lease()?;
         let spec = JobSpec {
             id: call.call.clone(),
             session: session.to_string(),
             tool: tool.name.clone(),
             targets: outputs.iter().map(|(_, p)| p.clone()).collect(),
+            modes: outputs
+                .iter()
+                .map(|(n, _)| {
+                    tool.params
+                        .get(n)
+                        .and_then(|p| p.mode)
+                        .unwrap_or(crate::policy::DEFAULT_OUTPUT_MODE)
+                })
+                .collect(),
+            stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
         };
         let mut job = Job::create(&self.workspace, spec)
             .map_err(|e| ToolReply::fault("PUBLISH_FAILED", e))?;
@@ -422,6 +449,7 @@ impl Executor {
                 bound.readable,
                 stdin,
                 &call.call,
+                identity,
             )?;
             let outcome = self
                 .spawn_and_wait(call, launch, ext.timeout, cancel, Some(&mut job))
@@ -471,6 +499,13 @@ impl Executor {
         Ok(reply)
     }
 
+    /// A uid of the worker's own, when workers get one.
+    fn lease(&self) -> Result<Option<crate::sandbox::Lease>, Stop> {
+        self.identities
+            .lease()
+            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e).into())
+    }
+
     async fn slot(
         &self,
         cancel: &CancellationToken,
@@ -491,6 +526,7 @@ impl Executor {
         readable: Vec<PathBuf>,
         stdin: Vec<u8>,
         job_id: &str,
+        identity: Option<crate::sandbox::Lease>,
     ) -> Result<Launch, Stop> {
         let profile = self.policy.profiles.get(&ext.profile).ok_or_else(|| {
             ToolReply::fault("INTERNAL", format!("unknown profile {}", ext.profile))
@@ -504,6 +540,8 @@ impl Executor {
             profile: profile.clone(),
             cgroup_parent: self.policy.daemon.cgroup.clone(),
             job_id: job_id.to_string(),
+            identity,
+            registry: Some(self.registry.clone()),
         })
     }
 
@@ -712,6 +750,24 @@ pub fn lock_workspace(path: &std::path::Path) -> Result<std::fs::File, StartupEr
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// Kills every process the workers of a previous run left (registry records, the reserved
+/// uid range when workers had their own uids, leftover worker cgroups), then returns the
+/// registry for this run.
+pub fn sweep_leftovers(
+    d: &crate::policy::DaemonConfig,
+    uids: Option<(u32, u32)>,
+) -> Result<Registry, StartupError> {
+    let registry = Registry::open(&d.state_dir.join("workers")).map_err(StartupError::Registry)?;
+    let mut lines = registry.sweep(uids);
+    if let Some(cg) = &d.cgroup {
+        lines.extend(crate::sandbox::sweep_cgroups(cg));
+    }
+    for line in &lines {
+        tracing::warn!("startup: {line}");
+    }
+    Ok(registry)
 }
 
 /// Brings every leftover job dir to all-old or all-new before serving.

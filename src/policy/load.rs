@@ -192,6 +192,8 @@ struct RawDaemon {
     max_concurrent_calls: Option<usize>,
     audit_ring: Option<usize>,
     cgroup: Option<PathBuf>,
+    worker_user: Option<Spanned<String>>,
+    worker_uids: Option<Spanned<String>>,
 }
 
 fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
@@ -248,7 +250,44 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
         d.audit_ring = v.max(1);
     }
     d.cgroup = r.cgroup;
+    if let Some(v) = r.worker_user {
+        match v.get_ref().as_str() {
+            "auto" => d.worker_user = WorkerUser::Auto,
+            "separate" => d.worker_user = WorkerUser::Separate,
+            "daemon" => d.worker_user = WorkerUser::Daemon,
+            other => cx.at(
+                path,
+                &text,
+                v.span(),
+                format!("worker_user {other:?} must be \"auto\", \"separate\" or \"daemon\""),
+            ),
+        }
+    }
+    if let Some(v) = r.worker_uids {
+        match parse_uid_range(v.get_ref()) {
+            Ok(range) => d.worker_uids = range,
+            Err(m) => cx.at(path, &text, v.span(), m),
+        }
+    }
     Some(d)
+}
+
+/// `"FIRST-LAST"`: an inclusive range of unprivileged ids, at least 2 long.
+pub fn parse_uid_range(s: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("worker_uids {s:?} must be a range such as \"60600-61099\"");
+    let (a, b) = s.trim().split_once('-').ok_or_else(bad)?;
+    let a: u32 = a.trim().parse().map_err(|_| bad())?;
+    let b: u32 = b.trim().parse().map_err(|_| bad())?;
+    if a == 0 || a > b {
+        return Err(bad());
+    }
+    // 65534 is nobody and u32::MAX is "no uid": neither may be a worker.
+    if (a..=b).contains(&65534) || b == u32::MAX {
+        return Err(format!(
+            "worker_uids {s:?} must not contain 65534 (nobody) or 4294967295"
+        ));
+    }
+    Ok((a, b))
 }
 
 /// A byte size: an integer, or a string such as "4MiB", "512k", "1G".
@@ -569,6 +608,7 @@ struct RawParam {
     required: Option<bool>,
     default: Option<toml::Value>,
     path: Option<PathRole>,
+    mode: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -636,6 +676,16 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
                 }
             },
         };
+        let mode = match &rp.mode {
+            None => None,
+            Some(m) => match parse_output_mode(m.get_ref(), rp.path) {
+                Ok(v) => Some(v),
+                Err(msg) => {
+                    cx.at(path, &text, m.span(), format!("parameter {pname:?}: {msg}"));
+                    None
+                }
+            },
+        };
         params.insert(
             pname.clone(),
             Param {
@@ -644,6 +694,7 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
                 required: rp.required.unwrap_or(default.is_none()),
                 default,
                 path: rp.path,
+                mode,
             },
         );
     }
@@ -740,6 +791,28 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
     Some((tool, raw.name.span(), text))
 }
 
+/// An output's `mode = "0755"`: octal, on an output parameter only, carrying no privilege.
+pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, String> {
+    if role != Some(PathRole::Output) {
+        return Err("mode is only for path = \"output\" parameters".into());
+    }
+    let m = u32::from_str_radix(s.trim().trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o7777)
+        .ok_or_else(|| format!("mode {s:?} is not an octal mode such as \"0644\""))?;
+    if m & FORBIDDEN_OUTPUT_BITS != 0 {
+        return Err(format!(
+            "mode {s:?} is refused: a published output may not be setuid, setgid, sticky, or group- or other-writable"
+        ));
+    }
+    if m & 0o400 == 0 {
+        return Err(format!(
+            "mode {s:?} must leave the file readable by its owner"
+        ));
+    }
+    Ok(m)
+}
+
 /// The `{name}` placeholders in one argv element.
 pub fn placeholders(s: &str) -> Vec<&str> {
     let mut out = Vec::new();
@@ -772,6 +845,28 @@ mod tests {
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
         assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn output_modes() {
+        let out = Some(PathRole::Output);
+        assert_eq!(parse_output_mode("0755", out).unwrap(), 0o755);
+        assert_eq!(parse_output_mode("0o600", out).unwrap(), 0o600);
+        for bad in [
+            "4755", "2755", "1755", "0775", "0646", "0777", "0200", "9", "x", "17777",
+        ] {
+            assert!(parse_output_mode(bad, out).is_err(), "{bad} accepted");
+        }
+        assert!(parse_output_mode("0644", Some(PathRole::Input)).is_err());
+        assert!(parse_output_mode("0644", None).is_err());
+    }
+
+    #[test]
+    fn uid_ranges() {
+        assert_eq!(parse_uid_range("60600-61099").unwrap(), (60600, 61099));
+        for bad in ["0-10", "10-5", "65000-66000", "a-b", "5", "1-4294967295"] {
+            assert!(parse_uid_range(bad).is_err(), "{bad} accepted");
+        }
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         required,
         default: None,
         path: None,
+        mode: None,
     };
     let object = |description: &str| Param {
         ty: ParamType::Object,
@@ -26,6 +27,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         required: false,
         default: None,
         path: None,
+        mode: None,
     };
     let mk = |name: &str, description: &str, builtin, capability, params: Vec<(&str, Param)>| {
         let read = capability == Capability::Read;

@@ -34,7 +34,37 @@ pub struct DaemonConfig {
     pub audit_ring: usize,
     /// A delegated cgroup v2 directory; each worker gets a child cgroup in it.
     pub cgroup: Option<PathBuf>,
+    /// Which uid workers run as (`worker_user`).
+    pub worker_user: WorkerUser,
+    /// The uids (and gids, same numbers) reserved for workers, inclusive (`worker_uids`).
+    pub worker_uids: (u32, u32),
 }
+
+/// `worker_user` in `[daemon]`: whether each worker gets a uid of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerUser {
+    /// `separate` when the daemon holds what it needs (root, or the capabilities listed in
+    /// SECURITY.md), `daemon` otherwise (logged at startup).
+    Auto,
+    /// Every worker runs as a uid and gid of its own from `worker_uids`: file permissions
+    /// protect everything the worker does not own. Startup fails if the daemon cannot.
+    Separate,
+    /// Workers keep the daemon's uid; seccomp forbids every metadata change instead.
+    Daemon,
+}
+
+impl WorkerUser {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerUser::Auto => "auto",
+            WorkerUser::Separate => "separate",
+            WorkerUser::Daemon => "daemon",
+        }
+    }
+}
+
+/// The default `worker_uids`: 500 ids no distribution or systemd allocates by default.
+pub const DEFAULT_WORKER_UIDS: (u32, u32) = (60600, 61099);
 
 impl Default for DaemonConfig {
     fn default() -> Self {
@@ -49,6 +79,8 @@ impl Default for DaemonConfig {
             max_concurrent_calls: 64,
             audit_ring: 10_000,
             cgroup: None,
+            worker_user: WorkerUser::Auto,
+            worker_uids: DEFAULT_WORKER_UIDS,
         }
     }
 }
@@ -248,4 +280,12 @@ pub struct Param {
     pub required: bool,
     pub default: Option<serde_json::Value>,
     pub path: Option<PathRole>,
+    /// For an output: the mode the daemon gives the published file (default 0o644). Never
+    /// setuid, setgid, sticky, group- or other-writable: the loader refuses those.
+    pub mode: Option<u32>,
 }
+
+/// The mode of a published output whose parameter declares none.
+pub const DEFAULT_OUTPUT_MODE: u32 = 0o644;
+/// Bits a declared output mode may not have: setuid, setgid, sticky, group and other write.
+pub const FORBIDDEN_OUTPUT_BITS: u32 = 0o7022;

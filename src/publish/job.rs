@@ -81,8 +81,27 @@ fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
     Ok(())
 }
 
+/// Gives the (O_PATH) file `fd` to the daemon's euid and egid, then `mode`. chmod goes
+/// through `/proc/self/fd`, since fchmod refuses O_PATH descriptors and the file may not be
+/// openable as it is (mode 0000 under an unprivileged daemon).
+fn seal(fd: BorrowedFd<'_>, mode: u32) -> Result<(), Errno> {
+    use std::os::fd::AsRawFd;
+    rustix::fs::chownat(
+        fd,
+        "",
+        Some(rustix::process::geteuid()),
+        Some(rustix::process::getegid()),
+        AtFlags::EMPTY_PATH,
+    )?;
+    rustix::fs::chmod(
+        format!("/proc/self/fd/{}", fd.as_raw_fd()),
+        Mode::from_raw_mode(mode & 0o755),
+    )
+}
+
 impl Job {
-    /// Creates `.airlock-job-<id>/` (0700) with its staging dir and its journal in phase
+    /// Creates `.airlock-job-<id>/` (0700, or 0711 for a worker with its own uid) with its
+    /// staging dir (the worker's, when it has its own uid) and its journal in phase
     /// `worker_running`.
     pub fn create(ws: &Workspace, spec: JobSpec) -> Result<Job, PublishError> {
         check_spec(&spec)?;
@@ -93,8 +112,13 @@ impl Job {
             path: ws.root().into(),
             source: e,
         })?;
+        let job_mode = if spec.stage_owner.is_some() {
+            0o711
+        } else {
+            0o700
+        };
         mutate("publish.mkdir_job", &dir, || {
-            rustix::fs::mkdirat(root.as_fd(), name.as_str(), Mode::from_raw_mode(0o700))
+            rustix::fs::mkdirat(root.as_fd(), name.as_str(), Mode::from_raw_mode(job_mode))
         })?;
         let made = (|| {
             let fd =
@@ -105,6 +129,21 @@ impl Job {
             })?;
             let stage_fd =
                 open_dir_beneath(fd.as_fd(), STAGE).map_err(|e| io("open stage dir", &stage, e))?;
+            let give = |dirfd: BorrowedFd<'_>, name: &str, path: &Path| match spec.stage_owner {
+                None => Ok(()),
+                Some((uid, gid)) => mutate("publish.chown_stage", path, || {
+                    rustix::fs::chownat(
+                        dirfd,
+                        name,
+                        Some(rustix::process::Uid::from_raw(uid)),
+                        Some(rustix::process::Gid::from_raw(gid)),
+                        AtFlags::SYMLINK_NOFOLLOW,
+                    )
+                }),
+            };
+            // The mode (0700 under umask) already is right; only the owner changes. The job
+            // dir (0711) lets the worker through, nobody else in.
+            give(fd.as_fd(), STAGE, &stage)?;
             let mut targets = Vec::with_capacity(spec.targets.len());
             for (i, target) in spec.targets.iter().enumerate() {
                 let slot = i.to_string();
@@ -112,6 +151,7 @@ impl Job {
                 mutate("publish.mkdir_slot", &slot_path, || {
                     rustix::fs::mkdirat(stage_fd.as_fd(), slot.as_str(), Mode::from_raw_mode(0o700))
                 })?;
+                give(stage_fd.as_fd(), slot.as_str(), &slot_path)?;
                 let base = target.file_name().unwrap_or(OsStr::new("output"));
                 targets.push(TargetRecord {
                     target: target.clone(),
@@ -298,6 +338,15 @@ impl Job {
                     nlink(&st)
                 )));
             }
+            // Owner and mode are the daemon's to set, before the file can be read or moved:
+            // no setuid/setgid/sticky bit, no group or other write, the worker's uid gone.
+            let mode = self
+                .spec
+                .modes
+                .get(i)
+                .copied()
+                .unwrap_or(crate::policy::DEFAULT_OUTPUT_MODE);
+            mutate("publish.seal_output", &staged, || seal(pfd.as_fd(), mode))?;
             let fd = open_beneath(slot_fd.as_fd(), name, OFlags::RDONLY | OFlags::NONBLOCK)
                 .map_err(|e| io("open staged output", &staged, e))?;
             let st2 =

@@ -11,10 +11,12 @@
 //! * Every filesystem mutation is preceded by a failpoint named `publish.<what>` (fsyncs are
 //!   not mutations and have none). For a call with outputs `a.txt` (exists), `n/m/b.txt` and
 //!   `c.txt` (new), in order:
-//!   - `Job::create`: `mkdir_job`, `mkdir_stage`, `mkdir_slot` x3, `journal_write`,
+//!   - `Job::create`: `mkdir_job`, `mkdir_stage`, `mkdir_slot` x3 (each followed by
+//!     `chown_stage` when the worker has a uid of its own), `journal_write`,
 //!     `journal_rename` (phase `worker_running`);
 //!   - `Job::record_worker`: `journal_write`, `journal_rename`;
-//!   - `Job::publish_and_commit`: `journal_write`, `journal_rename` (`publishing_outputs`),
+//!   - `Job::publish_and_commit`: `seal_output` x3 (owner and mode of each staged output),
+//!     `journal_write`, `journal_rename` (`publishing_outputs`),
 //!     `mkdir_parent` x2 (`n`, `n/m`), `exchange` (a.txt), `rename_noreplace` x2,
 //!     `journal_write`, `journal_rename` (`committing_state`), then the caller's `commit()`,
 //!     then `journal_write`, `journal_rename` (`committed`), then `cleanup_unlink` /
@@ -94,6 +96,12 @@ pub struct JobSpec {
     pub tool: String,
     /// Normalized paths relative to the workspace root, one per output parameter.
     pub targets: Vec<PathBuf>,
+    /// The mode each published target gets (same order; missing: 0644). The daemon sets
+    /// owner and mode itself: whatever the worker did, no published file carries privilege.
+    pub modes: Vec<u32>,
+    /// The worker's own uid and gid, when it has one: the staging dirs become its, and the job
+    /// dir lets it through (0711) to reach them.
+    pub stage_owner: Option<(u32, u32)>,
 }
 
 /// What startup recovery did with one leftover job dir.

@@ -63,6 +63,8 @@ fn spec(id: &str, targets: &[&str]) -> JobSpec {
         session: "s1".into(),
         tool: "render".into(),
         targets: targets.iter().map(PathBuf::from).collect(),
+        modes: Vec::new(),
+        stage_owner: None,
     }
 }
 
@@ -531,6 +533,10 @@ fn failpoints_of_a_typical_call_are_named_and_ordered() {
         // record_worker
         "publish.journal_write",
         "publish.journal_rename",
+        // owner and mode of each staged output
+        "publish.seal_output",
+        "publish.seal_output",
+        "publish.seal_output",
         // publishing_outputs
         "publish.journal_write",
         "publish.journal_rename",
@@ -707,9 +713,10 @@ fn recovery_reports_one_action_per_job() {
     let j2 = Job::create(&ws, spec("j2", &["a.txt", "new/b.txt"])).unwrap();
     stage(&j2, 0, "new a");
     stage(&j2, 1, "new b");
-    // Crash right before the committing_state journal: after the mkdir and the 2 renames.
+    // Crash right before the committing_state journal: after the 2 seals, the mkdir and the
+    // 2 renames.
     let mut seen = 0;
-    testsim::arm(Mode::Crash(5));
+    testsim::arm(Mode::Crash(7));
     let _ = j2.publish_and_commit(|| {
         seen += 1;
         Ok(())
@@ -717,8 +724,10 @@ fn recovery_reports_one_action_per_job() {
     let names = testsim::disarm();
     assert_eq!(seen, 0);
     assert_eq!(
-        names[..6],
+        names[..8],
         [
+            "publish.seal_output",
+            "publish.seal_output",
             "publish.journal_write",
             "publish.journal_rename",
             "publish.mkdir_parent",
@@ -734,11 +743,12 @@ fn recovery_reports_one_action_per_job() {
 
     let j3 = Job::create(&ws, spec("j3", &["c.txt"])).unwrap();
     stage(&j3, 0, "new c");
-    testsim::arm(Mode::Crash(7)); // after the committed journal rename, before cleanup
+    testsim::arm(Mode::Crash(8)); // after the committed journal rename, before cleanup
     let _ = j3.publish_and_commit(|| Ok(()));
     let names = testsim::disarm();
-    assert_eq!(names[6], "publish.journal_rename");
-    assert_eq!(names[7], "publish.cleanup_unlink");
+    assert_eq!(names[0], "publish.seal_output");
+    assert_eq!(names[7], "publish.journal_rename");
+    assert_eq!(names[8], "publish.cleanup_unlink");
 
     let rec = recover(tmp.path(), &|_, job| Ok(job == "j3")).unwrap();
     let actions: Vec<(String, String)> = rec.into_iter().map(|r| (r.job, r.action)).collect();

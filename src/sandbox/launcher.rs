@@ -232,8 +232,13 @@ impl Plan {
         sys::close_range(fd + 1, u32::MAX)
             .map_err(|e| Failure::io("close_fds", "close_range", e))?;
 
-        // 6. Resource limits, while /proc is still readable (RLIMIT_NPROC needs a count).
-        set_rlimits(&self.spec.rlimits)?;
+        // 6. Resource limits, while /proc is still readable (RLIMIT_NPROC needs a count of
+        //    what the worker's uid already runs: nothing, for a uid of its own).
+        let uid = self
+            .spec
+            .identity
+            .map_or_else(|| rustix::process::getuid().as_raw(), |(u, _)| u);
+        set_rlimits(&self.spec.rlimits, uid)?;
 
         // 7. The working directory, by path, before Landlock could forbid the lookup.
         std::env::set_current_dir(&self.spec.cwd)
@@ -244,10 +249,22 @@ impl Plan {
         let applied: Applied = landlock::apply(&self.spec.landlock)
             .map_err(|f| Failure::new("landlock", f.errno, f.message))?;
 
-        // 9. Capabilities: drop all five sets now that nothing privileged is left to do.
+        // 9. Capabilities, the part that needs CAP_SETPCAP: lock the securebits (uid 0 can
+        //    never regain capabilities, and the uid switch below does not drop them behind
+        //    our back) and empty the bounding set. CAP_SETUID/CAP_SETGID stay for step 10.
+        lock_capabilities()?;
+
+        // 10. Identity: a worker with a uid of its own switches to it (and to the gid of the
+        //     same number, with no supplementary groups). From here, file permissions protect
+        //     everything the worker does not own, metadata included, which Landlock does not.
+        if let Some((uid, gid)) = self.spec.identity {
+            switch_identity(uid, gid)?;
+        }
+
+        // 11. Capabilities: drop what is left of the five sets, and read them all back.
         drop_capabilities()?;
 
-        // 10. no_new_privs: no setuid bit or file capability can give anything back; seccomp
+        // 12. no_new_privs: no setuid bit or file capability can give anything back; seccomp
         //     requires it as well.
         rustix::thread::set_no_new_privs(true).map_err(|e| {
             Failure::new(
@@ -257,7 +274,7 @@ impl Plan {
             )
         })?;
 
-        // 11. seccomp last: the filters may forbid calls the steps above make.
+        // 13. seccomp last: the filters may forbid calls the steps above make.
         for (i, program) in self.seccomp.iter().enumerate() {
             seccompiler::apply_filter(program).map_err(|e| {
                 let errno = match &e {
@@ -270,7 +287,7 @@ impl Plan {
             })?;
         }
 
-        // 12. Report success, then make the channel close on exec: EOF after `ok` tells the
+        // 14. Report success, then make the channel close on exec: EOF after `ok` tells the
         //     daemon the tool is running. A failed execve still has the channel to report on.
         let ok = Report::Ok {
             landlock: applied.status,
@@ -299,12 +316,11 @@ impl Plan {
 /// Step 6. RLIMIT_NPROC counts the tasks of the whole real uid, not the worker's, so the limit
 /// is what the uid already runs plus the profile's `processes`. The kernel does not apply it
 /// to uid 0 at all; there the cgroup's pids.max is the only process bound.
-fn set_rlimits(limits: &Rlimits) -> Result<(), Failure> {
-    let uid = rustix::process::getuid();
-    let nproc = if uid.is_root() {
+fn set_rlimits(limits: &Rlimits, uid: u32) -> Result<(), Failure> {
+    let nproc = if uid == 0 {
         limits.processes
     } else {
-        tasks_of_uid(uid.as_raw()).saturating_add(limits.processes)
+        tasks_of_uid(uid).saturating_add(limits.processes)
     };
     let all = [
         (Resource::Cpu, "RLIMIT_CPU", limits.cpu_seconds),
@@ -362,10 +378,11 @@ fn tasks_of_uid(uid: u32) -> u64 {
     count
 }
 
-/// Step 9. Bounding set first (it needs CAP_SETPCAP, which the later steps remove), with
-/// securebits that stop uid 0 from regaining capabilities on execve; then ambient,
-/// inheritable, permitted and effective. Every set is read back and must be empty.
-fn drop_capabilities() -> Result<(), Failure> {
+/// Step 9. With CAP_SETPCAP (a root daemon): securebits that stop uid 0 from regaining
+/// capabilities on execve and keep the uid switch from touching them, then an empty
+/// bounding set. Without it (an unprivileged daemon) neither is possible nor needed: its
+/// permitted set is emptied in step 11 and no_new_privs follows. Ambient goes either way.
+fn lock_capabilities() -> Result<(), Failure> {
     const SECBIT_NOROOT: u32 = 1 << 0;
     const SECBIT_NOROOT_LOCKED: u32 = 1 << 1;
     const SECBIT_NO_SETUID_FIXUP: u32 = 1 << 2;
@@ -373,12 +390,8 @@ fn drop_capabilities() -> Result<(), Failure> {
     const SECBIT_KEEP_CAPS_LOCKED: u32 = 1 << 5;
     const SECBIT_NO_CAP_AMBIENT_RAISE: u32 = 1 << 6;
     const SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED: u32 = 1 << 7;
-    const CAP_SETPCAP: u32 = 8;
     let step = "capabilities";
-
-    let (effective, _, _) = sys::capget().map_err(|e| Failure::io(step, "capget", e))?;
-    let setpcap = effective & (1 << CAP_SETPCAP) != 0;
-    if setpcap {
+    if has_setpcap()? {
         sys::set_securebits(
             SECBIT_NOROOT
                 | SECBIT_NOROOT_LOCKED
@@ -391,6 +404,50 @@ fn drop_capabilities() -> Result<(), Failure> {
         .map_err(|e| Failure::io(step, "PR_SET_SECUREBITS", e))?;
         sys::bounding_drop_all().map_err(|e| Failure::io(step, "PR_CAPBSET_DROP", e))?;
     }
+    sys::ambient_clear().map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_CLEAR_ALL", e))
+}
+
+fn has_setpcap() -> Result<bool, Failure> {
+    const CAP_SETPCAP: u32 = 8;
+    let (effective, _, _) = sys::capget().map_err(|e| Failure::io("capabilities", "capget", e))?;
+    Ok(effective & (1 << CAP_SETPCAP) != 0)
+}
+
+/// Step 10. No supplementary groups, then the gid, then the uid (last: it takes away the
+/// right to change the others). Each is set for real, effective and saved ids and read back.
+fn switch_identity(uid: u32, gid: u32) -> Result<(), Failure> {
+    use rustix::process::{Gid, Uid};
+    let step = "identity";
+    let fail = |what: &str, e: rustix::io::Errno| {
+        Failure::new(step, e.raw_os_error(), format!("{what}: {e}"))
+    };
+    // The launcher is single-threaded: the per-thread syscalls change the whole process.
+    rustix::thread::set_thread_groups(&[]).map_err(|e| fail("setgroups([])", e))?;
+    let (g, u) = (Gid::from_raw(gid), Uid::from_raw(uid));
+    rustix::thread::set_thread_res_gid(g, g, g).map_err(|e| fail("setresgid", e))?;
+    rustix::thread::set_thread_res_uid(u, u, u).map_err(|e| fail("setresuid", e))?;
+    let now = (
+        rustix::process::getuid().as_raw(),
+        rustix::process::geteuid().as_raw(),
+        rustix::process::getgid().as_raw(),
+        rustix::process::getegid().as_raw(),
+    );
+    if now != (uid, uid, gid, gid) {
+        return Err(Failure::new(
+            step,
+            libc::EPERM,
+            format!("asked for uid {uid} gid {gid}, have (ruid, euid, rgid, egid) {now:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Step 11. Empties the permitted, effective and inheritable sets (ambient went in step 9),
+/// then reads all five back: every one must be empty (the bounding set only where step 9
+/// could empty it).
+fn drop_capabilities() -> Result<(), Failure> {
+    let step = "capabilities";
+    let setpcap = has_setpcap()?;
     sys::ambient_clear().map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_CLEAR_ALL", e))?;
     sys::capset_empty().map_err(|e| Failure::io(step, "capset", e))?;
 

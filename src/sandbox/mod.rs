@@ -21,8 +21,10 @@
 //! descendants come back to it to be killed and reaped.
 
 mod explain;
+mod identity;
 mod landlock;
 mod launcher;
+mod leftovers;
 mod process;
 mod seccomp;
 mod sys;
@@ -42,7 +44,9 @@ use tokio_util::sync::CancellationToken;
 use crate::policy::Profile;
 
 pub use explain::explain;
+pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
 pub use launcher::launcher_main;
+pub use leftovers::{sweep_cgroups, Registry};
 pub use process::CgroupError;
 pub use seccomp::SeccompError;
 
@@ -53,7 +57,7 @@ pub const LAUNCHER_ARG: &str = "__airlock-launch";
 pub const LAUNCHER_EXE_ENV: &str = "AIRLOCK_LAUNCHER_EXE";
 
 /// What one worker is to run, and with which rights.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Launch {
     /// `argv[0]` is an absolute path.
     pub argv: Vec<String>,
@@ -70,6 +74,12 @@ pub struct Launch {
     pub cgroup_parent: Option<PathBuf>,
     /// Names the worker's cgroup and log lines.
     pub job_id: String,
+    /// The worker's own uid and gid, held until its group is confirmed gone; `None`: it
+    /// keeps the daemon's.
+    pub identity: Option<Lease>,
+    /// Where the live worker is recorded, so that a restart can kill what a dead daemon's
+    /// workers left.
+    pub registry: Option<Registry>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -161,6 +171,16 @@ struct Live {
     grace: Duration,
     cgroup: Option<PathBuf>,
     enforcement: Enforcement,
+    /// Released (dropped) only once the group is confirmed gone.
+    held: Held,
+}
+
+/// What a worker holds until its group is confirmed gone: its uid lease and its registry
+/// record.
+#[derive(Debug, Default)]
+struct Held {
+    _lease: Option<Lease>,
+    _entry: Option<leftovers::Entry>,
 }
 
 /// How long `finish` keeps draining stdout/stderr once the group is confirmed gone (a write
@@ -201,6 +221,8 @@ impl Worker {
             profile,
             cgroup_parent,
             job_id,
+            identity,
+            registry,
         } = launch;
         match argv.first() {
             None => return Err(SandboxError::Invalid("empty argv".into())),
@@ -220,6 +242,7 @@ impl Worker {
             env_set: profile.env.set.clone(),
             parent: rustix::process::getpid().as_raw_nonzero().get(),
             cgroup: None,
+            identity: identity.as_ref().map(|l| (l.uid(), l.gid())),
             rlimits: wire::Rlimits {
                 cpu_seconds: limits.cpu_seconds,
                 address_space_bytes: limits.address_space_bytes,
@@ -263,6 +286,7 @@ impl Worker {
             limits.grace,
             cgroup.clone(),
             cgroup_limits,
+            (identity, registry),
         )
         .await;
         if started.is_err() {
@@ -280,6 +304,7 @@ impl Worker {
         grace: Duration,
         cgroup: Option<PathBuf>,
         cgroup_limits: Vec<String>,
+        (lease, registry): (Option<Lease>, Option<Registry>),
     ) -> Result<Worker, SandboxError> {
         let bytes = serde_json::to_vec(&spec)
             .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
@@ -297,6 +322,16 @@ impl Worker {
             })?;
         let pid = spawned.pid as u32;
         let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };
+        // Recorded before the launcher has its spec, so before the tool can fork anything a
+        // restart would have to find.
+        let entry = match registry.as_ref().map(|r| r.record(spawned.pid)) {
+            None => None,
+            Some(Ok(entry)) => Some(entry),
+            Some(Err(e)) => {
+                tracing::warn!(pid, "cannot record the worker for the next start: {e}");
+                None
+            }
+        };
 
         // From here on the worker exists: on any error, dropping it kills the group.
         let pidfd = match sys::watch_pidfd(spawned.pidfd) {
@@ -335,6 +370,10 @@ impl Worker {
                     landlock_abi: 0,
                     containment: containment.into(),
                     cgroup_limits,
+                },
+                held: Held {
+                    _lease: lease,
+                    _entry: entry,
                 },
             }),
         };
@@ -434,6 +473,7 @@ impl Worker {
             grace,
             cgroup,
             enforcement,
+            held,
         } = live;
         let pgid = pid as i32;
         let mut out = Captured::default();
@@ -471,6 +511,16 @@ impl Worker {
         };
         if let Some(path) = &cgroup {
             process::cgroup_remove(path).await;
+        }
+        match &end {
+            // The group is confirmed gone: the uid may serve another worker.
+            Some(Ok(_)) => drop(held),
+            // Not confirmed: the uid is never leased again in this run, and the record stays
+            // for the next start to sweep.
+            _ => {
+                tracing::warn!(pid, "worker group not confirmed gone; its uid is retired");
+                std::mem::forget(held);
+            }
         }
         let end = match end {
             Some(end) => end?,

@@ -164,6 +164,9 @@ pub(crate) struct ProcStat {
     pub state: u8,
     pub ppid: i32,
     pub pgrp: i32,
+    pub session: i32,
+    /// Start time in clock ticks after boot.
+    pub start: u64,
 }
 
 impl ProcStat {
@@ -174,11 +177,16 @@ impl ProcStat {
         let state = *fields.next()?.as_bytes().first()?;
         let ppid = fields.next()?.parse().ok()?;
         let pgrp = fields.next()?.parse().ok()?;
+        let session = fields.next()?.parse().ok()?;
+        // Field 22 (starttime) is the 19th after `session` (field 6).
+        let start = fields.nth(15)?.parse().ok()?;
         Some(ProcStat {
             pid,
             state,
             ppid,
             pgrp,
+            session,
+            start,
         })
     }
 
@@ -272,7 +280,7 @@ fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
     )
 }
 
-fn read_stat(pid: i32) -> Option<ProcStat> {
+pub(crate) fn read_stat(pid: i32) -> Option<ProcStat> {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
         .as_deref()
@@ -484,26 +492,35 @@ mod tests {
 
     #[test]
     fn parses_stat_lines() {
-        let s = ProcStat::parse("1234 (sh) S 1 1234 1234 0 -1 4194560 ...").unwrap();
+        let tail = "0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 2000 300";
+        let s = ProcStat::parse(&format!("1234 (sh) S 1 1234 1200 {tail}")).unwrap();
         assert_eq!(
             s,
             ProcStat {
                 pid: 1234,
                 state: b'S',
                 ppid: 1,
-                pgrp: 1234
+                pgrp: 1234,
+                session: 1200,
+                start: 98765,
             }
         );
         // A command name with spaces and parentheses.
-        let s = ProcStat::parse("77 (a) b (c)) Z 5 6 7 0").unwrap();
+        let s = ProcStat::parse(&format!("77 (a) b (c)) Z 5 6 7 {tail}")).unwrap();
         assert_eq!(
             s,
             ProcStat {
                 pid: 77,
                 state: b'Z',
                 ppid: 5,
-                pgrp: 6
+                pgrp: 6,
+                session: 7,
+                start: 98765,
             }
+        );
+        assert!(
+            ProcStat::parse("77 (a) S 5 6 7 0").is_none(),
+            "truncated line"
         );
         assert!(s.dead());
         assert!(ProcStat::parse("garbage").is_none());

@@ -30,6 +30,8 @@ pub(crate) struct Spec {
     /// The worker's own cgroup v2 directory, which the launcher joins.
     pub cgroup: Option<PathBuf>,
     pub rlimits: Rlimits,
+    /// The worker's own uid and gid; `None`: it keeps the daemon's.
+    pub identity: Option<(u32, u32)>,
     pub landlock: LandlockSpec,
     /// Classic BPF programs `(code, jt, jf, k)`, in installation order.
     pub seccomp: Vec<Vec<(u16, u8, u8, u32)>>,

@@ -1,0 +1,259 @@
+//! Worker processes that outlive the daemon, and their end at the next start.
+//!
+//! PR_SET_PDEATHSIG reaches only the process that set it, the worker's leader: when the
+//! daemon dies (SIGKILL included), the leader dies with it, but the leader's background
+//! children live on, reparented to init. A process group bounds signals, not lifetimes. Two
+//! records let the next start find and kill every one of them before recovery touches
+//! their job dirs:
+//!
+//! * a registry file per live worker, `<state_dir>/workers/<pgid>`, written after the
+//!   launcher is forked and before it is sent its spec (so before the tool can fork), removed
+//!   once the group is confirmed gone. It holds the group id, the daemon's session id and
+//!   the leader's start time: a survivor is a process of that group and session that started
+//!   no earlier than the leader (setsid and setpgid are denied to workers, so it cannot have
+//!   left either). The files need no fsync: a machine crash leaves no process to kill.
+//! * with workers under their own uids, the reserved range itself: no process but a worker
+//!   ever runs as one of those uids, so every process that does is a leftover.
+//!
+//! A delegated cgroup is the third record: each leftover worker cgroup is killed through
+//! `cgroup.kill` and removed.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rustix::process::{Pid, Signal};
+use serde::{Deserialize, Serialize};
+
+use super::identity::lock_uid;
+use super::process::{all_processes, read_stat, ProcStat};
+
+/// The directory of live-worker records.
+#[derive(Debug, Clone)]
+pub struct Registry {
+    dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+struct Record {
+    pgid: i32,
+    sid: i32,
+    /// The leader's start time, in clock ticks since boot (`/proc/PID/stat` field 22).
+    start: u64,
+}
+
+/// Removes its registry file when the worker's group is confirmed gone.
+#[derive(Debug)]
+pub(crate) struct Entry {
+    path: PathBuf,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Registry {
+    /// Opens (creating, 0700) the registry directory.
+    pub fn open(dir: &Path) -> io::Result<Registry> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", dir.display())))?;
+        Ok(Registry {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// Records the worker whose leader is `pgid` (already forked, not yet running the tool).
+    pub(crate) fn record(&self, pgid: i32) -> io::Result<Entry> {
+        let stat = read_stat(pgid)
+            .ok_or_else(|| io::Error::other(format!("cannot read /proc/{pgid}/stat")))?;
+        let rec = Record {
+            pgid,
+            sid: stat.session,
+            start: stat.start,
+        };
+        let path = self.dir.join(pgid.to_string());
+        let bytes = serde_json::to_vec(&rec).map_err(io::Error::other)?;
+        std::fs::write(&path, bytes)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        Ok(Entry { path })
+    }
+
+    /// Kills every process a previous daemon's workers left, and waits until they are gone.
+    /// `uids`: the reserved worker range, when workers run under their own uids. Returns one
+    /// line per process killed, for the log.
+    pub fn sweep(&self, uids: Option<(u32, u32)>) -> Vec<String> {
+        let mut records = Vec::new();
+        if let Ok(dir) = std::fs::read_dir(&self.dir) {
+            for entry in dir.flatten() {
+                let path = entry.path();
+                match std::fs::read(&path)
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<Record>(&b).ok())
+                {
+                    Some(rec) => records.push((path, rec)),
+                    None => {
+                        tracing::warn!(file = %path.display(), "unreadable worker record; removed");
+                        let _ = std::fs::remove_file(&path);
+                    }
+                }
+            }
+        }
+        let me = rustix::process::getpid().as_raw_nonzero().get();
+        // A uid of the range is swept only under its host-wide lock: another daemon sharing
+        // the range may be running a worker under it right now.
+        let mut uid_locks: BTreeMap<u32, Option<OwnedFd>> = BTreeMap::new();
+        let mut is_leftover = |p: &ProcStat| {
+            if p.pid == me || p.dead() {
+                return false;
+            }
+            if records.iter().any(|(_, r)| survivor_of(r, p)) {
+                return true;
+            }
+            let Some((a, b)) = uids else { return false };
+            match real_uid(p.pid) {
+                Some(u) if (a..=b).contains(&u) => {
+                    uid_locks.entry(u).or_insert_with(|| lock_uid(u)).is_some()
+                }
+                _ => false,
+            }
+        };
+        let mut killed = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let left: Vec<ProcStat> = all_processes()
+                .into_iter()
+                .filter(|p| is_leftover(p))
+                .collect();
+            if left.is_empty() {
+                break;
+            }
+            for p in &left {
+                if let Some(pid) = Pid::from_raw(p.pid) {
+                    if rustix::process::kill_process(pid, Signal::KILL).is_ok()
+                        && !killed.iter().any(|(k, _)| *k == p.pid)
+                    {
+                        killed.push((p.pid, p.pgrp));
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                tracing::warn!(
+                    left = left.len(),
+                    "leftover worker processes survive SIGKILL for 10 s; serving anyway"
+                );
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for (path, _) in &records {
+            let _ = std::fs::remove_file(path);
+        }
+        killed
+            .into_iter()
+            .map(|(pid, pgid)| {
+                format!("killed process {pid} (group {pgid}) left by a worker of a previous run")
+            })
+            .collect()
+    }
+}
+
+/// Whether `p` is a process of the recorded worker's group.
+fn survivor_of(r: &Record, p: &ProcStat) -> bool {
+    p.pgrp == r.pgid && p.session == r.sid && p.start >= r.start
+}
+
+/// The real uid of `pid`, from `/proc/PID/status`.
+fn real_uid(pid: i32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_ascii_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Kills and removes every worker cgroup (`airlock-*`) a previous run left under `parent`.
+pub fn sweep_cgroups(parent: &Path) -> Vec<String> {
+    let mut done = Vec::new();
+    let Ok(dir) = std::fs::read_dir(parent) else {
+        return done;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        if !name.to_string_lossy().starts_with("airlock-") || !entry.path().is_dir() {
+            continue;
+        }
+        let path = entry.path();
+        let _ = std::fs::write(path.join("cgroup.kill"), b"1");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match std::fs::remove_dir(&path) {
+                Ok(()) => {
+                    done.push(format!(
+                        "killed and removed leftover cgroup {}",
+                        path.display()
+                    ));
+                    break;
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                Err(e) if Instant::now() > deadline => {
+                    tracing::warn!(cgroup = %path.display(), "cannot remove a leftover worker cgroup: {e}");
+                    break;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+    done
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn survivors_match_group_session_and_age() {
+        let r = Record {
+            pgid: 100,
+            sid: 7,
+            start: 5000,
+        };
+        let p = |pgrp, session, start| ProcStat {
+            pid: 101,
+            state: b'S',
+            ppid: 1,
+            pgrp,
+            session,
+            start,
+        };
+        assert!(survivor_of(&r, &p(100, 7, 5000)));
+        assert!(survivor_of(&r, &p(100, 7, 9000)));
+        assert!(!survivor_of(&r, &p(100, 7, 4999)), "older than the leader");
+        assert!(!survivor_of(&r, &p(100, 8, 9000)), "another session");
+        assert!(!survivor_of(&r, &p(101, 7, 9000)), "another group");
+    }
+
+    #[test]
+    fn records_and_removes() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::open(&dir.path().join("workers")).unwrap();
+        let me = rustix::process::getpid().as_raw_nonzero().get();
+        let entry = reg.record(me).unwrap();
+        let file = dir.path().join("workers").join(me.to_string());
+        let rec: Record = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        assert_eq!(rec.pgid, me);
+        assert!(rec.start > 0);
+        drop(entry);
+        assert!(!file.exists());
+    }
+}
