@@ -99,6 +99,9 @@ pub fn parse(stdout: &str) -> Result<Response, ResponseError> {
     })
 }
 
+/// Fields of an object: each name with the shape its value must have.
+type Fields<'a> = &'a [(&'a str, Shape)];
+
 /// The shape a field must have.
 #[derive(Clone, Copy)]
 enum Shape {
@@ -123,7 +126,7 @@ pub fn check_block(block: &Value) -> Result<(), String> {
         Some(other) => return Err(format!("\"type\" must be a string, not {}", kind(other))),
         None => return Err("it has no \"type\"".to_string()),
     };
-    let (required, optional): (&[(&str, Shape)], &[(&str, Shape)]) = match ty {
+    let (required, optional): (Fields, Fields) = match ty {
         "text" => (&[("text", Str)], &[]),
         "image" | "audio" => (&[("data", Base64), ("mimeType", Str)], &[]),
         "resource_link" => (
@@ -144,7 +147,7 @@ pub fn check_block(block: &Value) -> Result<(), String> {
             ))
         }
     };
-    let common: &[(&str, Shape)] = &[("annotations", Annotations), ("_meta", Object)];
+    let common: Fields = &[("annotations", Annotations), ("_meta", Object)];
     fields(o, ty, required, &[optional, common].concat(), &["type"])
 }
 
@@ -153,8 +156,8 @@ pub fn check_block(block: &Value) -> Result<(), String> {
 fn fields(
     o: &Map<String, Value>,
     what: &str,
-    required: &[(&str, Shape)],
-    optional: &[(&str, Shape)],
+    required: Fields,
+    optional: Fields,
     ignored: &[&str],
 ) -> Result<(), String> {
     for k in o.keys() {
