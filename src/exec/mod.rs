@@ -401,7 +401,8 @@ impl Executor {
 
         // What the worker would be handed is bounded before the job dir exists.
         let predicted = args::bind(&values, &paths, self.workspace.root(), Some(session), |i| {
-            args::predicted_staged_path(self.workspace.root(), &call.call, i, &outputs[i].1)
+            let target = outputs.get(i).map_or(std::path::Path::new(""), |(_, t)| t);
+            args::predicted_staged_path(self.workspace.root(), &call.call, i, target)
         });
         self.check_bounds(tool, ext, &predicted, Some(&before))?;
 
