@@ -1,58 +1,187 @@
-//! Pure decisions about one call's arguments: validation against the tool's params, output
-//! overlap, placeholder substitution. No I/O here, so each rule is tested directly.
+//! Pure decisions about one call's arguments: validation against the tool's params (types,
+//! session ids, sizes), output overlap, placeholder substitution in one pass, and the bounds
+//! of the command line and of the `json` request a call would hand its worker. No I/O here,
+//! so each rule is tested directly (and by the property tests in `exec::proptests`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::policy::{ParamType, PathRole, Tool};
+use crate::policy::{Builtin, ParamType, PathRole, Tool};
+use crate::session::IdError;
+
+/// Largest string argument a client may pass (a path argument has the tighter
+/// [`MAX_PATH_ARG`]). Larger data belongs in a workspace file named by a path argument.
+pub const MAX_STRING_ARG: usize = 1 << 20;
+
+/// Largest path argument: the kernel's PATH_MAX (4096) less the terminating NUL.
+pub const MAX_PATH_ARG: usize = 4095;
+
+/// Largest single command-line element, NUL included: the kernel's MAX_ARG_STRLEN (32 pages,
+/// 128 KiB with 4 KiB pages) less one page of margin.
+pub const MAX_ARGV_ELEMENT: usize = 32 * 4096 - 4096;
+
+/// Largest command line (argv and environment strings, their NULs and pointers) airlock
+/// hands to `execve`: half the 2 MiB ARG_MAX of the usual 8 MiB stack limit. A smaller stack
+/// limit lowers it (see [`argv_budget`]).
+pub const MAX_ARGV_TOTAL: usize = 1 << 20;
+
+/// Why a call's arguments were refused (`INVALID_ARGUMENT`). Every message names the
+/// argument and, for a bound, the size found and the limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ArgError {
+    #[error("unknown argument {name} (tool {tool} takes: {known})")]
+    Unknown {
+        /// The name as shown (quoted, long names cut).
+        name: String,
+        tool: String,
+        known: String,
+    },
+    #[error("argument {name:?} must be {expected}, not {found}")]
+    WrongType {
+        name: String,
+        expected: String,
+        found: &'static str,
+    },
+    #[error(
+        "missing required argument \"session\" (every write tool takes the session it mutates)"
+    )]
+    MissingSession,
+    #[error("missing required argument {name:?}")]
+    Missing { name: String },
+    #[error("argument {name:?}: {source}")]
+    SessionId { name: String, source: IdError },
+    #[error("argument {name:?} is {len} bytes; {what} may be at most {limit} bytes")]
+    TooLong {
+        name: String,
+        len: usize,
+        what: &'static str,
+        limit: usize,
+    },
+    #[error("argument {name:?} contains a NUL byte, which no command line can carry")]
+    NulByte { name: String },
+    #[error(
+        "element {index} of {tool}'s command line would be {len} bytes (from argument {names}); \
+         one command-line element may be at most {limit} bytes"
+    )]
+    ElementTooLong {
+        tool: String,
+        index: usize,
+        names: String,
+        len: usize,
+        limit: usize,
+    },
+    #[error(
+        "{tool}'s command line would be {len} bytes (arguments, environment and pointers; the \
+         largest argument, {largest:?}, is {largest_len} bytes); it may be at most {limit} bytes"
+    )]
+    CommandLineTooLong {
+        tool: String,
+        len: usize,
+        largest: String,
+        largest_len: usize,
+        limit: usize,
+    },
+    #[error(
+        "the JSON request to {tool} would be {len} bytes (arguments {arguments} bytes, session \
+         state {state} bytes); it may be at most {limit} bytes (max_message_size in airlock.toml)"
+    )]
+    RequestTooLarge {
+        tool: String,
+        len: usize,
+        arguments: usize,
+        state: usize,
+        limit: usize,
+    },
+}
+
+/// A client's string as it may appear in a message: quoted, and cut (at a character
+/// boundary) when long, with its length, so that no error echoes megabytes back.
+pub fn shown(s: &str) -> String {
+    const KEEP: usize = 48;
+    if s.len() <= 2 * KEEP {
+        return format!("{s:?}");
+    }
+    let mut end = KEEP;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}... ({} bytes)", &s[..end], s.len())
+}
+
+/// Whether argument `name` of `tool` names a session (and must be a valid session id).
+fn names_session(tool: &Tool, name: &str) -> bool {
+    match tool.builtin {
+        Some(Builtin::SessionCreate) => name == "id",
+        Some(_) => name == "session",
+        None => name == "session" && tool.takes_session(),
+    }
+}
 
 /// Checks `args` against the tool's declared params: no unknown names, every required one
-/// present, every value of its declared type. Returns the arguments with defaults applied
-/// (and without `session`, which the caller handles).
-pub fn validate(tool: &Tool, args: &Map<String, Value>) -> Result<Map<String, Value>, String> {
+/// present, every value of its declared type, session ids well-formed, strings within
+/// [`MAX_STRING_ARG`] (paths within [`MAX_PATH_ARG`]). Returns the arguments with defaults
+/// applied (and without `session`, which the caller handles).
+pub fn validate(tool: &Tool, args: &Map<String, Value>) -> Result<Map<String, Value>, ArgError> {
     let mut out = Map::new();
     for (name, value) in args {
-        if name == "session" && tool.takes_session() {
-            if !value.is_string() {
-                return Err(format!(
-                    "argument \"session\" must be a string, not {}",
-                    kind(value)
-                ));
+        if names_session(tool, name) {
+            let Some(id) = value.as_str() else {
+                return Err(ArgError::WrongType {
+                    name: name.clone(),
+                    expected: "a string".into(),
+                    found: kind(value),
+                });
+            };
+            crate::session::check_id(id).map_err(|source| ArgError::SessionId {
+                name: name.clone(),
+                source,
+            })?;
+            if name == "session" && tool.takes_session() {
+                continue;
             }
-            continue;
         }
         let Some(p) = tool.params.get(name) else {
             let mut known: Vec<&str> = tool.params.keys().map(String::as_str).collect();
             if tool.takes_session() {
                 known.insert(0, "session");
             }
-            return Err(format!(
-                "unknown argument {name:?} (tool {} takes: {})",
-                tool.name,
-                if known.is_empty() {
+            return Err(ArgError::Unknown {
+                name: shown(name),
+                tool: tool.name.clone(),
+                known: if known.is_empty() {
                     "no arguments".to_string()
                 } else {
                     known.join(", ")
-                }
-            ));
+                },
+            });
         };
         if !matches_type(p.ty, value) {
-            return Err(format!(
-                "argument {name:?} must be {} {}, not {}",
-                article(p.ty.as_str()),
-                p.ty.as_str(),
-                kind(value)
-            ));
+            return Err(ArgError::WrongType {
+                name: name.clone(),
+                expected: format!("{} {}", article(p.ty.as_str()), p.ty.as_str()),
+                found: kind(value),
+            });
+        }
+        if let Value::String(s) = value {
+            let (limit, what) = match p.path {
+                Some(_) => (MAX_PATH_ARG, "a path"),
+                None => (MAX_STRING_ARG, "a string argument"),
+            };
+            if s.len() > limit {
+                return Err(ArgError::TooLong {
+                    name: name.clone(),
+                    len: s.len(),
+                    what,
+                    limit,
+                });
+            }
         }
         out.insert(name.clone(), value.clone());
     }
     if tool.takes_session() && !args.contains_key("session") {
-        return Err(
-            "missing required argument \"session\" (every write tool takes the session it mutates)"
-                .to_string(),
-        );
+        return Err(ArgError::MissingSession);
     }
     for (name, p) in &tool.params {
         if out.contains_key(name) {
@@ -61,7 +190,7 @@ pub fn validate(tool: &Tool, args: &Map<String, Value>) -> Result<Map<String, Va
         if let Some(d) = &p.default {
             out.insert(name.clone(), d.clone());
         } else if p.required {
-            return Err(format!("missing required argument {name:?}"));
+            return Err(ArgError::Missing { name: name.clone() });
         }
     }
     Ok(out)
@@ -130,26 +259,203 @@ pub fn render(v: &Value) -> String {
     }
 }
 
-/// Substitutes `{name}` placeholders in each element of `command`. An element that is only
-/// a placeholder of an absent optional argument is dropped.
+/// One piece of a command element: literal text, or a `{name}` placeholder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece<'a> {
+    Text(&'a str),
+    Placeholder(&'a str),
+}
+
+/// Splits one command element into literal text and placeholders, scanning exactly as
+/// [`crate::policy::placeholders`] does (a `{...}` whose inside is not a name is text).
+/// Empty text pieces are left out.
+pub fn pieces(part: &str) -> Vec<Piece<'_>> {
+    let mut out = Vec::new();
+    // `text` is where the current run of literal text began; `at` is where scanning resumes.
+    let (mut text, mut at) = (0, 0);
+    while let Some(open) = part[at..].find('{').map(|i| at + i) {
+        let Some(close) = part[open + 1..].find('}').map(|i| open + 1 + i) else {
+            break;
+        };
+        let name = &part[open + 1..close];
+        if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            if open > text {
+                out.push(Piece::Text(&part[text..open]));
+            }
+            out.push(Piece::Placeholder(name));
+            text = close + 1;
+        }
+        at = close + 1;
+    }
+    if part.len() > text {
+        out.push(Piece::Text(&part[text..]));
+    }
+    out
+}
+
+/// Substitutes `{name}` placeholders in each element of `command`, in one pass over the
+/// template: the text of a value is copied as data and never scanned again, so a value
+/// holding `{out}` stays `{out}`. An element that is only a placeholder of an absent
+/// optional argument is dropped; any other placeholder of an absent argument becomes empty.
 pub fn substitute(command: &[String], values: &BTreeMap<String, String>) -> Vec<String> {
     let mut argv = Vec::with_capacity(command.len());
     for part in command {
-        let names = crate::policy::placeholders(part);
-        if names.len() == 1
-            && part == &format!("{{{}}}", names[0])
-            && !values.contains_key(names[0])
-        {
-            continue;
+        let pieces = pieces(part);
+        if let [Piece::Placeholder(name)] = pieces.as_slice() {
+            if !values.contains_key(*name) {
+                continue;
+            }
         }
-        let mut s = part.clone();
-        for name in names {
-            let with = values.get(name).map(String::as_str).unwrap_or("");
-            s = s.replace(&format!("{{{name}}}"), with);
+        let mut s = String::with_capacity(part.len());
+        for piece in pieces {
+            match piece {
+                Piece::Text(t) => s.push_str(t),
+                Piece::Placeholder(name) => {
+                    s.push_str(values.get(name).map(String::as_str).unwrap_or(""))
+                }
+            }
         }
         argv.push(s);
     }
     argv
+}
+
+/// The most bytes of command line (argv and environment strings with their NULs, and the
+/// pointer arrays) a worker's `execve` may be handed, given the stack limit it runs with
+/// (`None`: unlimited). The kernel allows a quarter of the stack limit, at most 6 MiB and at
+/// least 128 KiB; airlock keeps a quarter of that as margin and never exceeds
+/// [`MAX_ARGV_TOTAL`].
+pub fn argv_budget(stack_limit: Option<u64>) -> usize {
+    const KERNEL_MAX: u64 = 6 << 20;
+    const KERNEL_MIN: u64 = 128 << 10;
+    let kernel = stack_limit
+        .map_or(KERNEL_MAX, |s| (s / 4).min(KERNEL_MAX))
+        .max(KERNEL_MIN);
+    let with_margin = usize::try_from(kernel / 4 * 3).unwrap_or(usize::MAX);
+    with_margin.min(MAX_ARGV_TOTAL)
+}
+
+/// Checks the command line `command` would become with `values` substituted, before
+/// anything is created: no value may hold a NUL byte or exceed [`MAX_ARGV_ELEMENT`], no
+/// element may exceed it, and the whole (argv, plus `env_bytes` of environment, pointers
+/// included) may not exceed `budget`. Only values whose placeholder the command uses count.
+pub fn check_command(
+    tool: &str,
+    command: &[String],
+    values: &BTreeMap<String, String>,
+    env_bytes: usize,
+    budget: usize,
+) -> Result<(), ArgError> {
+    const POINTER: usize = std::mem::size_of::<usize>();
+    let mut largest = (String::new(), 0usize);
+    let mut used = std::collections::BTreeSet::new();
+    for part in command {
+        for piece in pieces(part) {
+            if let Piece::Placeholder(name) = piece {
+                used.insert(name);
+            }
+        }
+    }
+    for name in &used {
+        let Some(v) = values.get(*name) else { continue };
+        if v.as_bytes().contains(&0) {
+            return Err(ArgError::NulByte {
+                name: name.to_string(),
+            });
+        }
+        if v.len() + 1 > MAX_ARGV_ELEMENT {
+            return Err(ArgError::TooLong {
+                name: name.to_string(),
+                len: v.len(),
+                what: "an argument passed on the command line",
+                limit: MAX_ARGV_ELEMENT - 1,
+            });
+        }
+        if v.len() > largest.1 {
+            largest = (name.to_string(), v.len());
+        }
+    }
+    let argv = substitute(command, values);
+    let mut total = env_bytes + POINTER;
+    for (index, (elem, part)) in argv.iter().zip(kept(command, values)).enumerate() {
+        if elem.len() + 1 > MAX_ARGV_ELEMENT {
+            let names: Vec<String> = pieces(part)
+                .into_iter()
+                .filter_map(|p| match p {
+                    Piece::Placeholder(n) => Some(format!("{n:?}")),
+                    Piece::Text(_) => None,
+                })
+                .collect();
+            return Err(ArgError::ElementTooLong {
+                tool: tool.to_string(),
+                index,
+                names: names.join(", "),
+                len: elem.len(),
+                limit: MAX_ARGV_ELEMENT - 1,
+            });
+        }
+        total += elem.len() + 1 + POINTER;
+    }
+    total += POINTER;
+    if total > budget {
+        return Err(ArgError::CommandLineTooLong {
+            tool: tool.to_string(),
+            len: total,
+            largest: largest.0,
+            largest_len: largest.1,
+            limit: budget,
+        });
+    }
+    Ok(())
+}
+
+/// The elements of `command` that [`substitute`] keeps, in order.
+fn kept<'a>(
+    command: &'a [String],
+    values: &'a BTreeMap<String, String>,
+) -> impl Iterator<Item = &'a String> + 'a {
+    command.iter().filter(move |part| {
+        !matches!(pieces(part).as_slice(), [Piece::Placeholder(n)] if !values.contains_key(*n))
+    })
+}
+
+/// The bytes an environment takes on a command line: `NAME=value` and a NUL per variable,
+/// and a pointer each.
+pub fn env_bytes<'a>(vars: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> usize {
+    vars.into_iter()
+        .map(|(k, v)| k.len() + 1 + v.len() + 1 + std::mem::size_of::<usize>())
+        .sum()
+}
+
+/// Checks the size of a `json` request (`request`, as sent) against `limit`; `arguments`
+/// and `state` are the serialized sizes of its parts, for the message.
+pub fn check_request(
+    tool: &str,
+    request: usize,
+    arguments: usize,
+    state: usize,
+    limit: usize,
+) -> Result<(), ArgError> {
+    if request > limit {
+        return Err(ArgError::RequestTooLarge {
+            tool: tool.to_string(),
+            len: request,
+            arguments,
+            state,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// The staged path output `i` (workspace path `target`) of job `job_id` will have: what
+/// [`crate::publish::Job::staged_path`] returns once the job dir exists (a test pins the
+/// two together). Used to bound a call's command line before its job dir is created.
+pub fn predicted_staged_path(root: &Path, job_id: &str, i: usize, target: &Path) -> PathBuf {
+    root.join(format!("{}{job_id}", crate::publish::JOB_DIR_PREFIX))
+        .join("stage")
+        .join(i.to_string())
+        .join(target.file_name().unwrap_or(std::ffi::OsStr::new("output")))
 }
 
 /// One call's arguments as the worker sees them.
@@ -261,17 +567,101 @@ mod tests {
         .unwrap();
         assert_eq!(ok["n"], 3);
         let e = validate(&t, &obj(serde_json::json!({"session": "s", "out": 5}))).unwrap_err();
-        assert_eq!(e, "argument \"out\" must be a string, not an integer");
+        assert_eq!(
+            e.to_string(),
+            "argument \"out\" must be a string, not an integer"
+        );
         let e = validate(
             &t,
             &obj(serde_json::json!({"session": "s", "out": "a", "x": 1})),
         )
         .unwrap_err();
-        assert!(e.starts_with("unknown argument \"x\""), "{e}");
+        assert!(e.to_string().starts_with("unknown argument \"x\""), "{e}");
         let e = validate(&t, &obj(serde_json::json!({"out": "a"}))).unwrap_err();
-        assert!(e.contains("\"session\""), "{e}");
+        assert!(e.to_string().contains("\"session\""), "{e}");
         let e = validate(&t, &obj(serde_json::json!({"session": "s"}))).unwrap_err();
-        assert_eq!(e, "missing required argument \"out\"");
+        assert_eq!(e.to_string(), "missing required argument \"out\"");
+    }
+
+    #[test]
+    fn session_ids_are_checked_wherever_named() {
+        let t = tool();
+        let huge = "s".repeat(3 << 20);
+        for (id, needle) in [
+            ("", "cannot be empty"),
+            (
+                huge.as_str(),
+                "is 3145728 bytes; a session id is at most 64 bytes",
+            ),
+            ("a/../b", "holds '/' at byte 1"),
+            ("caf\u{e9}", "holds '\u{e9}' at byte 3"),
+        ] {
+            let e = validate(&t, &obj(serde_json::json!({"session": id, "out": "a"})))
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("argument \"session\": "), "{e}");
+            assert!(e.contains(needle), "{e:?} does not say {needle:?}");
+            assert!(
+                e.len() < 300,
+                "the message echoes the id: {} bytes",
+                e.len()
+            );
+        }
+        let builtins = crate::policy::builtins();
+        let get = &builtins["session_get"];
+        let e = validate(get, &obj(serde_json::json!({"session": "x y"}))).unwrap_err();
+        assert!(matches!(e, ArgError::SessionId { .. }), "{e}");
+        let destroy = &builtins["session_destroy"];
+        let e = validate(destroy, &obj(serde_json::json!({"session": huge}))).unwrap_err();
+        assert!(matches!(e, ArgError::SessionId { .. }), "{e}");
+        let create = &builtins["session_create"];
+        let e = validate(create, &obj(serde_json::json!({"id": "a.b"}))).unwrap_err();
+        assert!(
+            matches!(e, ArgError::SessionId { ref name, .. } if name == "id"),
+            "{e}"
+        );
+        assert!(validate(create, &obj(serde_json::json!({"id": "a-B_9"}))).is_ok());
+    }
+
+    #[test]
+    fn strings_and_paths_are_bounded_and_long_names_are_cut() {
+        let mut t = tool();
+        t.params.insert(
+            "text".to_string(),
+            Param {
+                ty: ParamType::String,
+                description: String::new(),
+                required: false,
+                default: None,
+                path: None,
+                mode: None,
+            },
+        );
+        let at = |n: usize| "x".repeat(n);
+        let ok = serde_json::json!({"session": "s", "out": at(MAX_PATH_ARG), "text": at(MAX_STRING_ARG)});
+        assert!(validate(&t, &obj(ok)).is_ok());
+        let e = validate(
+            &t,
+            &obj(serde_json::json!({"session": "s", "out": at(MAX_PATH_ARG + 1)})),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "argument \"out\" is 4096 bytes; a path may be at most 4095 bytes"
+        );
+        let e = validate(
+            &t,
+            &obj(serde_json::json!({"session": "s", "out": "a", "text": at(MAX_STRING_ARG + 1)})),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "argument \"text\" is 1048577 bytes; a string argument may be at most 1048576 bytes"
+        );
+        let mut a = obj(serde_json::json!({"session": "s", "out": "a"}));
+        a.insert(at(1 << 20), 1.into());
+        let e = validate(&t, &a).unwrap_err().to_string();
+        assert!(e.contains("(1048576 bytes)") && e.len() < 300, "{e}");
     }
 
     #[test]
@@ -304,6 +694,143 @@ mod tests {
         assert_eq!(b.arguments["src"], "/ws/in/a.txt");
         assert_eq!(b.arguments["n"], 2);
         assert_eq!(b.readable, vec![PathBuf::from("/ws/in/a.txt")]);
+    }
+
+    #[test]
+    fn substitution_is_one_pass() {
+        let mut v = BTreeMap::new();
+        v.insert("text".to_string(), "{out} and {session}".to_string());
+        v.insert("out".to_string(), "/s/0/o.txt".to_string());
+        v.insert("session".to_string(), "s1".to_string());
+        let cmd: Vec<String> = ["/bin/x", "{text}:{out}", "{out}{text}", "{{text}}", "{text"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(
+            substitute(&cmd, &v),
+            vec![
+                "/bin/x",
+                "{out} and {session}:/s/0/o.txt",
+                "/s/0/o.txt{out} and {session}",
+                // As the policy loader scans it, "{{text}}" holds no placeholder.
+                "{{text}}",
+                "{text",
+            ]
+        );
+    }
+
+    #[test]
+    fn pieces_scan_as_the_policy_loader_does() {
+        for s in [
+            "--out={out}.{ext}",
+            "{ not one }",
+            "{a{b}c}",
+            "{}{x}",
+            "}{y}{",
+            "plain",
+        ] {
+            let names: Vec<&str> = pieces(s)
+                .into_iter()
+                .filter_map(|p| match p {
+                    Piece::Placeholder(n) => Some(n),
+                    Piece::Text(_) => None,
+                })
+                .collect();
+            assert_eq!(names, crate::policy::placeholders(s), "{s:?}");
+        }
+        assert_eq!(
+            pieces("a{b}c{ d }"),
+            vec![
+                Piece::Text("a"),
+                Piece::Placeholder("b"),
+                Piece::Text("c{ d }")
+            ]
+        );
+    }
+
+    #[test]
+    fn command_lines_are_bounded_before_exec() {
+        let cmd: Vec<String> = ["/bin/sh", "-c", "x", "--text={text}", "{out}"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let mut v = BTreeMap::new();
+        v.insert("out".to_string(), "/ws/o".to_string());
+        v.insert("text".to_string(), "t".repeat(MAX_ARGV_ELEMENT - 1));
+        // The value fits, but "--text=" around it does not.
+        let e = check_command("w", &cmd, &v, 0, MAX_ARGV_TOTAL).unwrap_err();
+        assert!(
+            matches!(e, ArgError::ElementTooLong { index: 3, ref names, .. } if names == "\"text\""),
+            "{e}"
+        );
+        v.insert("text".to_string(), "t".repeat(3 << 20));
+        let e = check_command("w", &cmd, &v, 0, MAX_ARGV_TOTAL).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "argument \"text\" is 3145728 bytes; an argument passed on the command line may be at most {} bytes",
+                MAX_ARGV_ELEMENT - 1
+            )
+        );
+        v.insert("text".to_string(), "a\0b".to_string());
+        assert!(matches!(
+            check_command("w", &cmd, &v, 0, MAX_ARGV_TOTAL),
+            Err(ArgError::NulByte { .. })
+        ));
+        // A value whose placeholder the command does not use is not its concern.
+        v.insert("text".to_string(), "t".into());
+        v.insert("unused".to_string(), "u\0".repeat(1 << 20));
+        assert_eq!(check_command("w", &cmd, &v, 0, MAX_ARGV_TOTAL), Ok(()));
+        // The whole: arguments, environment and pointers.
+        let argv_bytes: usize = substitute(&cmd, &v)
+            .iter()
+            .map(|a| a.len() + 1 + 8)
+            .sum::<usize>()
+            + 8;
+        let env = 1000;
+        let exact = argv_bytes + env + 8;
+        assert_eq!(check_command("w", &cmd, &v, env, exact), Ok(()));
+        let e = check_command("w", &cmd, &v, env, exact - 1).unwrap_err();
+        assert!(
+            matches!(e, ArgError::CommandLineTooLong { len, .. } if len == exact),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_budget_follows_the_stack_limit() {
+        assert_eq!(argv_budget(Some(8 << 20)), MAX_ARGV_TOTAL);
+        assert_eq!(argv_budget(None), MAX_ARGV_TOTAL);
+        // 1 MiB of stack: the kernel allows 256 KiB; airlock keeps three quarters.
+        assert_eq!(argv_budget(Some(1 << 20)), 192 << 10);
+        // Below 512 KiB of stack the kernel still allows 128 KiB.
+        assert_eq!(argv_budget(Some(4096)), 96 << 10);
+    }
+
+    #[test]
+    fn predicted_staged_paths_are_the_real_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let ws = crate::publish::Workspace::open(dir.path()).unwrap();
+        let targets = vec![PathBuf::from("a/b.tar"), PathBuf::from("c")];
+        let job = crate::publish::Job::create(
+            &ws,
+            crate::publish::JobSpec {
+                id: "j-1".into(),
+                session: "s".into(),
+                tool: "t".into(),
+                targets: targets.clone(),
+                modes: Vec::new(),
+                stage_owner: None,
+            },
+        )
+        .unwrap();
+        for (i, t) in targets.iter().enumerate() {
+            assert_eq!(
+                predicted_staged_path(ws.root(), "j-1", i, t),
+                job.staged_path(i)
+            );
+        }
+        job.discard().unwrap();
     }
 
     #[test]

@@ -3,6 +3,9 @@
 
 pub mod args;
 mod locks;
+#[cfg(test)]
+mod proptests;
+pub mod response;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,10 +18,12 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::audit::{Audit, CallRef, Principal};
-use crate::policy::{Builtin, Capability, ExternalTool, PathRole, Policy, Protocol, Tool};
+use crate::policy::{
+    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Tool,
+};
 use crate::publish::{self, Job, JobSpec, Workspace};
 use crate::sandbox::{End, Identities, Launch, Outcome, Registry, Worker};
-use crate::session::{SessionError, SessionStore};
+use crate::session::{SessionError, SessionStore, Snapshot};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
@@ -183,6 +188,7 @@ impl Executor {
             .args
             .get("session")
             .and_then(Value::as_str)
+            .filter(|s| crate::session::valid_id(s))
             .map(str::to_string);
         let call = CallRef {
             call: self.new_call_id(),
@@ -351,6 +357,7 @@ impl Executor {
         let root = self.workspace.root().to_path_buf();
         // Read tools have no outputs (the policy loader refuses them), so nothing is staged.
         let bound = args::bind(&values, &paths, &root, None, |_| root.clone());
+        self.check_bounds(tool, ext, &bound, None)?;
         let _slot = self.slot(cancel).await?;
         let stdin = match ext.protocol {
             Protocol::Json => json_request(&tool.name, &bound.arguments, None),
@@ -406,6 +413,13 @@ impl Executor {
 
         // 3. Clone the state.
         let before = guard.snapshot();
+
+        // What the worker would be handed is bounded before the job dir exists.
+        let predicted = args::bind(&values, &paths, self.workspace.root(), Some(session), |i| {
+            let target = outputs.get(i).map_or(std::path::Path::new(""), |(_, t)| t);
+            args::predicted_staged_path(self.workspace.root(), &call.call, i, target)
+        });
+        self.check_bounds(tool, ext, &predicted, Some(&before))?;
 
         // 4. The job dir, its journal, and the staged path of every output.
         // The worker's own uid, if it gets one, owns its staging dirs.
@@ -593,6 +607,49 @@ impl Executor {
         }
     }
 
+    /// Bounds what a call would hand its worker, before anything is created for it: the
+    /// command line (each element, and the whole with the environment, within what `execve`
+    /// accepts) and, for a `json` tool, the request (within `max_message_size`). A call past
+    /// a bound is `INVALID_ARGUMENT`, naming the argument and the limit.
+    fn check_bounds(
+        &self,
+        tool: &Tool,
+        ext: &ExternalTool,
+        bound: &args::Bound,
+        session: Option<&Snapshot>,
+    ) -> Result<(), Stop> {
+        let invalid = |e: args::ArgError| Stop::from(ToolReply::fault("INVALID_ARGUMENT", e));
+        let env = self
+            .policy
+            .profiles
+            .get(&ext.profile)
+            .map_or(0, |p| worker_env_bytes(&p.env));
+        let stack = rustix::process::getrlimit(rustix::process::Resource::Stack).current;
+        args::check_command(
+            &tool.name,
+            &ext.command,
+            &bound.subst,
+            env,
+            args::argv_budget(stack),
+        )
+        .map_err(invalid)?;
+        if ext.protocol == Protocol::Json {
+            let limit = self.policy.daemon.max_message_bytes;
+            let len = json_request(&tool.name, &bound.arguments, session).len();
+            if len > limit {
+                let size = |m: &Map<String, Value>| serde_json::to_vec(m).map_or(0, |v| v.len());
+                return Err(invalid(args::ArgError::RequestTooLarge {
+                    tool: tool.name.clone(),
+                    len,
+                    arguments: size(&bound.arguments),
+                    state: session.map_or(0, |s| size(&s.state)),
+                    limit,
+                }));
+            }
+        }
+        Ok(())
+    }
+
     /// Turns a finished worker into a reply and, for `json` tools, an optional new state.
     fn interpret(
         &self,
@@ -657,46 +714,54 @@ impl Executor {
     }
 }
 
-/// Parses a `json`-protocol worker's response.
+/// Turns a `json`-protocol worker's stdout into a reply and an optional new state. The whole
+/// response is checked here, before anything is published: an invalid one is `TOOL_FAILED`,
+/// so nothing is published and the session stays at its version.
 fn parse_json_response(
     tool: &str,
     stdout: &str,
 ) -> Result<(ToolReply, Option<Map<String, Value>>), ToolReply> {
-    let bad = |why: String| {
+    let r = response::parse(stdout).map_err(|e| {
         ToolReply::fault(
             "TOOL_FAILED",
-            format!("{tool} returned an invalid JSON response: {why}"),
+            format!(
+                "{tool} returned an invalid JSON response: {e}; nothing was published and the \
+                 session is unchanged"
+            ),
         )
-    };
-    let v: Value = serde_json::from_str(stdout.trim()).map_err(|e| bad(e.to_string()))?;
-    let obj = v.as_object().ok_or_else(|| bad("not an object".into()))?;
-    let content = match obj.get("content") {
-        None => Vec::new(),
-        Some(Value::Array(a)) => a.clone(),
-        Some(_) => return Err(bad("\"content\" is not an array".into())),
-    };
-    let is_error = obj.get("isError").and_then(Value::as_bool).unwrap_or(false);
-    if is_error {
+    })?;
+    if r.is_error {
         let mut reply = ToolReply::fault(
             "TOOL_FAILED",
             format!("{tool} reported an error; nothing was published"),
         );
-        reply.content.extend(content);
+        reply.content.extend(r.content);
         return Err(reply);
     }
-    let state = match obj.get("state") {
-        None | Some(Value::Null) => None,
-        Some(Value::Object(m)) => Some(m.clone()),
-        Some(_) => return Err(bad("\"state\" is not an object".into())),
-    };
     Ok((
         ToolReply {
             is_error: false,
-            content,
+            content: r.content,
             structured: None,
         },
-        state,
+        r.state,
     ))
+}
+
+/// The bytes of environment the launcher will hand a worker of this profile (an upper
+/// bound: a kept variable that `set` overrides is counted twice).
+fn worker_env_bytes(env: &EnvProfile) -> usize {
+    use std::os::unix::ffi::OsStrExt;
+    let kept: Vec<(&str, std::ffi::OsString)> = env
+        .keep
+        .iter()
+        .filter_map(|k| std::env::var_os(k).map(|v| (k.as_str(), v)))
+        .collect();
+    args::env_bytes(
+        kept.iter()
+            .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+            .chain(env.set.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes()))),
+    )
 }
 
 fn json_request(

@@ -22,8 +22,8 @@ pub enum SessionError {
     Destroyed(String),
     #[error("session {0:?} already exists")]
     Exists(String),
-    #[error("invalid session id {0:?}: use 1 to 64 letters, digits, '-' or '_'")]
-    BadId(String),
+    #[error(transparent)]
+    BadId(#[from] IdError),
     #[error("cannot {op} {path}: {source}")]
     Io {
         op: &'static str,
@@ -94,12 +94,55 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The longest session id.
+pub const MAX_ID_LEN: usize = 64;
+
+/// What is wrong with a session id a client named. Messages show at most a prefix of it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    #[error("a session id cannot be empty; use 1 to {MAX_ID_LEN} letters, digits, '-' or '_'")]
+    Empty,
+    #[error("session id {shown} is {len} bytes; a session id is at most {MAX_ID_LEN} bytes")]
+    TooLong { shown: String, len: usize },
+    #[error(
+        "session id {shown} holds {found:?} at byte {at}; use only letters, digits, '-' or '_'"
+    )]
+    BadChar {
+        shown: String,
+        found: char,
+        at: usize,
+    },
+}
+
+/// Checks a session id: 1 to [`MAX_ID_LEN`] ASCII letters, digits, '-' or '_'. Every id a
+/// client names (to create, read, mutate or destroy a session) passes here first, so no
+/// lookup, message, audit event or file name ever holds anything else.
+pub fn check_id(id: &str) -> Result<(), IdError> {
+    let shown = || crate::exec::args::shown(id);
+    if id.is_empty() {
+        return Err(IdError::Empty);
+    }
+    if id.len() > MAX_ID_LEN {
+        return Err(IdError::TooLong {
+            shown: shown(),
+            len: id.len(),
+        });
+    }
+    if let Some((at, found)) = id
+        .char_indices()
+        .find(|(_, c)| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '_'))
+    {
+        return Err(IdError::BadChar {
+            shown: shown(),
+            found,
+            at,
+        });
+    }
+    Ok(())
+}
+
 pub fn valid_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 64
-        && id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    check_id(id).is_ok()
 }
 
 impl SessionStore {
@@ -159,6 +202,7 @@ impl SessionStore {
     }
 
     fn get(&self, id: &str) -> Result<Arc<Session>, SessionError> {
+        check_id(id)?;
         if let Some(s) = lock(&self.sessions).get(id) {
             return Ok(s.clone());
         }
@@ -185,9 +229,7 @@ impl SessionStore {
 
     /// Creates a session at version 0 and persists it.
     pub fn create(&self, id: &str, state: Map<String, Value>) -> Result<Snapshot, SessionError> {
-        if !valid_id(id) {
-            return Err(SessionError::BadId(id.to_string()));
-        }
+        check_id(id)?;
         // Holding the map lock across the write keeps two creators of one id apart.
         let mut sessions = lock(&self.sessions);
         if sessions.contains_key(id) {

@@ -1,0 +1,399 @@
+//! A `json`-protocol worker's response, checked whole before anything is published: the
+//! response object, every content block against the MCP `ContentBlock` schema, the state.
+//!
+//! The rules are a closed allow-list (unknown keys are refused, not ignored), stricter than
+//! what rmcp's `CallToolResult` accepts; the property tests in `exec::proptests` check that
+//! whatever passes here always becomes a `CallToolResult`, so a committed call can never be
+//! answered with a JSON-RPC error instead of its result.
+
+use serde_json::{Map, Value};
+
+use super::args::{kind, shown};
+
+/// A well-formed response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Response {
+    /// MCP content blocks, each checked.
+    pub content: Vec<Value>,
+    /// The new session state, if the worker returned one.
+    pub state: Option<Map<String, Value>>,
+    /// The worker reported a fault: nothing is published.
+    pub is_error: bool,
+}
+
+/// What is wrong with a response; the message names the key or the block.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResponseError {
+    #[error("not one JSON value: {0}")]
+    NotJson(String),
+    #[error("not a JSON object but {0}")]
+    NotObject(&'static str),
+    #[error(
+        "unknown key {0} (a response holds \"content\", \"state\" and \"isError\"; \
+         airlock sets structuredContent itself)"
+    )]
+    UnknownKey(String),
+    #[error("\"{key}\" must be {expected}, not {found}")]
+    WrongType {
+        key: &'static str,
+        expected: &'static str,
+        found: &'static str,
+    },
+    #[error("content[{index}] is not a valid MCP content block: {reason}")]
+    Block { index: usize, reason: String },
+}
+
+/// Parses and checks a worker's whole stdout.
+pub fn parse(stdout: &str) -> Result<Response, ResponseError> {
+    let v: Value =
+        serde_json::from_str(stdout.trim()).map_err(|e| ResponseError::NotJson(e.to_string()))?;
+    let Value::Object(obj) = v else {
+        return Err(ResponseError::NotObject(kind(&v)));
+    };
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !matches!(k.as_str(), "content" | "state" | "isError"))
+    {
+        return Err(ResponseError::UnknownKey(shown(k)));
+    }
+    let content = match obj.get("content") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(other) => {
+            return Err(ResponseError::WrongType {
+                key: "content",
+                expected: "an array of content blocks",
+                found: kind(other),
+            })
+        }
+    };
+    for (index, block) in content.iter().enumerate() {
+        check_block(block).map_err(|reason| ResponseError::Block { index, reason })?;
+    }
+    let is_error = match obj.get("isError") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(ResponseError::WrongType {
+                key: "isError",
+                expected: "a boolean",
+                found: kind(other),
+            })
+        }
+    };
+    let state = match obj.get("state") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(m)) => Some(m.clone()),
+        Some(other) => {
+            return Err(ResponseError::WrongType {
+                key: "state",
+                expected: "an object",
+                found: kind(other),
+            })
+        }
+    };
+    Ok(Response {
+        content,
+        state,
+        is_error,
+    })
+}
+
+/// Fields of an object: each name with the shape its value must have.
+type Fields<'a> = &'a [(&'a str, Shape)];
+
+/// The shape a field must have.
+#[derive(Clone, Copy)]
+enum Shape {
+    Str,
+    Base64,
+    Size,
+    Object,
+    Annotations,
+    Icons,
+    Resource,
+}
+
+/// Checks one content block: `text`, `image`, `audio`, `resource_link` or `resource`, with
+/// its required fields, its optional ones, and nothing else.
+pub fn check_block(block: &Value) -> Result<(), String> {
+    use Shape::*;
+    let Value::Object(o) = block else {
+        return Err(format!("a block must be an object, not {}", kind(block)));
+    };
+    let ty = match o.get("type") {
+        Some(Value::String(t)) => t.as_str(),
+        Some(other) => return Err(format!("\"type\" must be a string, not {}", kind(other))),
+        None => return Err("it has no \"type\"".to_string()),
+    };
+    let (required, optional): (Fields, Fields) = match ty {
+        "text" => (&[("text", Str)], &[]),
+        "image" | "audio" => (&[("data", Base64), ("mimeType", Str)], &[]),
+        "resource_link" => (
+            &[("uri", Str), ("name", Str)],
+            &[
+                ("title", Str),
+                ("description", Str),
+                ("mimeType", Str),
+                ("size", Size),
+                ("icons", Icons),
+            ],
+        ),
+        "resource" => (&[("resource", Resource)], &[]),
+        other => {
+            return Err(format!(
+                "unknown type {} (MCP content is text, image, audio, resource_link or resource)",
+                shown(other)
+            ))
+        }
+    };
+    let common: Fields = &[("annotations", Annotations), ("_meta", Object)];
+    fields(o, ty, required, &[optional, common].concat(), &["type"])
+}
+
+/// Checks an object's fields: each of `required` present, each of `optional` present or not,
+/// every one of its shape, and no key outside those and `ignored`.
+fn fields(
+    o: &Map<String, Value>,
+    what: &str,
+    required: Fields,
+    optional: Fields,
+    ignored: &[&str],
+) -> Result<(), String> {
+    for k in o.keys() {
+        let known = ignored.contains(&k.as_str())
+            || required.iter().chain(optional).any(|(name, _)| name == k);
+        if !known {
+            return Err(format!("{what} has unknown key {}", shown(k)));
+        }
+    }
+    for (name, shape) in required {
+        let v = o
+            .get(*name)
+            .ok_or_else(|| format!("{what} has no \"{name}\""))?;
+        check_shape(v, *shape).map_err(|e| format!("{what}.{name}: {e}"))?;
+    }
+    for (name, shape) in optional {
+        if let Some(v) = o.get(*name) {
+            check_shape(v, *shape).map_err(|e| format!("{what}.{name}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_shape(v: &Value, shape: Shape) -> Result<(), String> {
+    use Shape::*;
+    let want = |expected: &str| format!("must be {expected}, not {}", kind(v));
+    match shape {
+        Str => v.as_str().map(|_| ()).ok_or_else(|| want("a string")),
+        Base64 => match v.as_str() {
+            Some(s) => check_base64(s),
+            None => Err(want("a base64 string")),
+        },
+        Size => v
+            .as_u64()
+            .map(|_| ())
+            .ok_or_else(|| want("a non-negative integer")),
+        Object => v.as_object().map(|_| ()).ok_or_else(|| want("an object")),
+        Annotations => {
+            let o = v.as_object().ok_or_else(|| want("an object"))?;
+            fields(
+                o,
+                "annotations",
+                &[],
+                &[("lastModified", Str)],
+                &["audience", "priority"],
+            )?;
+            if let Some(a) = o.get("audience") {
+                let roles = a
+                    .as_array()
+                    .ok_or_else(|| format!("audience must be an array, not {}", kind(a)))?;
+                if !roles
+                    .iter()
+                    .all(|r| matches!(r.as_str(), Some("user" | "assistant")))
+                {
+                    return Err("audience may hold only \"user\" and \"assistant\"".to_string());
+                }
+            }
+            if let Some(p) = o.get("priority") {
+                match p.as_f64() {
+                    Some(x) if (0.0..=1.0).contains(&x) => {}
+                    _ => return Err("priority must be a number from 0 to 1".to_string()),
+                }
+            }
+            Ok(())
+        }
+        Icons => {
+            let icons = v.as_array().ok_or_else(|| want("an array"))?;
+            for (i, icon) in icons.iter().enumerate() {
+                let o = icon
+                    .as_object()
+                    .ok_or_else(|| format!("[{i}] must be an object, not {}", kind(icon)))?;
+                let what = format!("icon {i}");
+                fields(
+                    o,
+                    &what,
+                    &[("src", Str)],
+                    &[("mimeType", Str)],
+                    &["sizes", "theme"],
+                )?;
+                if let Some(s) = o.get("sizes") {
+                    if !s.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
+                        return Err(format!("{what}: sizes must be an array of strings"));
+                    }
+                }
+                if let Some(t) = o.get("theme") {
+                    if !matches!(t.as_str(), Some("light" | "dark")) {
+                        return Err(format!("{what}: theme must be \"light\" or \"dark\""));
+                    }
+                }
+            }
+            Ok(())
+        }
+        Resource => {
+            let o = v.as_object().ok_or_else(|| want("an object"))?;
+            let (body, shape) = match (o.contains_key("text"), o.contains_key("blob")) {
+                (true, false) => ("text", Str),
+                (false, true) => ("blob", Base64),
+                _ => return Err("a resource holds exactly one of \"text\" and \"blob\"".into()),
+            };
+            fields(
+                o,
+                "resource",
+                &[("uri", Str), (body, shape)],
+                &[("mimeType", Str), ("_meta", Object)],
+                &[],
+            )
+        }
+    }
+}
+
+/// Standard base64 (RFC 4648 section 4) with padding, as MCP's `data` and `blob` are.
+fn check_base64(s: &str) -> Result<(), String> {
+    let b = s.as_bytes();
+    if b.len() % 4 != 0 {
+        return Err(format!(
+            "is not base64: its length {} is not a multiple of 4",
+            b.len()
+        ));
+    }
+    let pad = b.iter().rev().take_while(|&&c| c == b'=').count();
+    if pad > 2 {
+        return Err("is not base64: more than two '=' of padding".to_string());
+    }
+    let body = &b[..b.len() - pad];
+    if let Some(at) = body
+        .iter()
+        .position(|c| !(c.is_ascii_alphanumeric() || *c == b'+' || *c == b'/'))
+    {
+        return Err(format!(
+            "is not base64: byte {at} is {:?}",
+            char::from(body[at])
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn every_mcp_block_type_passes() {
+        let ok = [
+            json!({"type": "text", "text": "hi"}),
+            json!({"type": "text", "text": "", "annotations": {"audience": ["user"], "priority": 0.5, "lastModified": "2025-01-01T00:00:00Z"}, "_meta": {"k": 1}}),
+            json!({"type": "image", "data": "aGk=", "mimeType": "image/png"}),
+            json!({"type": "audio", "data": "", "mimeType": "audio/wav"}),
+            json!({"type": "resource_link", "uri": "file:///a", "name": "a", "size": 3, "icons": [{"src": "data:x", "sizes": ["48x48"], "theme": "dark"}]}),
+            json!({"type": "resource", "resource": {"uri": "file:///a", "text": "x", "mimeType": "text/plain"}}),
+            json!({"type": "resource", "resource": {"uri": "file:///a", "blob": "AAEC"}}),
+        ];
+        for b in &ok {
+            assert_eq!(check_block(b), Ok(()), "{b}");
+        }
+    }
+
+    #[test]
+    fn bad_blocks_are_named() {
+        let bad = [
+            (json!("text"), "must be an object"),
+            (json!({"text": "x"}), "no \"type\""),
+            (json!({"type": "txt", "text": "x"}), "unknown type \"txt\""),
+            (json!({"type": "text"}), "text has no \"text\""),
+            (
+                json!({"type": "text", "text": 5}),
+                "text.text: must be a string",
+            ),
+            (
+                json!({"type": "text", "text": "x", "extra": 1}),
+                "unknown key \"extra\"",
+            ),
+            (
+                json!({"type": "image", "data": "not base64!", "mimeType": "image/png"}),
+                "is not base64",
+            ),
+            (json!({"type": "image", "data": "aGk="}), "no \"mimeType\""),
+            (
+                json!({"type": "resource_link", "uri": "u", "name": "n", "size": -1}),
+                "non-negative integer",
+            ),
+            (
+                json!({"type": "resource", "resource": {"uri": "u"}}),
+                "exactly one of",
+            ),
+            (
+                json!({"type": "resource", "resource": {"uri": "u", "text": "t", "blob": "AA=="}}),
+                "exactly one of",
+            ),
+            (
+                json!({"type": "text", "text": "x", "annotations": {"priority": 2}}),
+                "priority",
+            ),
+            (
+                json!({"type": "text", "text": "x", "annotations": {"audience": ["root"]}}),
+                "audience",
+            ),
+        ];
+        for (b, needle) in &bad {
+            let e = check_block(b).expect_err(&b.to_string());
+            assert!(e.contains(needle), "{b}: {e:?} does not say {needle:?}");
+        }
+    }
+
+    #[test]
+    fn responses_are_checked_whole() {
+        let r = parse(r#"{"content":[{"type":"text","text":"hi"}],"state":{"n":1}}"#).unwrap();
+        assert!(!r.is_error);
+        assert_eq!(r.state.unwrap()["n"], 1);
+        assert!(matches!(parse("not json"), Err(ResponseError::NotJson(_))));
+        assert!(matches!(parse("[]"), Err(ResponseError::NotObject(_))));
+        assert!(matches!(
+            parse(r#"{"state": 3}"#),
+            Err(ResponseError::WrongType { key: "state", .. })
+        ));
+        assert!(matches!(
+            parse(r#"{"isError": "yes"}"#),
+            Err(ResponseError::WrongType { key: "isError", .. })
+        ));
+        assert!(matches!(
+            parse(r#"{"structuredContent": {}}"#),
+            Err(ResponseError::UnknownKey(_))
+        ));
+        assert_eq!(
+            parse(r#"{"content":[{"type":"text","text":"a"},{"type":"bogus"}],"state":{}}"#),
+            Err(ResponseError::Block {
+                index: 1,
+                reason:
+                    "unknown type \"bogus\" (MCP content is text, image, audio, resource_link or resource)"
+                        .into()
+            })
+        );
+        // A fault's content is checked too: it reaches the client as well.
+        assert!(matches!(
+            parse(r#"{"isError": true, "content": [{"type": "text"}]}"#),
+            Err(ResponseError::Block { index: 0, .. })
+        ));
+    }
+}
