@@ -513,6 +513,15 @@ impl Executor {
         Ok(reply)
     }
 
+    /// Whether a connecting peer is a worker (its uid is a worker uid, or it is in the
+    /// process group of a live worker): such connections are refused.
+    pub fn is_worker_peer(&self, pid: Option<i32>, uid: u32) -> bool {
+        self.identities
+            .range()
+            .is_some_and(|(a, b)| (a..=b).contains(&uid))
+            || pid.is_some_and(crate::sandbox::in_live_worker_group)
+    }
+
     /// A uid of the worker's own, when workers get one.
     fn lease(&self) -> Result<Option<crate::sandbox::Lease>, Stop> {
         self.identities

@@ -136,6 +136,16 @@ pub async fn serve_connection(
             return;
         }
     };
+    // A worker never drives the daemon, whatever socket rights a profile gave it: its peer
+    // credentials tell (its uid is a worker uid, or its process group is a live worker's).
+    if exec.is_worker_peer(peer.pid, peer.uid) {
+        tracing::warn!(
+            uid = peer.uid,
+            pid = ?peer.pid,
+            "refused an MCP connection from a worker process"
+        );
+        return;
+    }
     let limit = exec.policy.daemon.max_message_bytes;
     let (sock_r, sock_w) = stream.into_split();
     let (rmcp_side, ours) = tokio::io::duplex(256 * 1024);

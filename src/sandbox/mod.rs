@@ -47,7 +47,7 @@ pub use explain::explain;
 pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
 pub use launcher::launcher_main;
 pub use leftovers::{sweep_cgroups, Registry};
-pub use process::CgroupError;
+pub use process::{in_live_worker_group, CgroupError};
 pub use seccomp::SeccompError;
 
 /// `argv[1]` that makes `main` run [`launcher_main`] instead of the CLI.

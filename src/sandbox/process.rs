@@ -224,6 +224,11 @@ pub(crate) fn all_processes() -> Vec<ProcStat> {
     out
 }
 
+/// Whether `pid` is in the process group of a live worker (its leader registered here).
+pub fn in_live_worker_group(pid: i32) -> bool {
+    read_stat(pid).is_some_and(|s| leaders().contains(&s.pgrp))
+}
+
 /// Reaps `pid` if it is a zombie child of ours and not a registered leader.
 pub(crate) fn reap_if_not_leader(pid: i32) -> bool {
     let leaders = leaders();
