@@ -310,15 +310,17 @@ fn recover(a: Dirs) -> i32 {
     };
     apply_overrides(&mut policy, a.workspace, a.state_dir);
     let d = &policy.daemon;
-    let result = crate::exec::lock_workspace(&d.workspace)
+    let result = crate::exec::check_layout(&d.workspace, &d.state_dir, None)
+        .and_then(|()| crate::exec::lock_workspace(&d.workspace))
+        .and_then(|lock| Ok((lock, crate::exec::lock_state_dir(&d.state_dir)?)))
         .map_err(|e| e.to_string())
-        .and_then(|lock| {
+        .and_then(|locks| {
             Ok((
-                lock,
+                locks,
                 crate::publish::Workspace::open(&d.workspace).map_err(|e| e.to_string())?,
             ))
         })
-        .and_then(|(_lock, ws)| {
+        .and_then(|(_locks, ws)| {
             let sessions =
                 crate::session::SessionStore::open(&d.state_dir).map_err(|e| e.to_string())?;
             crate::exec::recover(&ws, &sessions).map_err(|e| e.to_string())
@@ -328,7 +330,17 @@ fn recover(a: Dirs) -> i32 {
             for r in &done {
                 println!("{}: {}", r.job, r.action);
             }
-            println!("recovered {} job(s)", done.len());
+            let quarantined: Vec<_> = done.iter().filter_map(|r| r.quarantined.as_ref()).collect();
+            println!("recovered {} job(s)", done.len() - quarantined.len());
+            if !quarantined.is_empty() {
+                println!(
+                    "{} job dir(s) could not be removed and are quarantined (their targets are settled; tools cannot reach them); remove them by hand:",
+                    quarantined.len()
+                );
+                for q in quarantined {
+                    println!("  {}", q.display());
+                }
+            }
             0
         }
         Err(e) => {
