@@ -254,7 +254,20 @@ impl Job {
     /// `staging_files` (entries of any kind beneath `stage/`) and `staging_size` (apparent
     /// size of the regular files). Run after the worker is gone, before anything is
     /// published; `Err(StagingLimit)` fails the call.
+    ///
+    /// A worker running as the daemon's uid can take the permissions of its own job dir
+    /// (`chmod 0 ..`); they are given back to the owner here, so that publication can reach
+    /// the staged outputs.
     pub fn check_staging(&self, max_entries: u64, max_bytes: u64) -> Result<Usage, PublishError> {
+        let st = rustix::fs::fstat(self.fd.as_fd()).map_err(|e| io("stat job dir", &self.dir, e))?;
+        if st.st_mode & 0o700 != 0o700 {
+            mutate("publish.cleanup_chmod", &self.dir, || {
+                rustix::fs::fchmod(
+                    self.fd.as_fd(),
+                    Mode::from_raw_mode((st.st_mode & 0o7777) | 0o700),
+                )
+            })?;
+        }
         let u = usage(
             self.fd.as_fd(),
             OsStr::new(STAGE),
