@@ -259,7 +259,8 @@ impl Job {
     /// (`chmod 0 ..`); they are given back to the owner here, so that publication can reach
     /// the staged outputs.
     pub fn check_staging(&self, max_entries: u64, max_bytes: u64) -> Result<Usage, PublishError> {
-        let st = rustix::fs::fstat(self.fd.as_fd()).map_err(|e| io("stat job dir", &self.dir, e))?;
+        let st =
+            rustix::fs::fstat(self.fd.as_fd()).map_err(|e| io("stat job dir", &self.dir, e))?;
         if st.st_mode & 0o700 != 0o700 {
             mutate("publish.cleanup_chmod", &self.dir, || {
                 rustix::fs::fchmod(

@@ -924,7 +924,7 @@ fn deep_chain(dir: &Path, depth: usize, name: &str, mode: u32, chmod_every: usiz
         M::empty(),
     )
     .unwrap()];
-    for i in 0..depth {
+    for _ in 0..depth {
         let cur = fds.last().unwrap();
         let f = openat(
             cur,
@@ -942,7 +942,6 @@ fn deep_chain(dir: &Path, depth: usize, name: &str, mode: u32, chmod_every: usiz
             fds.remove(1);
         }
         fds.push(next);
-        let _ = i;
     }
     drop(fds);
     if chmod_every > 0 {
@@ -1000,7 +999,7 @@ fn discard_removes_wide_trees_in_rounds() {
         let d = stage.join(format!("d{i}"));
         fs::create_dir_all(d.join("locked")).unwrap();
         fs::write(d.join("f"), "x").unwrap();
-        fs::set_permissions(d.join("locked"), fs::Permissions::from_mode(0)).unwrap();
+        fs::set_permissions(d.join("locked"), fs::Permissions::from_mode(0o000)).unwrap();
     }
     for i in 0..3000 {
         fs::write(stage.join(format!("file{i}")), "y").unwrap();
@@ -1016,7 +1015,7 @@ fn a_job_dir_the_worker_made_0000_is_still_removed() {
     let job = Job::create(&ws, spec("chmod0", &["a.txt"])).unwrap();
     // `chmod 0 ..` from staging, and a read-only staging dir.
     fs::set_permissions(job.stage_dir(), fs::Permissions::from_mode(0o500)).unwrap();
-    fs::set_permissions(job.dir(), fs::Permissions::from_mode(0)).unwrap();
+    fs::set_permissions(job.dir(), fs::Permissions::from_mode(0o000)).unwrap();
     job.discard().unwrap();
     assert!(snapshot(tmp.path()).is_empty());
 }
@@ -1126,7 +1125,7 @@ fn recovery_repairs_a_job_dir_without_permissions() {
     let ws = open(&tmp);
     let j = Job::create(&ws, spec("perm", &["a.txt"])).unwrap();
     deep_chain(&j.stage_dir(), 30, &"p".repeat(250), 0, 2);
-    fs::set_permissions(j.dir(), fs::Permissions::from_mode(0)).unwrap();
+    fs::set_permissions(j.dir(), fs::Permissions::from_mode(0o000)).unwrap();
     std::mem::forget(j);
     let rec = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
     assert_eq!(rec.len(), 1);

@@ -386,13 +386,12 @@ pub(super) fn usage(
             let fd = walk.top()?;
             let here = walk.path(None);
             let mut subdirs = Vec::new();
-            scan(fd, &here, |child, ft| {
+            scan(fd, &here, |child, _| {
                 let st = match stat_at(fd, child) {
                     Ok(Some(st)) => st,
                     Ok(None) => return Ok(true),
                     Err(e) => return Err(io("stat", &walk.path(Some(child)), e)),
                 };
-                let _ = ft;
                 u.entries += 1;
                 match file_type(&st) {
                     FileType::Directory => subdirs.push(child.to_os_string()),

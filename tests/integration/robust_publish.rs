@@ -46,7 +46,10 @@ fn add_profile(d: &Daemon, name: &str, limits: &[(&str, &str)]) {
     let base = std::fs::read_to_string(d.policies.join("profiles/default.toml")).unwrap();
     let mut out = String::new();
     for line in base.lines() {
-        if limits.iter().any(|(k, _)| line.starts_with(&format!("{k} ="))) {
+        if limits
+            .iter()
+            .any(|(k, _)| line.starts_with(&format!("{k} =")))
+        {
             continue;
         }
         out.push_str(line);
@@ -122,7 +125,11 @@ async fn litter_is_removed_off_the_async_threads_while_other_sessions_are_served
     let mut d = Daemon::new();
     d.add_tool("litter", &litter_py("litter", "default"));
     d.add_tool("litter_roomy", &litter_py("litter_roomy", "roomy"));
-    add_profile(&d, "roomy", &[("staging_files", "1000000")]);
+    add_profile(
+        &d,
+        "roomy",
+        &[("staging_files", "1000000"), ("cpu", "\"600s\"")],
+    );
     let mark = d.dir.path().join("paused");
     d.env = vec![
         ("TOKIO_WORKER_THREADS".into(), "1".into()),
@@ -131,7 +138,10 @@ async fn litter_is_removed_off_the_async_threads_while_other_sessions_are_served
             "publish.cleanup_unlink".into(),
         ),
         ("AIRLOCK_FAILPOINT_PAUSE_EVERY".into(), "150000".into()),
-        ("AIRLOCK_FAILPOINT_PAUSE_MARK".into(), mark.display().to_string()),
+        (
+            "AIRLOCK_FAILPOINT_PAUSE_MARK".into(),
+            mark.display().to_string(),
+        ),
         ("AIRLOCK_FAILPOINT_PAUSE_MS".into(), "120000".into()),
     ];
     d.start();
@@ -141,7 +151,10 @@ async fn litter_is_removed_off_the_async_threads_while_other_sessions_are_served
     session(&c2, "b").await;
     let mut expect_b = 0;
 
-    for (tool, out, fails) in [("litter", "l1.txt", true), ("litter_roomy", "l2.txt", false)] {
+    for (tool, out, fails) in [
+        ("litter", "l1.txt", true),
+        ("litter_roomy", "l2.txt", false),
+    ] {
         let c = d.client().await;
         let args = json!({"session": "a", "out": out, "n": "200000"});
         let tool_name = tool.to_string();
@@ -149,9 +162,11 @@ async fn litter_is_removed_off_the_async_threads_while_other_sessions_are_served
             let r = call(&c, &tool_name, args).await;
             (c, r)
         });
-        wait_long("the cleanup of 200,000 files to pause half-way", 300, || {
-            mark.exists()
-        })
+        wait_long(
+            "the cleanup of 200,000 files to pause half-way",
+            300,
+            || mark.exists(),
+        )
         .await;
         let job = d.job_dirs();
         assert_eq!(job.len(), 1, "{job:?}");
@@ -176,7 +191,10 @@ async fn litter_is_removed_off_the_async_threads_while_other_sessions_are_served
             mark.exists(),
             "the daemon gave up waiting: the other calls did not complete during the removal"
         );
-        assert!(!big.is_finished(), "{tool} returned before its cleanup ended");
+        assert!(
+            !big.is_finished(),
+            "{tool} returned before its cleanup ended"
+        );
         assert_eq!(count_entries(&stage), left, "still paused");
         std::fs::remove_file(&mark).unwrap();
         let (_c, r) = big.await.unwrap();
@@ -253,10 +271,9 @@ async fn hostile_trees_never_brick(unprivileged: bool) {
     let pending = tokio::spawn(async move {
         let _ = c2
             .call_tool(
-                rmcp::model::CallToolRequestParams::new("litter_sh").with_arguments(args(
-                    json!({"session": "h", "out": "mess2.txt",
-                           "script": format!("{MESS}\nexec sleep 60")}),
-                )),
+                rmcp::model::CallToolRequestParams::new("litter_sh")
+                    .with_arguments(args(json!({"session": "h", "out": "mess2.txt",
+                           "script": format!("{MESS}\nexec sleep 60")}))),
             )
             .await;
     });
@@ -279,10 +296,9 @@ async fn hostile_trees_never_brick(unprivileged: bool) {
     let pending = tokio::spawn(async move {
         let _ = c3
             .call_tool(
-                rmcp::model::CallToolRequestParams::new("litter_sh").with_arguments(args(
-                    json!({"session": "h", "out": "mess3.txt",
-                           "script": format!("{MESS}\nexec sleep 60")}),
-                )),
+                rmcp::model::CallToolRequestParams::new("litter_sh")
+                    .with_arguments(args(json!({"session": "h", "out": "mess3.txt",
+                           "script": format!("{MESS}\nexec sleep 60")}))),
             )
             .await;
     });
@@ -296,7 +312,13 @@ async fn hostile_trees_never_brick(unprivileged: bool) {
     pending.abort();
     if unprivileged {
         let mut cmd = Command::new("setpriv");
-        cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--", BIN]);
+        cmd.args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+            BIN,
+        ]);
         let out = cmd
             .arg("recover")
             .arg("--policies")
@@ -308,7 +330,11 @@ async fn hostile_trees_never_brick(unprivileged: bool) {
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{stdout} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(stdout.contains("recovered 1 job(s)"), "{stdout}");
     } else {
         let (rc, stdout, stderr) = recover_cmd(&d, &[]);
@@ -342,9 +368,8 @@ async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     let pending = tokio::spawn(async move {
         let _ = c2
             .call_tool(
-                rmcp::model::CallToolRequestParams::new("slow_write").with_arguments(args(
-                    json!({"session": "q", "out": "q.txt", "seconds": 30}),
-                )),
+                rmcp::model::CallToolRequestParams::new("slow_write")
+                    .with_arguments(args(json!({"session": "q", "out": "q.txt", "seconds": 30}))),
             )
             .await;
     });
@@ -367,12 +392,22 @@ async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     d.env = vec![("AIRLOCK_FAILPOINT_ERROR_AT".into(), "0".into())];
     d.start();
     assert!(d.workspace.join(&qname).is_dir());
-    assert!(d.log_text().contains("still cannot be removed"), "{}", d.log_text());
+    assert!(
+        d.log_text().contains("still cannot be removed"),
+        "{}",
+        d.log_text()
+    );
     let c = d.client().await;
     for (tool, a) in [
-        ("write_text", json!({"session": "q", "text": "x", "out": format!("{qname}/stage/x")})),
+        (
+            "write_text",
+            json!({"session": "q", "text": "x", "out": format!("{qname}/stage/x")}),
+        ),
         ("cat", json!({"path": format!("{qname}/recovery.json")})),
-        ("write_text", json!({"session": "q", "text": "x", "out": format!("./a/../{qname}")})),
+        (
+            "write_text",
+            json!({"session": "q", "text": "x", "out": format!("./a/../{qname}")}),
+        ),
     ] {
         let r = call(&c, tool, a).await;
         assert_eq!(code(&r), "PATH_REJECTED", "{r}");
@@ -383,7 +418,10 @@ async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     // A later recovery removes it.
     let (rc, stdout, stderr) = recover_cmd(&d, &[]);
     assert_eq!(rc, 0, "{stdout} {stderr}");
-    assert!(stdout.contains("removed (quarantined by an earlier recovery)"), "{stdout}");
+    assert!(
+        stdout.contains("removed (quarantined by an earlier recovery)"),
+        "{stdout}"
+    );
     assert!(!d.workspace.join(&qname).exists());
     d.start();
     restarts_and_serves(&mut d, "q", 0).await;
@@ -470,7 +508,10 @@ async fn state_dir_is_exclusive_and_kept_out_of_the_workspace() {
     for state in [ws.join("state"), link.join("nested/state")] {
         let (rc, err) = serve_status(&d, &ws, &state, &sock2);
         assert_eq!(rc, 2, "{err}");
-        assert!(err.contains("state dir") && err.contains("is inside"), "{err}");
+        assert!(
+            err.contains("state dir") && err.contains("is inside"),
+            "{err}"
+        );
         assert!(!state.exists(), "nothing created");
     }
     // Socket inside the workspace.
@@ -481,7 +522,10 @@ async fn state_dir_is_exclusive_and_kept_out_of_the_workspace() {
     // Workspace inside the state dir.
     let (rc, err) = serve_status(&d, &d.state.join("sessions"), &d.state, &sock2);
     assert_eq!(rc, 2, "{err}");
-    assert!(err.contains("workspace") && err.contains("is inside"), "{err}");
+    assert!(
+        err.contains("workspace") && err.contains("is inside"),
+        "{err}"
+    );
 
     // A workspace an unprivileged daemon cannot open is not "held by another process".
     std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -492,7 +536,14 @@ async fn state_dir_is_exclusive_and_kept_out_of_the_workspace() {
     std::fs::create_dir(&st).unwrap();
     let _ = Command::new("chown").arg("65534:65534").arg(&st).status();
     let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--", BIN, "recover"])
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+            BIN,
+            "recover",
+        ])
         .arg("--policies")
         .arg(&d.policies)
         .arg("--workspace")
@@ -547,7 +598,10 @@ path = "output"
         .output()
         .unwrap();
     let explain = String::from_utf8_lossy(&out.stdout);
-    assert!(explain.contains("staging           2 MiB in 100000 entries"), "{explain}");
+    assert!(
+        explain.contains("staging           2 MiB in 100000 entries"),
+        "{explain}"
+    );
     restarts_and_serves(&mut d, "z", 0).await;
 }
 
