@@ -310,17 +310,25 @@ fn recover(a: Dirs) -> i32 {
     };
     apply_overrides(&mut policy, a.workspace, a.state_dir);
     let d = &policy.daemon;
-    let result = crate::exec::lock_workspace(&d.workspace)
+    let result = crate::exec::check_layout(&d.workspace, &d.state_dir, None)
+        .and_then(|()| crate::exec::lock_workspace(&d.workspace))
+        .and_then(|lock| Ok((lock, crate::exec::lock_state_dir(&d.state_dir)?)))
         .map_err(|e| e.to_string())
-        .and_then(|lock| {
+        .and_then(|locks| {
             Ok((
-                lock,
+                locks,
                 crate::publish::Workspace::open(&d.workspace).map_err(|e| e.to_string())?,
             ))
         })
-        .and_then(|(_lock, ws)| {
+        .and_then(|(_locks, ws)| {
             let sessions =
                 crate::session::SessionStore::open(&d.state_dir).map_err(|e| e.to_string())?;
+            // As at startup: nothing a dead daemon's workers left may run while job dirs are
+            // settled (logged at warn, one line per process killed).
+            let uids = crate::sandbox::Identities::detect(d.worker_user, d.worker_uids, 1)
+                .ok()
+                .and_then(|i| i.range());
+            crate::exec::sweep_leftovers(d, uids).map_err(|e| e.to_string())?;
             crate::exec::recover(&ws, &sessions).map_err(|e| e.to_string())
         });
     match result {
@@ -328,7 +336,17 @@ fn recover(a: Dirs) -> i32 {
             for r in &done {
                 println!("{}: {}", r.job, r.action);
             }
-            println!("recovered {} job(s)", done.len());
+            let quarantined: Vec<_> = done.iter().filter_map(|r| r.quarantined.as_ref()).collect();
+            println!("recovered {} job(s)", done.len() - quarantined.len());
+            if !quarantined.is_empty() {
+                println!(
+                    "{} job dir(s) could not be removed and are quarantined (their targets are settled; tools cannot reach them); remove them by hand:",
+                    quarantined.len()
+                );
+                for q in quarantined {
+                    println!("  {}", q.display());
+                }
+            }
             0
         }
         Err(e) => {

@@ -11,6 +11,10 @@
 //!   learns how many points a call has and what each one is.
 //! * `AIRLOCK_FAILPOINT_PAUSE_AT=N` with `AIRLOCK_FAILPOINT_PAUSE_MS=MS`: sleep before point N,
 //!   after logging it, so a race test can act while publication is stopped there.
+//! * `AIRLOCK_FAILPOINT_PAUSE_NAME=NAME` with `AIRLOCK_FAILPOINT_PAUSE_EVERY=K` and
+//!   `AIRLOCK_FAILPOINT_PAUSE_MARK=FILE`: before every K-th hit of the point named NAME,
+//!   create FILE and wait until the test removes it (or `AIRLOCK_FAILPOINT_PAUSE_MS` pass,
+//!   then remove it), so a test can act while, say, a big cleanup is half done.
 
 /// Marks one filesystem mutation named `name` (such as `publish.exchange`).
 #[cfg(not(feature = "failpoints"))]
@@ -41,6 +45,24 @@ pub fn hit(name: &'static str) -> std::io::Result<()> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(500);
         std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+    if var("AIRLOCK_FAILPOINT_PAUSE_NAME").as_deref() == Some(name) {
+        static NAMED: AtomicU64 = AtomicU64::new(0);
+        let k = NAMED.fetch_add(1, Ordering::SeqCst) + 1;
+        let every = var("AIRLOCK_FAILPOINT_PAUSE_EVERY").and_then(|v| v.parse::<u64>().ok());
+        if let (Some(every @ 1..), Some(mark)) = (every, var("AIRLOCK_FAILPOINT_PAUSE_MARK")) {
+            if k % every == 0 {
+                let ms = var("AIRLOCK_FAILPOINT_PAUSE_MS")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(500);
+                let _ = std::fs::write(&mark, name);
+                let until = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+                while std::path::Path::new(&mark).exists() && std::time::Instant::now() < until {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                let _ = std::fs::remove_file(&mark);
+            }
+        }
     }
     if var("AIRLOCK_FAILPOINT_CRASH_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {
         std::process::abort();

@@ -38,11 +38,104 @@ pub fn atomic_write(
     File::open(dir)?.sync_all()
 }
 
+/// Why [`lock_dir`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// Another process holds the lock (`flock` said EWOULDBLOCK).
+    #[error("another process holds its lock")]
+    Held,
+    #[error("cannot open it: {0}")]
+    Open(std::io::Error),
+    #[error("cannot lock it: {0}")]
+    Lock(std::io::Error),
+}
+
 /// Takes an exclusive, non-blocking `flock` on the directory `dir` itself, held for as long
-/// as the returned file lives: one daemon (or `airlock recover`) per workspace.
-pub fn lock_dir(dir: &Path) -> std::io::Result<File> {
-    let f = File::open(dir)?;
-    rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive)
-        .map_err(std::io::Error::from)?;
-    Ok(f)
+/// as the returned file lives: one daemon (or `airlock recover`) per workspace and per state
+/// dir.
+pub fn lock_dir(dir: &Path) -> Result<File, LockError> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY)
+        .open(dir)
+        .map_err(LockError::Open)?;
+    match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(f),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(LockError::Held),
+        Err(e) => Err(LockError::Lock(e.into())),
+    }
+}
+
+/// `path` with its longest existing ancestor resolved (symlinks followed, as the kernel
+/// would) and the rest appended lexically: where `path` is, or would be once created.
+pub fn resolve_lenient(path: &Path) -> std::io::Result<std::path::PathBuf> {
+    use std::path::Component;
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(path)
+    };
+    let mut existing = abs.as_path();
+    let mut rest = Vec::new();
+    loop {
+        match std::fs::canonicalize(existing) {
+            Ok(mut base) => {
+                for c in rest.iter().rev() {
+                    match c {
+                        Component::ParentDir => {
+                            base.pop();
+                        }
+                        Component::Normal(n) => base.push(n),
+                        _ => {}
+                    }
+                }
+                return Ok(base);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let Some(parent) = existing.parent() else {
+                    return Err(e);
+                };
+                if let Some(c) = existing.components().next_back() {
+                    rest.push(c);
+                }
+                existing = parent;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_dir_tells_held_from_other_failures() {
+        let tmp = tempfile::tempdir().unwrap();
+        let held = lock_dir(tmp.path()).unwrap();
+        assert!(matches!(lock_dir(tmp.path()), Err(LockError::Held)));
+        drop(held);
+        lock_dir(tmp.path()).unwrap();
+        let missing = tmp.path().join("missing");
+        assert!(matches!(lock_dir(&missing), Err(LockError::Open(_))));
+        let file = tmp.path().join("file");
+        std::fs::write(&file, "x").unwrap();
+        assert!(matches!(lock_dir(&file), Err(LockError::Open(_))));
+    }
+
+    #[test]
+    fn resolve_lenient_follows_existing_symlinks_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().canonicalize().unwrap();
+        std::fs::create_dir(root.join("ws")).unwrap();
+        std::os::unix::fs::symlink(root.join("ws"), root.join("link")).unwrap();
+        assert_eq!(
+            resolve_lenient(&root.join("link/state/x")).unwrap(),
+            root.join("ws/state/x")
+        );
+        assert_eq!(
+            resolve_lenient(&root.join("new/../ws")).unwrap(),
+            root.join("ws")
+        );
+    }
 }

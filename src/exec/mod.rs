@@ -38,8 +38,16 @@ pub enum StartupError {
     Sessions(#[from] SessionError),
     #[error("startup recovery failed: {0}")]
     Recovery(String),
-    #[error("{path}: another airlock process holds this workspace ({source})")]
-    Busy {
+    #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
+    Busy { what: &'static str, path: PathBuf },
+    #[error("{path}: cannot lock the {what}: {source}")]
+    Lock {
+        what: &'static str,
+        path: PathBuf,
+        source: crate::fsutil::LockError,
+    },
+    #[error("cannot create the state dir {path}: {source}")]
+    StateDir {
         path: PathBuf,
         source: std::io::Error,
     },
@@ -47,6 +55,19 @@ pub enum StartupError {
     Identity(#[from] crate::sandbox::IdentityError),
     #[error("cannot open the worker registry: {0}")]
     Registry(std::io::Error),
+    #[error("cannot resolve {path}: {source}")]
+    Resolve {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The state dir or the socket is inside the workspace, where a tool could publish over
+    /// it (a forged session file, say).
+    #[error("the {what} {path} is inside {workspace}; keep the workspace, the state dir and the socket apart (workspace, state_dir and socket in airlock.toml, or --workspace / --state-dir / --socket)")]
+    InsideWorkspace {
+        what: &'static str,
+        path: PathBuf,
+        workspace: PathBuf,
+    },
 }
 
 /// One `tools/call`, as the MCP layer hands it over.
@@ -134,6 +155,8 @@ pub struct Executor {
     registry: Registry,
     /// The exclusive lock on the workspace, held while the daemon runs.
     _lock: std::fs::File,
+    /// The exclusive lock on the state dir, held while the daemon runs.
+    _state_lock: std::fs::File,
 }
 
 impl Executor {
@@ -148,7 +171,9 @@ impl Executor {
             path: d.workspace.clone(),
             source,
         })?;
+        check_layout(&d.workspace, &d.state_dir, Some(&d.socket))?;
         let lock = lock_workspace(&d.workspace)?;
+        let state_lock = lock_state_dir(&d.state_dir)?;
         let workspace = Workspace::open(&d.workspace)?;
         let sessions = SessionStore::open(&d.state_dir)?;
         let identities = Identities::detect(d.worker_user, d.worker_uids, d.max_concurrent_calls)?;
@@ -160,6 +185,7 @@ impl Executor {
             identities,
             registry,
             _lock: lock,
+            _state_lock: state_lock,
             audit: Audit::new(d.audit_ring),
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
             policy,
@@ -474,19 +500,27 @@ impl Executor {
         let (mut reply, new_state) = match ran {
             Ok(r) => r,
             Err(stop) => {
-                discard(job);
+                discard(job).await;
                 return Err(stop);
             }
         };
+        if let Err(stop) = self.check_staging(ext, &job) {
+            discard(job).await;
+            return Err(stop);
+        }
 
         // 7. Publish the outputs, then commit the state: the commit point.
         let state = new_state.unwrap_or_else(|| before.state.clone());
         let mut committed = None;
-        let published = job.publish_and_commit(|| {
-            self.sessions
-                .commit(&guard, state, &call.call)
-                .map(|snap| committed = Some(snap))
-                .map_err(|e| e.to_string())
+        // Off the async threads: publication fsyncs, and its cleanup removes whatever the
+        // worker left in staging.
+        let published = tokio::task::block_in_place(|| {
+            job.publish_and_commit(|| {
+                self.sessions
+                    .commit(&guard, state, &call.call)
+                    .map(|snap| committed = Some(snap))
+                    .map_err(|e| e.to_string())
+            })
         });
         if let Err(e) = published {
             self.audit
@@ -527,6 +561,23 @@ impl Executor {
         self.identities
             .lease()
             .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e).into())
+    }
+
+    /// Fails the call if the worker left more in staging than its profile allows.
+    fn check_staging(&self, ext: &ExternalTool, job: &Job) -> Result<(), Stop> {
+        let Some(profile) = self.policy.profiles.get(&ext.profile) else {
+            return Ok(());
+        };
+        let l = &profile.limits;
+        tokio::task::block_in_place(|| job.check_staging(l.staging_files, l.staging_bytes))
+            .map(drop)
+            .map_err(|e| {
+                let code = match e {
+                    publish::PublishError::StagingLimit { .. } => "TOOL_FAILED",
+                    _ => "PUBLISH_FAILED",
+                };
+                ToolReply::fault(code, e).into()
+            })
     }
 
     async fn slot(
@@ -797,10 +848,18 @@ fn tail(bytes: &[u8], n: usize) -> String {
     }
 }
 
-fn discard(job: Job) {
+/// Removes the job dir of a call that publishes nothing, off the async threads (a worker
+/// may have left any number of files).
+async fn discard(job: Job) {
     let dir = job.dir().to_path_buf();
-    if let Err(e) = job.discard() {
-        tracing::error!("cannot remove job dir {}: {e}", dir.display());
+    let done = tokio::task::spawn_blocking(move || job.discard()).await;
+    match done {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(
+            "cannot remove job dir {}: {e}; startup recovery will (or quarantine it)",
+            dir.display()
+        ),
+        Err(e) => tracing::error!("removing job dir {} failed: {e}", dir.display()),
     }
 }
 
@@ -820,9 +879,31 @@ fn link(from: &CancellationToken, to: &CancellationToken) -> tokio_util::sync::D
 
 /// Locks the workspace for this process: recovery treats every job dir in it as its own.
 pub fn lock_workspace(path: &std::path::Path) -> Result<std::fs::File, StartupError> {
-    crate::fsutil::lock_dir(path).map_err(|source| StartupError::Busy {
+    lock(path, "workspace")
+}
+
+/// Creates (0700) and locks the state dir for this process: two daemons sharing one would
+/// lose each other's session commits.
+pub fn lock_state_dir(path: &std::path::Path) -> Result<std::fs::File, StartupError> {
+    crate::fsutil::create_private_dir(path).map_err(|source| StartupError::StateDir {
         path: path.to_path_buf(),
         source,
+    })?;
+    lock(path, "state dir")
+}
+
+fn lock(path: &std::path::Path, what: &'static str) -> Result<std::fs::File, StartupError> {
+    use crate::fsutil::LockError;
+    crate::fsutil::lock_dir(path).map_err(|e| match e {
+        LockError::Held => StartupError::Busy {
+            what,
+            path: path.to_path_buf(),
+        },
+        source => StartupError::Lock {
+            what,
+            path: path.to_path_buf(),
+            source,
+        },
     })
 }
 
@@ -842,6 +923,49 @@ pub fn sweep_leftovers(
         tracing::warn!("startup: {line}");
     }
     Ok(registry)
+}
+
+/// Refuses a state dir or a socket inside the workspace (symlinks resolved, whether they
+/// exist yet or not): a tool could publish over them.
+pub fn check_layout(
+    workspace: &std::path::Path,
+    state_dir: &std::path::Path,
+    socket: Option<&std::path::Path>,
+) -> Result<(), StartupError> {
+    let resolve = |p: &std::path::Path| {
+        crate::fsutil::resolve_lenient(p).map_err(|source| StartupError::Resolve {
+            path: p.to_path_buf(),
+            source,
+        })
+    };
+    let ws = resolve(workspace)?;
+    let state = resolve(state_dir)?;
+    if ws.starts_with(&state) {
+        return Err(StartupError::InsideWorkspace {
+            what: "workspace",
+            path: ws,
+            workspace: state,
+        });
+    }
+    let mut others = vec![("state dir", state_dir)];
+    if let Some(s) = socket {
+        others.push(("socket", s));
+    }
+    for (what, p) in others {
+        let r = resolve(p)?;
+        if r.starts_with(&ws) {
+            return Err(StartupError::InsideWorkspace {
+                what,
+                path: if r.as_path() == p {
+                    r
+                } else {
+                    PathBuf::from(format!("{} (resolved: {})", p.display(), r.display()))
+                },
+                workspace: ws,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Brings every leftover job dir to all-old or all-new before serving.

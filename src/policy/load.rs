@@ -401,6 +401,8 @@ struct RawLimits {
     memory: Option<Spanned<Size>>,
     output: Option<Spanned<Size>>,
     grace: Option<Spanned<String>>,
+    staging_size: Option<Spanned<Size>>,
+    staging_files: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -538,6 +540,10 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
         size(l.address_space, &mut limits.address_space_bytes);
         size(l.file_size, &mut limits.file_size_bytes);
         size(l.memory, &mut limits.memory_bytes);
+        size(l.staging_size, &mut limits.staging_bytes);
+        if let Some(v) = l.staging_files {
+            limits.staging_files = v;
+        }
         let mut out = limits.output_bytes as u64;
         size(l.output, &mut out);
         limits.output_bytes = out as usize;

@@ -143,6 +143,12 @@ pub struct Limits {
     pub output_bytes: usize,
     /// Time between SIGTERM and SIGKILL.
     pub grace: Duration,
+    /// Most bytes (apparent size of regular files) a write call may leave in its staging
+    /// dir; checked after the worker exits, the call fails if over (`[limits] staging_size`).
+    pub staging_bytes: u64,
+    /// Most entries (files, directories, links) a write call may leave in its staging dir
+    /// (`[limits] staging_files`).
+    pub staging_files: u64,
 }
 
 impl Default for Limits {
@@ -156,6 +162,8 @@ impl Default for Limits {
             memory_bytes: 1 << 30,
             output_bytes: 1 << 20,
             grace: Duration::from_secs(2),
+            staging_bytes: 2 << 30,
+            staging_files: 100_000,
         }
     }
 }

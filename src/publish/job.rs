@@ -10,15 +10,20 @@ use rustix::io::Errno;
 
 use super::journal::{Journal, Phase, TargetRecord, JOURNAL, VERSION};
 use super::sys::{
-    describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, remove_tree,
-    stat_at, FileId,
+    describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, stat_at,
+    FileId,
 };
+use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
 use super::{JobSpec, PublishError, Workspace, JOB_DIR_PREFIX};
 
 const STAGE: &str = "stage";
 /// Job ids become file names: keep them short and free of separators and dots.
-const MAX_ID_LEN: usize = 128;
+pub(super) const MAX_ID_LEN: usize = 128;
+/// How much longer than the workspace root's path a staged output's path is, at most,
+/// without its file name: `/.airlock-job-<id>/stage/<slot>/`.
+pub(super) const STAGED_OVERHEAD: usize =
+    1 + JOB_DIR_PREFIX.len() + MAX_ID_LEN + 1 + STAGE.len() + 1 + 20 + 1;
 
 pub struct Job {
     spec: JobSpec,
@@ -257,15 +262,73 @@ impl Job {
     /// "never published" and recovery only deletes it.
     fn remove_dir(&self) -> Result<(), PublishError> {
         let journal = self.dir.join(JOURNAL);
-        match mutate("publish.cleanup_unlink", &journal, || {
-            rustix::fs::unlinkat(self.fd.as_fd(), JOURNAL, AtFlags::empty())
-        }) {
+        let unlink = || {
+            mutate("publish.cleanup_unlink", &journal, || {
+                rustix::fs::unlinkat(self.fd.as_fd(), JOURNAL, AtFlags::empty())
+            })
+        };
+        let errno = |e: &PublishError| match e {
+            PublishError::Io { source, .. } => source.raw_os_error(),
+            _ => None,
+        };
+        let mut done = unlink();
+        if matches!(
+            done.as_ref().map_err(errno),
+            Err(Some(libc::EACCES | libc::EPERM))
+        ) {
+            // The worker took the permissions of its job dir (`chmod 0 ..` from staging).
+            mutate("publish.cleanup_chmod", &self.dir, || {
+                rustix::fs::fchmod(self.fd.as_fd(), Mode::from_raw_mode(0o700))
+            })?;
+            done = unlink();
+        }
+        match done {
             Ok(()) => fsync_dir(self.fd.as_fd(), &self.dir)?,
-            Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
-            }
+            Err(e) if errno(&e) == Some(libc::ENOENT) => {}
             Err(e) => return Err(e),
         }
         remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
+    }
+
+    /// Measures what the worker left in its staging dir against the profile's
+    /// `staging_files` (entries of any kind beneath `stage/`) and `staging_size` (apparent
+    /// size of the regular files). Run after the worker is gone, before anything is
+    /// published; `Err(StagingLimit)` fails the call.
+    ///
+    /// A worker running as the daemon's uid can take the permissions of its own job dir
+    /// (`chmod 0 ..`); they are given back to the owner here, so that publication can reach
+    /// the staged outputs.
+    pub fn check_staging(&self, max_entries: u64, max_bytes: u64) -> Result<Usage, PublishError> {
+        let st =
+            rustix::fs::fstat(self.fd.as_fd()).map_err(|e| io("stat job dir", &self.dir, e))?;
+        if st.st_mode & 0o700 != 0o700 {
+            mutate("publish.cleanup_chmod", &self.dir, || {
+                rustix::fs::fchmod(
+                    self.fd.as_fd(),
+                    Mode::from_raw_mode((st.st_mode & 0o7777) | 0o700),
+                )
+            })?;
+        }
+        let u = usage(
+            self.fd.as_fd(),
+            OsStr::new(STAGE),
+            &self.stage_dir(),
+            max_entries,
+            max_bytes,
+        )?;
+        if u.entries > max_entries {
+            return Err(PublishError::StagingLimit {
+                what: format!("more than {max_entries} files and directories"),
+                key: "staging_files",
+            });
+        }
+        if u.bytes > max_bytes {
+            return Err(PublishError::StagingLimit {
+                what: format!("more than {max_bytes} bytes of files"),
+                key: "staging_size",
+            });
+        }
+        Ok(u)
     }
 
     /// Removes the job dir of a call that will not publish.

@@ -31,6 +31,7 @@ mod job;
 mod journal;
 mod recover;
 mod sys;
+mod tree;
 mod workspace;
 
 #[cfg(test)]
@@ -44,10 +45,22 @@ pub use job::Job;
 pub use journal::Phase;
 pub use recover::recover;
 pub use sys::FileId;
+pub use tree::Usage;
 pub use workspace::Workspace;
 
 /// Job dirs are `<root>/.airlock-job-<id>/`; no path parameter may name one.
 pub const JOB_DIR_PREFIX: &str = ".airlock-job-";
+/// Job dirs recovery could not remove are moved to `<root>/.airlock-quarantine-<id>/`; no
+/// path parameter may name one either.
+pub const QUARANTINE_PREFIX: &str = ".airlock-quarantine-";
+/// Names in the workspace root that belong to airlock: a path whose first component starts
+/// with one of these is rejected.
+pub const RESERVED_PREFIXES: [&str; 2] = [JOB_DIR_PREFIX, QUARANTINE_PREFIX];
+
+/// The longest path the kernel takes, terminating NUL included (`PATH_MAX`).
+pub const PATH_MAX: usize = libc::PATH_MAX as usize;
+/// The longest file name (`NAME_MAX`).
+pub const NAME_MAX: usize = 255;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PathError {
@@ -83,6 +96,9 @@ pub enum PublishError {
         error: Box<PublishError>,
         rollback: Box<PublishError>,
     },
+    /// The worker left more in its staging dir than its profile allows.
+    #[error("the worker left {what} in its staging dir, over the profile's [limits] {key}; nothing was published")]
+    StagingLimit { what: String, key: &'static str },
     /// Startup recovery cannot decide what to do with a job dir.
     #[error("recovery of job {job}: {reason}")]
     Recovery { job: String, reason: String },
@@ -109,6 +125,8 @@ pub struct JobSpec {
 pub struct Recovered {
     pub job: String,
     pub action: String,
+    /// Where the job dir was moved aside, when it could not be removed.
+    pub quarantined: Option<PathBuf>,
 }
 
 /// The failpoint before every mutation of this module (plus the in-process crash simulator

@@ -2,7 +2,7 @@
 //! directory fd, never through a symlink, a magic link or a mount crossing.
 
 use std::ffi::OsStr;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags, Stat};
@@ -145,92 +145,27 @@ pub(super) fn fsync_dir(fd: BorrowedFd<'_>, path: &Path) -> Result<(), PublishEr
     rustix::fs::fsync(fd).map_err(|e| io("fsync", path, e))
 }
 
-/// The deepest directory tree [`remove_tree`] descends; deeper trees are refused rather than
-/// risking the stack of a runtime thread.
-const MAX_DEPTH: usize = 128;
-
-/// Removes the directory `name` in `parent` and everything beneath it, without following any
-/// symlink (symlinks are unlinked, never traversed). A missing `name` is not an error.
-/// `abs` is the absolute path of `name`, for messages.
-pub(super) fn remove_tree(
-    parent: BorrowedFd<'_>,
-    name: &OsStr,
-    abs: &Path,
-) -> Result<(), PublishError> {
-    remove_tree_depth(parent, name, abs, 0)
-}
-
-fn remove_tree_depth(
-    parent: BorrowedFd<'_>,
-    name: &OsStr,
-    abs: &Path,
-    depth: usize,
-) -> Result<(), PublishError> {
-    if depth > MAX_DEPTH {
-        return Err(PublishError::Io {
-            op: "remove directory tree",
-            path: abs.to_path_buf(),
-            source: std::io::Error::other(format!("nested deeper than {MAX_DEPTH} levels")),
-        });
-    }
-    let fd = match open_dir_beneath(parent, name) {
-        Ok(fd) => fd,
-        Err(Errno::NOENT) => return Ok(()),
-        Err(Errno::ACCESS) => {
-            // The worker may have left a directory without read or search permission; it is
-            // ours (same owner), so make it traversable and try again.
-            mutate("publish.cleanup_chmod", abs, || {
-                rustix::fs::chmodat(parent, name, Mode::from_raw_mode(0o700), AtFlags::empty())
-            })?;
-            open_dir_beneath(parent, name).map_err(|e| io("open directory", abs, e))?
-        }
-        Err(e) => return Err(io("open directory", abs, e)),
+/// `fchmodat2(dir, name, mode, AT_SYMLINK_NOFOLLOW)`: changes the mode of `name` itself,
+/// never of what a symlink planted there points to (the kernel refuses to chmod a symlink
+/// with EOPNOTSUPP). Linux 6.6 or newer, which the Landlock ABI the profiles need implies.
+pub(super) fn chmod_nofollow(dir: BorrowedFd<'_>, name: &OsStr, mode: Mode) -> Result<(), Errno> {
+    // The syscall number is the same on every architecture (added after the tables merged).
+    const SYS_FCHMODAT2: libc::c_long = 452;
+    let name = std::ffi::CString::new(name.as_encoded_bytes()).map_err(|_| Errno::INVAL)?;
+    // SAFETY: `dir` is a live fd borrowed for the call, `name` a NUL-terminated string that
+    // outlives it; the kernel reads the string and touches no other memory of ours.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_FCHMODAT2,
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            mode.bits() as libc::c_uint,
+            libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
+        )
     };
-    let mut entries = Vec::new();
-    {
-        let dir =
-            rustix::fs::Dir::read_from(fd.as_fd()).map_err(|e| io("read directory", abs, e))?;
-        for entry in dir {
-            let entry = entry.map_err(|e| io("read directory", abs, e))?;
-            let bytes = entry.file_name().to_bytes();
-            if bytes == b"." || bytes == b".." {
-                continue;
-            }
-            let child = <OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes).to_os_string();
-            entries.push((child, entry.file_type()));
-        }
-    }
-    for (child, ft) in entries {
-        let child_abs = abs.join(&child);
-        let ft = match ft {
-            FileType::Unknown => match stat_at(fd.as_fd(), &child) {
-                Ok(Some(st)) => file_type(&st),
-                Ok(None) => continue,
-                Err(e) => return Err(io("stat", &child_abs, e)),
-            },
-            ft => ft,
-        };
-        if ft == FileType::Directory {
-            remove_tree_depth(fd.as_fd(), &child, &child_abs, depth + 1)?;
-        } else {
-            match mutate("publish.cleanup_unlink", &child_abs, || {
-                rustix::fs::unlinkat(fd.as_fd(), child.as_os_str(), AtFlags::empty())
-            }) {
-                Ok(()) => {}
-                Err(PublishError::Io { source, .. })
-                    if source.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    drop(fd);
-    match mutate("publish.cleanup_rmdir", abs, || {
-        rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR)
-    }) {
-        Ok(()) => Ok(()),
-        Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
-            Ok(())
-        }
-        Err(e) => Err(e),
+    if rc < 0 {
+        Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::IO))
+    } else {
+        Ok(())
     }
 }

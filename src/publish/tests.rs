@@ -918,3 +918,402 @@ fn real_failpoints_abort_and_errno_at_every_point() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// #8: whatever a worker leaves in staging never stops cleanup or recovery
+
+/// Builds a chain of `depth` directories named `name` beneath `dir`, with a file and a
+/// symlink at every level, through dirfds (the full path is far beyond PATH_MAX, so no path
+/// based call could do it). Every `chmod_every`-th level gets `mode` at the end.
+fn deep_chain(dir: &Path, depth: usize, name: &str, mode: u32, chmod_every: usize) {
+    use rustix::fs::{mkdirat, openat, symlinkat, Mode as M, OFlags};
+    let mut fds = vec![openat(
+        rustix::fs::CWD,
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY,
+        M::empty(),
+    )
+    .unwrap()];
+    for _ in 0..depth {
+        let cur = fds.last().unwrap();
+        let f = openat(
+            cur,
+            "f",
+            OFlags::WRONLY | OFlags::CREATE,
+            M::from_raw_mode(0o000),
+        )
+        .unwrap();
+        drop(f);
+        symlinkat("/etc/passwd", cur, "l").unwrap();
+        mkdirat(cur, name, M::from_raw_mode(0o700)).unwrap();
+        let next = openat(cur, name, OFlags::RDONLY | OFlags::DIRECTORY, M::empty()).unwrap();
+        // Keep at most a few fds: the deep ones are only needed to go on downwards.
+        if fds.len() > 4 {
+            fds.remove(1);
+        }
+        fds.push(next);
+    }
+    drop(fds);
+    if chmod_every > 0 {
+        // Walk down again and take the permissions away, bottom-most first so that the walk
+        // itself still works (as root it would anyway).
+        let mut fds = vec![openat(
+            rustix::fs::CWD,
+            dir,
+            OFlags::RDONLY | OFlags::DIRECTORY,
+            M::empty(),
+        )
+        .unwrap()];
+        for _ in 0..depth {
+            let next = openat(
+                fds.last().unwrap(),
+                name,
+                OFlags::RDONLY | OFlags::DIRECTORY,
+                M::empty(),
+            )
+            .unwrap();
+            fds.push(next);
+        }
+        for (i, fd) in fds.iter().enumerate().skip(1).rev() {
+            if i % chmod_every == 0 {
+                rustix::fs::fchmod(fd, M::from_raw_mode(mode)).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn discard_removes_a_chain_deeper_than_path_max_and_the_fd_window() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("deep", &["a.txt"])).unwrap();
+    let stage = job.stage_dir();
+    // 40 levels of 200-byte names: 8 KB of path, twice PATH_MAX.
+    deep_chain(&stage, 40, &"n".repeat(200), 0o000, 3);
+    // 2000 levels of short names: far more levels than the walk keeps fds for.
+    fs::create_dir(stage.join("short")).unwrap();
+    deep_chain(&stage.join("short"), 2000, "d", 0o500, 7);
+    job.discard().unwrap();
+    assert!(job_dirs(tmp.path()).is_empty());
+    assert!(snapshot(tmp.path()).is_empty());
+}
+
+#[test]
+fn discard_removes_wide_trees_in_rounds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("wide", &["a.txt"])).unwrap();
+    let stage = job.stage_dir();
+    // More subdirectories than one scan collects, each with files and a locked subdir.
+    for i in 0..700 {
+        let d = stage.join(format!("d{i}"));
+        fs::create_dir_all(d.join("locked")).unwrap();
+        fs::write(d.join("f"), "x").unwrap();
+        fs::set_permissions(d.join("locked"), fs::Permissions::from_mode(0o000)).unwrap();
+    }
+    for i in 0..3000 {
+        fs::write(stage.join(format!("file{i}")), "y").unwrap();
+    }
+    job.discard().unwrap();
+    assert!(snapshot(tmp.path()).is_empty());
+}
+
+#[test]
+fn a_job_dir_the_worker_made_0000_is_still_removed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("chmod0", &["a.txt"])).unwrap();
+    // `chmod 0 ..` from staging, and a read-only staging dir.
+    fs::set_permissions(job.stage_dir(), fs::Permissions::from_mode(0o500)).unwrap();
+    fs::set_permissions(job.dir(), fs::Permissions::from_mode(0o000)).unwrap();
+    job.discard().unwrap();
+    assert!(snapshot(tmp.path()).is_empty());
+}
+
+#[test]
+fn staging_usage_is_counted_and_limited() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("use", &["a.txt", "b.txt"])).unwrap();
+    let stage = job.stage_dir();
+    fs::write(stage.join("0/a.txt"), vec![b'a'; 1000]).unwrap();
+    fs::create_dir_all(stage.join("x/y")).unwrap();
+    fs::write(stage.join("x/y/z"), vec![b'z'; 24]).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", stage.join("x/link")).unwrap();
+    // A sparse file counts at its apparent size.
+    let f = fs::File::create(stage.join("sparse")).unwrap();
+    f.set_len(1 << 20).unwrap();
+    drop(f);
+    // Slots 0 and 1, a.txt, x, x/y, x/y/z, x/link, sparse.
+    let u = job.check_staging(100, 10 << 20).unwrap();
+    assert_eq!(
+        u,
+        Usage {
+            entries: 8,
+            bytes: 1000 + 24 + (1 << 20)
+        }
+    );
+    job.check_staging(8, 1024 + (1 << 20)).unwrap();
+    let e = job.check_staging(7, 10 << 20).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            PublishError::StagingLimit {
+                key: "staging_files",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = job.check_staging(100, 1 << 20).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            PublishError::StagingLimit {
+                key: "staging_size",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("nothing was published"), "{e}");
+    job.discard().unwrap();
+}
+
+#[test]
+fn recovery_quarantines_a_job_dir_it_cannot_remove_and_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "keep.txt", "kept");
+    let ws = open(&tmp);
+    let j1 = Job::create(&ws, spec("q1", &["a.txt"])).unwrap();
+    stage(&j1, 0, "never published");
+    std::mem::forget(j1);
+    let j2 = Job::create(&ws, spec("q2", &["b.txt"])).unwrap();
+    std::mem::forget(j2);
+    // Point 0 of recovery is q1's journal unlink: it fails (as an unremovable entry would),
+    // so q1 is moved aside; q2 is recovered normally.
+    testsim::arm(Mode::Error(0));
+    let rec = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
+    let names = testsim::disarm();
+    assert_eq!(names[0], "publish.cleanup_unlink");
+    assert_eq!(names[1], "publish.quarantine");
+    assert_eq!(rec.len(), 2, "{rec:?}");
+    let q = rec[0].quarantined.clone().expect("q1 quarantined");
+    assert_eq!(q, ws.root().join(".airlock-quarantine-q1"));
+    assert!(
+        rec[0].action.contains("quarantined as"),
+        "{}",
+        rec[0].action
+    );
+    assert!(rec[1].quarantined.is_none());
+    assert!(job_dirs(tmp.path()).is_empty());
+    assert!(q.join("stage/0/a.txt").exists());
+    assert!(!tmp.path().join("a.txt").exists());
+    // Tools cannot name it, not even through `.` or `..`.
+    for raw in [
+        ".airlock-quarantine-q1/stage/0/a.txt",
+        "./x/../.airlock-quarantine-q1",
+        ".airlock-quarantine-other",
+    ] {
+        for role in [PathRole::Input, PathRole::Output] {
+            let e = ws.resolve(raw, role).unwrap_err().to_string();
+            assert!(e.contains("quarantined"), "{raw}: {e}");
+        }
+    }
+    // The next recovery removes it and says so.
+    let rec = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
+    assert_eq!(rec.len(), 1);
+    assert!(rec[0].action.contains("removed"), "{}", rec[0].action);
+    assert!(rec[0].quarantined.is_none());
+    let snap = snapshot(tmp.path());
+    assert_eq!(snap.len(), 1, "{snap:?}");
+}
+
+#[test]
+fn recovery_repairs_a_job_dir_without_permissions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let j = Job::create(&ws, spec("perm", &["a.txt"])).unwrap();
+    deep_chain(&j.stage_dir(), 30, &"p".repeat(250), 0, 2);
+    fs::set_permissions(j.dir(), fs::Permissions::from_mode(0o000)).unwrap();
+    std::mem::forget(j);
+    let rec = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
+    assert_eq!(rec.len(), 1);
+    assert!(rec[0].quarantined.is_none(), "{rec:?}");
+    assert!(snapshot(tmp.path()).is_empty());
+}
+
+// ---------------------------------------------------------------------------------------
+// #8: bounds on client paths
+
+#[test]
+fn overlong_paths_are_rejected_before_anything_is_created() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let root_len = ws.root().as_os_str().len();
+    // The issue's path: 25 components of 200 bytes.
+    let issue = vec!["c".repeat(200); 25].join("/");
+    for role in [PathRole::Input, PathRole::Output] {
+        let e = ws.resolve(&issue, role).unwrap_err().to_string();
+        assert!(e.contains("at most 4095 bytes"), "{e}");
+    }
+    // One component over NAME_MAX.
+    let e = ws
+        .resolve(&format!("a/{}/b", "x".repeat(256)), PathRole::Output)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("256 bytes") && e.contains("255"), "{e}");
+    assert!(ws.resolve(&"x".repeat(255), PathRole::Output).is_ok());
+    // Every component fits and so does the raw path, but not the path beneath the root.
+    let rel_len = 4095 - root_len;
+    let mut long = String::new();
+    while long.len() + 251 < rel_len {
+        long.push_str(&"y".repeat(250));
+        long.push('/');
+    }
+    long.push_str(&"y".repeat(rel_len - long.len()));
+    assert!(long.len() < 4096);
+    let e = ws.resolve(&long, PathRole::Output).unwrap_err().to_string();
+    assert!(e.contains("beneath the workspace root"), "{e}");
+    // A workspace root so long that an output's staged copy would not fit, though the
+    // target itself would.
+    let mut deep_root = tmp.path().to_path_buf();
+    while deep_root.as_os_str().len() < 4096 - job::STAGED_OVERHEAD - 100 {
+        deep_root.push("r".repeat(200));
+    }
+    fs::create_dir_all(&deep_root).unwrap();
+    let deep = Workspace::open(&deep_root).unwrap();
+    let name = "w".repeat(200);
+    assert!(deep.resolve(&name, PathRole::Output).is_err());
+    let e = deep
+        .resolve(&name, PathRole::Output)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("staged copy"), "{e}");
+    assert!(deep.resolve("w", PathRole::Output).is_ok());
+    fs::remove_dir_all(tmp.path().join("r".repeat(200))).unwrap();
+    assert!(snapshot(tmp.path()).is_empty(), "nothing was created");
+    // A spec built elsewhere is held to the same bounds.
+    let r = Job::create(&ws, spec("long", &[issue.as_str()]));
+    assert!(matches!(r, Err(PublishError::InvalidSpec { .. })), "{r:?}");
+    assert!(snapshot(tmp.path()).is_empty());
+}
+
+mod path_props {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn token() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("..".to_string()),
+            Just(".".to_string()),
+            Just("".to_string()),
+            Just("a".to_string()),
+            Just("dir".to_string()),
+            Just("out".to_string()),
+            Just("link".to_string()),
+            Just(".airlock-job-x".to_string()),
+            Just(".airlock-quarantine-y".to_string()),
+            Just(".airlock-jobx".to_string()),
+            Just("\0".to_string()),
+            "[a-z.]{1,8}",
+            "\\PC{1,6}",
+            (250usize..260).prop_map(|n| "n".repeat(n)),
+        ]
+    }
+
+    fn raw_path() -> impl Strategy<Value = String> {
+        (
+            any::<bool>(),
+            proptest::collection::vec(token(), 0..40),
+            any::<bool>(),
+        )
+            .prop_map(|(abs, parts, trailing)| {
+                let mut s = parts.join("/");
+                if abs {
+                    s.insert(0, '/');
+                }
+                if trailing {
+                    s.push('/');
+                }
+                s
+            })
+    }
+
+    /// What every accepted path must satisfy.
+    fn check_accepted(ws: &Workspace, raw: &str, rel: &Path) {
+        assert!(rel.is_relative(), "{raw:?} -> {rel:?}");
+        let mut total = ws.root().as_os_str().len() + 1;
+        for (k, c) in rel.components().enumerate() {
+            let std::path::Component::Normal(n) = c else {
+                assert!(rel == Path::new("."), "{raw:?} -> {rel:?}: {c:?}");
+                continue;
+            };
+            assert!(n.len() <= NAME_MAX, "{raw:?}");
+            if k == 0 {
+                for p in RESERVED_PREFIXES {
+                    assert!(
+                        !n.as_encoded_bytes().starts_with(p.as_bytes()),
+                        "{raw:?} reaches a reserved name"
+                    );
+                }
+            }
+            total += n.len() + 1;
+        }
+        assert!(total <= PATH_MAX, "{raw:?} is too long");
+        // Whatever of it exists resolves (symlinks followed) inside the workspace.
+        let mut p = ws.root().to_path_buf();
+        for c in rel.components() {
+            p.push(c);
+            match fs::canonicalize(&p) {
+                Ok(real) => assert!(real.starts_with(ws.root()), "{raw:?} -> {real:?}"),
+                Err(_) => break,
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+
+        #[test]
+        fn resolve_never_accepts_an_escape_a_reserved_name_or_an_overlong_path(
+            raw in raw_path(),
+            output in any::<bool>(),
+        ) {
+            let (tmp, outside) = fixture();
+            let ws = open(&tmp);
+            let role = if output { PathRole::Output } else { PathRole::Input };
+            // Relative and absolute under the root both.
+            for raw in [raw.clone(), format!("{}/{raw}", ws.root().display())] {
+                if let Ok(rel) = ws.resolve(&raw, role) {
+                    check_accepted(&ws, &raw, &rel);
+                }
+            }
+            drop(outside);
+        }
+
+        #[test]
+        fn resolve_survives_arbitrary_strings(raw in any::<String>(), output in any::<bool>()) {
+            let (tmp, _outside) = fixture();
+            let ws = open(&tmp);
+            let role = if output { PathRole::Output } else { PathRole::Input };
+            if let Ok(rel) = ws.resolve(&raw, role) {
+                check_accepted(&ws, &raw, &rel);
+            }
+        }
+    }
+
+    /// A workspace with a directory, a file, a symlink leading out and a job dir.
+    fn fixture() -> (tempfile::TempDir, tempfile::TempDir) {
+        let tmp = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        write(tmp.path(), "dir/a", "x");
+        write(tmp.path(), "a", "x");
+        write(tmp.path(), ".airlock-job-x/stage/0/out", "x");
+        write(tmp.path(), ".airlock-quarantine-y/f", "x");
+        write(outside.path(), "secret", "x");
+        std::os::unix::fs::symlink(outside.path(), tmp.path().join("link")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), tmp.path().join("dir/link")).unwrap();
+        (tmp, outside)
+    }
+}

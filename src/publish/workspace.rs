@@ -7,8 +7,9 @@ use std::path::{Component, Path, PathBuf};
 use rustix::fs::{FileType, Mode, OFlags};
 use rustix::io::Errno;
 
+use super::job::STAGED_OVERHEAD;
 use super::sys::{describe, file_type, open_beneath, stat_at};
-use super::{PathError, PublishError, JOB_DIR_PREFIX};
+use super::{PathError, PublishError, NAME_MAX, PATH_MAX, RESERVED_PREFIXES};
 use crate::policy::PathRole;
 
 /// The workspace root, held open as a directory fd. Every later operation resolves beneath
@@ -70,6 +71,7 @@ impl Workspace {
             reason,
         };
         let rel = self.normalize(raw).map_err(reject)?;
+        self.check_length(&rel, role).map_err(reject)?;
         self.check(&rel, role).map_err(reject)?;
         if rel.as_os_str().is_empty() {
             return Ok(PathBuf::from("."));
@@ -84,6 +86,23 @@ impl Workspace {
         }
         if raw.contains('\0') {
             return Err("contains a NUL byte".into());
+        }
+        if raw.len() >= PATH_MAX {
+            return Err(format!(
+                "is {} bytes long; a path is at most {} bytes",
+                raw.len(),
+                PATH_MAX - 1
+            ));
+        }
+        if let Some(c) = Path::new(raw)
+            .iter()
+            .find(|c| c.as_encoded_bytes().len() > NAME_MAX)
+        {
+            return Err(format!(
+                "has a component of {} bytes ({}...); a file name is at most {NAME_MAX} bytes",
+                c.len(),
+                String::from_utf8_lossy(&c.as_encoded_bytes()[..16])
+            ));
         }
         let path = Path::new(raw);
         let owned;
@@ -118,14 +137,39 @@ impl Workspace {
             }
         }
         if let Some(Component::Normal(first)) = out.components().next() {
-            if first
-                .as_encoded_bytes()
-                .starts_with(JOB_DIR_PREFIX.as_bytes())
-            {
-                return Err("names an airlock job directory".into());
+            if is_reserved(first) {
+                return Err("names an airlock job directory (or a quarantined one)".into());
             }
         }
         Ok(out)
+    }
+
+    /// Bounds what the daemon will build from a resolved path, so that no later syscall
+    /// (the worker's open of its argument, publication, rollback, recovery) meets
+    /// ENAMETOOLONG: the absolute path beneath the root, and for an output its staged path
+    /// inside the job dir (which is also where the old file is kept as the backup).
+    fn check_length(&self, rel: &Path, role: PathRole) -> Result<(), String> {
+        let root = self.root.as_os_str().len();
+        let total = root + 1 + rel.as_os_str().len();
+        if total >= PATH_MAX {
+            return Err(format!(
+                "would be {total} bytes long beneath the workspace root ({root} bytes); \
+                 a path is at most {} bytes",
+                PATH_MAX - 1
+            ));
+        }
+        if role == PathRole::Output {
+            let base = rel.file_name().map_or(0, |n| n.len());
+            let staged = root + STAGED_OVERHEAD + base;
+            if staged >= PATH_MAX {
+                return Err(format!(
+                    "its staged copy would be {staged} bytes long; a path is at most {} bytes \
+                     (the workspace root is {root} bytes)",
+                    PATH_MAX - 1
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The physical half: walks the existing components beneath the root fd.
@@ -229,15 +273,30 @@ pub(super) fn check_target(target: &Path) -> Result<(), String> {
     if target.to_str().is_none() {
         return Err("target is not valid UTF-8".into());
     }
+    if target.as_os_str().len() >= PATH_MAX {
+        return Err("target is longer than PATH_MAX".into());
+    }
     for (k, c) in target.components().enumerate() {
         match c {
             Component::Normal(n) => {
-                if k == 0 && n.as_encoded_bytes().starts_with(JOB_DIR_PREFIX.as_bytes()) {
-                    return Err("target names an airlock job directory".into());
+                if k == 0 && is_reserved(n) {
+                    return Err(
+                        "target names an airlock job directory (or a quarantined one)".into(),
+                    );
+                }
+                if n.len() > NAME_MAX {
+                    return Err("target has a component longer than NAME_MAX".into());
                 }
             }
             _ => return Err("target is not a normalized relative path".into()),
         }
     }
     Ok(())
+}
+
+/// Whether a first path component names one of airlock's own dirs in the workspace root.
+pub(super) fn is_reserved(first: &OsStr) -> bool {
+    RESERVED_PREFIXES
+        .iter()
+        .any(|p| first.as_encoded_bytes().starts_with(p.as_bytes()))
 }

@@ -122,6 +122,12 @@ pub fn explain(profile: &Profile) -> String {
         "  file size         {} (RLIMIT_FSIZE)",
         bytes(l.file_size_bytes)
     );
+    let _ = writeln!(
+        s,
+        "  staging           {} in {} entries at most, checked after the worker exits (write tools)",
+        bytes(l.staging_bytes),
+        l.staging_files
+    );
     let _ = writeln!(s, "  open files        {} (RLIMIT_NOFILE)", l.open_files);
     let _ = writeln!(
         s,

@@ -6,4 +6,5 @@ mod daemon;
 mod harness;
 mod race;
 mod robust_args;
+mod robust_publish;
 mod sandbox;
