@@ -141,7 +141,7 @@ impl Executor {
         recover(&workspace, &sessions)?;
         Ok(Executor {
             _lock: lock,
-            audit: Audit::new(d.audit_ring),
+            audit: Audit::new(d.audit_ring, d.audit_ring_bytes),
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
             policy,
             sessions,
