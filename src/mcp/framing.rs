@@ -305,26 +305,35 @@ pub enum Inbound {
 /// The requests in flight on one connection, under the client's ids and the daemon's.
 pub struct Ids {
     by_client: HashMap<String, u64>,
-    by_internal: HashMap<u64, Value>,
+    /// The client's id and the request's size in bytes.
+    by_internal: HashMap<u64, (Value, usize)>,
     next: u64,
     max_in_flight: usize,
+    /// The size of the requests in flight, and its bound.
+    bytes: usize,
+    max_bytes: usize,
     last_activity: Instant,
 }
 
 impl Ids {
-    pub fn new(max_in_flight: usize) -> Ids {
+    /// At most `max_in_flight` requests in flight, of at most `max_bytes` together (one
+    /// request of any size may always be in flight alone).
+    pub fn new(max_in_flight: usize, max_bytes: usize) -> Ids {
         Ids {
             by_client: HashMap::new(),
             by_internal: HashMap::new(),
             next: 1,
             max_in_flight: max_in_flight.max(1),
+            bytes: 0,
+            max_bytes,
             last_activity: Instant::now(),
         }
     }
 
-    /// Whether another request would exceed the in-flight cap.
-    pub fn full(&self) -> bool {
+    /// Whether a request of `len` bytes would exceed the in-flight caps.
+    pub fn full(&self, len: usize) -> bool {
         self.by_client.len() >= self.max_in_flight
+            || (self.bytes > 0 && self.bytes + len > self.max_bytes)
     }
 
     /// How long the connection has had nothing in flight and received no message (zero
@@ -438,8 +447,9 @@ impl Ids {
             Err(e) => return reply(&id, -32602, &format!("Invalid params: {e}")),
         };
         self.next += 1;
+        self.bytes += line.len();
         self.by_client.insert(key, internal);
-        self.by_internal.insert(internal, id);
+        self.by_internal.insert(internal, (id, line.len()));
         Inbound::Forward(line)
     }
 
@@ -451,7 +461,9 @@ impl Ids {
             let Some(internal) = self.by_client.remove(&key) else {
                 return Inbound::Ignore;
             };
-            self.by_internal.remove(&internal);
+            if let Some((_, len)) = self.by_internal.remove(&internal) {
+                self.bytes -= len;
+            }
             v["params"]["requestId"] = json!(internal);
         }
         match checked(&v) {
@@ -476,7 +488,8 @@ impl Ids {
         else {
             return Some(line);
         };
-        let client = self.by_internal.remove(&internal)?;
+        let (client, len) = self.by_internal.remove(&internal)?;
+        self.bytes -= len;
         let client = client.to_string();
         self.by_client.remove(&client);
         self.last_activity = Instant::now();
@@ -590,12 +603,16 @@ where
         };
         let action = match frame {
             Frame::Line(line) => {
-                // At the in-flight cap, a request waits here, unread further, until a reply
-                // frees a slot: the client's pipeline stalls instead of the daemon's memory
+                // At an in-flight cap (count or bytes), a request waits here, unread further,
+                // until a reply frees room: the client's pipeline stalls instead of the daemon's memory
                 // growing. (A cancellation behind it waits too.)
                 let top = scan_top(&line);
                 if top.method.is_some() && top.id.is_some() {
-                    while ids.lock().unwrap_or_else(|p| p.into_inner()).full() {
+                    while ids
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .full(line.len())
+                    {
                         freed.notified().await;
                     }
                 }
@@ -629,23 +646,36 @@ where
 }
 
 /// Copies rmcp's output lines to `replies`, one whole line at a time, under the client's ids;
-/// each reply wakes `pump_in` if it waits for a free slot.
+/// each reply wakes `pump_in` if it waits for a free slot. Runs until rmcp's output ends:
+/// once the queue is full (`overflow` is called, once) or the writer is gone, it reads on and
+/// discards, so that rmcp, never blocked on a write, can wind the connection down.
 pub async fn pump_out<R: AsyncRead + Unpin>(
     from_rmcp: R,
     replies: OutQueue,
     ids: Arc<Mutex<Ids>>,
     freed: Arc<Notify>,
-) -> Result<(), PushError> {
+    overflow: impl FnOnce(),
+) {
     let mut r = BufReader::new(from_rmcp);
+    let mut overflow = Some(overflow);
+    let mut discarding = false;
     loop {
         let mut line = Vec::new();
         match r.read_until(b'\n', &mut line).await {
-            Ok(0) | Err(_) => return Ok(()),
+            Ok(0) | Err(_) => return,
             Ok(_) => {
                 let mapped = ids.lock().unwrap_or_else(|p| p.into_inner()).outbound(line);
                 freed.notify_one();
-                if let Some(line) = mapped {
-                    replies.push(line)?;
+                let Some(line) = mapped.filter(|_| !discarding) else {
+                    continue;
+                };
+                if let Err(e) = replies.push(line) {
+                    discarding = true;
+                    if e == PushError::Full {
+                        if let Some(f) = overflow.take() {
+                            f();
+                        }
+                    }
                 }
             }
         }

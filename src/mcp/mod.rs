@@ -230,7 +230,10 @@ pub async fn serve_connection(
     let (rmcp_side, ours) = tokio::io::duplex(256 * 1024);
     let (from_rmcp, to_rmcp) = tokio::io::split(ours);
     let (queue, rx, queued) = framing::OutQueue::new(d.max_queued_bytes);
-    let ids = Arc::new(Mutex::new(framing::Ids::new(d.max_requests_per_connection)));
+    let ids = Arc::new(Mutex::new(framing::Ids::new(
+        d.max_requests_per_connection,
+        d.max_message_bytes,
+    )));
     let freed = Arc::new(tokio::sync::Notify::new());
     // `ct` ends the client's MCP session and cancels its calls; `kill` also drops its
     // output at once. The end of the client's input cancels `ct` only (as closing stdin
@@ -275,13 +278,7 @@ pub async fn serve_connection(
     });
     let out = tokio::spawn({
         let (ids, drop_conn) = (ids.clone(), drop_conn.clone());
-        async move {
-            if let Err(framing::PushError::Full) =
-                framing::pump_out(from_rmcp, queue, ids, freed).await
-            {
-                drop_conn(&overflow);
-            }
-        }
+        framing::pump_out(from_rmcp, queue, ids, freed, move || drop_conn(&overflow))
     });
     // After SIGTERM, replies (the cancelled calls' errors) get a second to go out.
     let last_flush = tokio::spawn({
@@ -350,7 +347,9 @@ pub async fn serve_connection(
         }
     });
     let _ = writer.await;
+    // rmcp is done with its side; what it still had in the pipe is discarded.
     out.abort();
     flush.abort();
     last_flush.abort();
+    tracing::debug!(uid, "connection closed");
 }

@@ -5,4 +5,5 @@ mod crash;
 mod daemon;
 mod harness;
 mod race;
+mod robust_mcp;
 mod sandbox;

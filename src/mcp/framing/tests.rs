@@ -55,7 +55,7 @@ async fn an_endless_line_is_held_only_up_to_its_prefix() {
 
 #[test]
 fn deep_nesting_is_refused_before_parsing_under_the_recovered_id() {
-    let mut ids = Ids::new(8);
+    let mut ids = Ids::new(8, 1 << 30);
     let deep = "[".repeat(100_000);
     let r = reply_of(ids.inbound(deep.as_bytes()));
     assert_eq!(r["error"]["code"], -32600);
@@ -85,7 +85,7 @@ fn deep_nesting_is_refused_before_parsing_under_the_recovered_id() {
 
 #[test]
 fn invalid_utf8_and_broken_json_are_answered_under_their_id() {
-    let mut ids = Ids::new(8);
+    let mut ids = Ids::new(8, 1 << 30);
     let mut line = br#"{"jsonrpc":"2.0","id":"abc","method":"ping","params":{"x":""#.to_vec();
     line.extend_from_slice(&[0xff, 0xfe]);
     line.extend_from_slice(br#""}}"#);
@@ -107,7 +107,7 @@ fn invalid_utf8_and_broken_json_are_answered_under_their_id() {
 
 #[test]
 fn messages_that_are_not_json_rpc_get_an_error() {
-    let mut ids = Ids::new(8);
+    let mut ids = Ids::new(8, 1 << 30);
     for (line, id) in [
         (
             &br#"[{"jsonrpc":"2.0","id":1,"method":"ping"}]"#[..],
@@ -148,7 +148,7 @@ fn messages_that_are_not_json_rpc_get_an_error() {
 
 #[test]
 fn a_duplicate_in_flight_id_is_rejected_and_ids_map_back() {
-    let mut ids = Ids::new(8);
+    let mut ids = Ids::new(8, 1 << 30);
     let first = forwarded(ids.inbound(&req(json!(1), "ping")));
     let internal = first["id"].as_u64().expect("a numeric internal id");
     let r = reply_of(ids.inbound(&req(json!(1), "ping")));
@@ -186,7 +186,7 @@ fn a_duplicate_in_flight_id_is_rejected_and_ids_map_back() {
 
 #[test]
 fn a_cancelled_request_frees_its_id_and_its_late_reply_is_dropped() {
-    let mut ids = Ids::new(8);
+    let mut ids = Ids::new(8, 1 << 30);
     let internal = forwarded(ids.inbound(&req(json!("x"), "tools/call")))["id"].clone();
     let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
         "params": {"requestId": "x", "reason": "test"}});
@@ -205,7 +205,7 @@ fn a_cancelled_request_frees_its_id_and_its_late_reply_is_dropped() {
 
 #[test]
 fn requests_in_flight_are_capped() {
-    let mut ids = Ids::new(3);
+    let mut ids = Ids::new(3, 1 << 30);
     for i in 0..3 {
         assert!(matches!(
             ids.inbound(&req(json!(i), "ping")),
@@ -222,11 +222,20 @@ fn requests_in_flight_are_capped() {
         .unwrap()
         .contains("max_requests_per_connection"));
     assert_eq!(ids.idle_for(), Duration::ZERO);
+    // In bytes: a second request waits while the first holds the budget; alone, any size goes.
+    let mut ids = Ids::new(10, 100);
+    assert!(!ids.full(1000));
+    assert!(matches!(
+        ids.inbound(&req(json!(1), "ping")),
+        Inbound::Forward(_)
+    ));
+    assert!(!ids.full(50));
+    assert!(ids.full(90));
 }
 
 #[test]
 fn client_info_is_truncated_before_rmcp_sees_it() {
-    let mut ids = Ids::new(8);
+    let mut ids = Ids::new(8, 1 << 30);
     let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {},
         "clientInfo": {"name": "n".repeat(1 << 20), "version": "v".repeat(100_000), "title": "é".repeat(1000)}}});
@@ -242,7 +251,7 @@ fn client_info_is_truncated_before_rmcp_sees_it() {
         assert!(s.contains("…[truncated "), "{field}: {s}");
     }
     // Params too large to keep are refused.
-    let mut ids = Ids::new(8);
+    let mut ids = Ids::new(8, 1 << 30);
     let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {"experimental": {"x": {"y": "z".repeat(100_000)}}},
         "clientInfo": {"name": "n", "version": "1"}}});
@@ -369,7 +378,7 @@ proptest! {
     #[test]
     fn random_bytes_never_panic_and_get_a_verdict(line in prop::collection::vec(any::<u8>(), 0..512)) {
         let line: Vec<u8> = line.into_iter().filter(|b| *b != b'\n').collect();
-        let mut ids = Ids::new(4);
+        let mut ids = Ids::new(4, 1 << 30);
         let _ = scan_top(&line);
         let _ = recover_id(&line);
         match ids.inbound(&line) {
@@ -394,7 +403,7 @@ proptest! {
     fn random_json_requests_are_forwarded_or_answered_under_their_id(
         msgs in prop::collection::vec(prop_oneof![arb_request(), arb_json()], 1..16)
     ) {
-        let mut ids = Ids::new(64);
+        let mut ids = Ids::new(64, 1 << 30);
         let mut seen = std::collections::HashSet::new();
         for v in msgs {
             let line = v.to_string().into_bytes();
@@ -442,7 +451,7 @@ async fn through_rmcp(lines: Vec<Vec<u8>>, expect: Vec<Value>) -> Vec<Value> {
     let (rmcp_side, ours) = tokio::io::duplex(256 * 1024);
     let (from_rmcp, to_rmcp) = tokio::io::split(ours);
     let (queue, rx, queued) = OutQueue::new(8 << 20);
-    let ids = Arc::new(Mutex::new(Ids::new(4)));
+    let ids = Arc::new(Mutex::new(Ids::new(4, 1 << 30)));
     tokio::spawn(write_lines(
         sock_w,
         rx,
@@ -458,7 +467,9 @@ async fn through_rmcp(lines: Vec<Vec<u8>>, expect: Vec<Value>) -> Vec<Value> {
         ids.clone(),
         freed.clone(),
     ));
-    tokio::spawn(pump_out(from_rmcp, queue, ids, freed));
+    tokio::spawn(pump_out(from_rmcp, queue, ids, freed, || {
+        panic!("overflow")
+    }));
     tokio::spawn(async move {
         use rmcp::ServiceExt;
         if let Ok(s) = Nop.serve(rmcp_side).await {
