@@ -254,7 +254,7 @@ async fn memory_stays_under_the_documented_bound_under_abuse() {
     d.start();
     let pid = d.pid();
     let base = status_kib(pid, "VmRSS:") * 1024;
-    let bound = base + memory_bound(2, 4 << 20, 1 << 20, 4, 2 << 20, 1 << 20, 10_000);
+    let bound = base + memory_bound(2, 4 << 20, 1 << 20, 4, 1 << 20, 1 << 20, 10_000);
 
     // 1. A 1 MiB clientInfo.name, then 100 calls with 3 MiB bogus session ids, pipelined
     // (the replies are checked by their start: parsing 300 MiB in a debug test is slow).

@@ -192,7 +192,6 @@ fn a_cancelled_request_frees_its_id_and_its_late_reply_is_dropped() {
         "params": {"requestId": "x", "reason": "test"}});
     let fwd = forwarded(ids.inbound(cancel.to_string().as_bytes()));
     assert_eq!(fwd["params"]["requestId"], internal);
-    assert_eq!(ids.idle_for() < Duration::from_secs(1), true);
     let late = format!("{{\"jsonrpc\":\"2.0\",\"id\":{internal},\"result\":{{}}}}\n");
     assert_eq!(ids.outbound(late.into_bytes()), None);
     // Cancelling an id not in flight is not passed on.
