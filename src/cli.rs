@@ -131,7 +131,13 @@ pub fn main() -> i32 {
             policy_explain(&policies, &tool)
         }
         Command::Recover(a) => recover(a),
-        Command::Serve(a) => runtime().map_or(2, |rt| rt.block_on(serve(a))),
+        Command::Serve(a) => runtime().map_or(2, |rt| {
+            let code = rt.block_on(serve(a));
+            // A blocking task still running (a cleanup after `shutdown_timeout`) must not
+            // hold the exit: recovery at the next start finishes its work.
+            rt.shutdown_timeout(Duration::from_secs(1));
+            code
+        }),
         Command::Connect { socket } => {
             runtime().map_or(2, |rt| rt.block_on(connect(&socket.socket)))
         }
@@ -392,11 +398,22 @@ async fn serve(a: ServeArgs) -> i32 {
         tools = policy.tools.len(),
         "airlock serving"
     );
-    let signals = shutdown.clone();
+    // Installed before the first client can connect, so no signal finds the default action.
+    let signals = match Signals::install() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("airlock: cannot install signal handlers: {e}");
+            return 2;
+        }
+    };
+    let stop = shutdown.clone();
+    let shutdown_timeout = d.shutdown_timeout;
     tokio::spawn(async move {
-        wait_for_signal().await;
-        tracing::info!("shutting down: cancelling running calls");
-        signals.cancel();
+        signals.wait_for_stop().await;
+        tracing::info!(
+            "shutting down: cancelling running calls (exit within {shutdown_timeout:?} and a second)"
+        );
+        stop.cancel();
     });
     crate::mcp::run(listener, exec, shutdown).await;
     let _ = std::fs::remove_file(&d.socket);
@@ -404,18 +421,36 @@ async fn serve(a: ServeArgs) -> i32 {
     0
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+/// The daemon's signals: SIGTERM and SIGINT stop it; SIGHUP is logged and ignored.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// Returns at SIGTERM or SIGINT. SIGHUP, which by default would kill the daemon, only
+    /// logs that reloading is not supported yet (issue #12).
+    async fn wait_for_stop(mut self) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = self.int.recv() => return,
+                _ = self.hup.recv() => tracing::warn!(
+                    "SIGHUP: reloading the policy is not supported yet (issue #12); \
+                     still serving with the policy loaded at start"
+                ),
+            }
+        }
     }
 }
 

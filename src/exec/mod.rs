@@ -186,7 +186,7 @@ impl Executor {
             registry,
             _lock: lock,
             _state_lock: state_lock,
-            audit: Audit::new(d.audit_ring),
+            audit: Audit::new(d.audit_ring, d.audit_ring_bytes),
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
             policy,
             sessions,

@@ -18,6 +18,13 @@ use crate::exec::{CallRequest, Executor, Reply};
 /// The one resource: every call's lifecycle events.
 pub const AUDIT_URI: &str = "airlock://audit/events";
 
+/// The bytes of events one read of the audit resource returns: a quarter of the
+/// connection's queue (the reply is the events escaped into a JSON string, at most twice as
+/// long), and never more than the ring holds.
+pub fn audit_read_budget(ring_bytes: usize, queue_bytes: usize) -> usize {
+    ring_bytes.min(queue_bytes / 4)
+}
+
 #[derive(Clone)]
 pub struct Handler {
     exec: Arc<Executor>,
@@ -120,7 +127,7 @@ impl ServerHandler for Handler {
             "resources": [{
                 "uri": AUDIT_URI,
                 "name": "audit-events",
-                "description": "Lifecycle events of every call (allow, locked, spawned, commit, rollback, timeout, ...), oldest first",
+                "description": "Lifecycle events of every call (allow, locked, spawned, commit, rollback, timeout, ...), oldest first; the newest that fit the read budget",
                 "mimeType": "application/json",
             }]
         }))
@@ -137,8 +144,13 @@ impl ServerHandler for Handler {
                 None,
             ));
         }
-        let text = serde_json::to_string(&self.exec.audit.events())
-            .map_err(|e| McpError::internal_error(e.to_string(), None))?;
+        // The newest events that fit a reply the connection can queue (escaping at most
+        // doubles the text), never a copy of the whole ring.
+        let d = &self.exec.policy.daemon;
+        let text = self
+            .exec
+            .audit
+            .newest_json(audit_read_budget(d.audit_ring_bytes, d.max_queued_bytes));
         let result: ReadResourceResult = wire(json!({
             "contents": [{ "uri": AUDIT_URI, "mimeType": "application/json", "text": text }]
         }))?;

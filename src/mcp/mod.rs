@@ -6,13 +6,13 @@ mod handler;
 
 pub use handler::{Handler, AUDIT_URI};
 
+use std::collections::HashMap;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rmcp::ServiceExt;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -85,15 +85,72 @@ pub fn bind(path: &Path, mode: u32, group: Option<&str>) -> Result<UnixListener,
     Ok(listener)
 }
 
-/// Accepts connections until `shutdown`, then waits for every connection task to end.
+/// How many connections are open, in total and per uid.
+#[derive(Default)]
+struct Counts {
+    total: usize,
+    per_uid: HashMap<u32, usize>,
+}
+
+/// One admitted connection's place in [`Counts`], given back when it ends.
+struct Slot {
+    counts: Arc<Mutex<Counts>>,
+    uid: u32,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        c.total -= 1;
+        if let Some(n) = c.per_uid.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                c.per_uid.remove(&self.uid);
+            }
+        }
+    }
+}
+
+/// Admits a connection of `uid`, or says which cap it would exceed.
+fn admit(
+    counts: &Arc<Mutex<Counts>>,
+    uid: u32,
+    max_total: usize,
+    max_per_uid: usize,
+) -> Result<Slot, String> {
+    let mut c = counts.lock().unwrap_or_else(|p| p.into_inner());
+    if c.total >= max_total {
+        return Err(format!(
+            "the daemon already serves its maximum of {max_total} connections (max_connections); try again later"
+        ));
+    }
+    let mine = c.per_uid.get(&uid).copied().unwrap_or(0);
+    if mine >= max_per_uid {
+        return Err(format!(
+            "uid {uid} already holds its maximum of {max_per_uid} connections (max_connections_per_uid)"
+        ));
+    }
+    c.total += 1;
+    *c.per_uid.entry(uid).or_default() += 1;
+    Ok(Slot {
+        counts: counts.clone(),
+        uid,
+    })
+}
+
+/// Accepts connections until `shutdown`, then waits for every connection task to end, for
+/// at most `shutdown_timeout`.
+///
+/// Every connection is accepted at once, so a refused one learns why (a JSON-RPC error
+/// line, then EOF) instead of waiting in the backlog: past `max_connections` in total or
+/// `max_connections_per_uid` for its peer's uid.
 pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: CancellationToken) {
-    let limit = Arc::new(Semaphore::new(exec.policy.daemon.max_connections));
+    let d = &exec.policy.daemon;
+    let (max_total, max_per_uid) = (d.max_connections, d.max_connections_per_uid);
+    let shutdown_timeout = d.shutdown_timeout;
+    let counts = Arc::new(Mutex::new(Counts::default()));
     let tasks = TaskTracker::new();
     loop {
-        let permit = tokio::select! {
-            p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            _ = shutdown.cancelled() => break,
-        };
         let stream = tokio::select! {
             r = listener.accept() => match r {
                 Ok((s, _)) => s,
@@ -106,75 +163,204 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
             },
             _ = shutdown.cancelled() => break,
         };
+        let peer = match stream.peer_cred() {
+            Ok(c) => Principal {
+                uid: c.uid(),
+                gid: c.gid(),
+                pid: c.pid(),
+                client: None,
+            },
+            Err(e) => {
+                tracing::warn!("SO_PEERCRED failed, dropping the connection: {e}");
+                continue;
+            }
+        };
+        // A worker never drives the daemon, whatever socket rights a profile gave it: its
+        // peer credentials tell (its uid is a worker uid, or its process group is a live
+        // worker's).
+        if exec.is_worker_peer(peer.pid, peer.uid) {
+            tracing::warn!(
+                uid = peer.uid,
+                pid = ?peer.pid,
+                "refused an MCP connection from a worker process"
+            );
+            continue;
+        }
+        let slot = match admit(&counts, peer.uid, max_total, max_per_uid) {
+            Ok(s) => s,
+            Err(why) => {
+                tracing::warn!(
+                    uid = peer.uid,
+                    pid = peer.pid,
+                    "refused a connection: {why}"
+                );
+                // A fresh socket's buffer takes one short line; if not, the close says it.
+                let _ =
+                    stream.try_write(&framing::error_line(&serde_json::Value::Null, -32000, &why));
+                continue;
+            }
+        };
         let exec = exec.clone();
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
-            serve_connection(stream, exec, shutdown).await;
-            drop(permit);
+            serve_connection(stream, peer, exec, shutdown).await;
+            drop(slot);
         });
     }
     tasks.close();
-    tasks.wait().await;
+    if tokio::time::timeout(shutdown_timeout, tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            connections = tasks.len(),
+            "connections still open {shutdown_timeout:?} after shutdown began; exiting anyway \
+             (startup recovery completes or rolls back any call left mid-way)"
+        );
+    }
 }
 
-/// Serves one client until it disconnects or the daemon shuts down. Its calls are
-/// cancelled (workers killed, nothing published) when it goes away.
+/// Serves one client until it disconnects, is dropped, or the daemon shuts down. Its calls
+/// are cancelled (workers killed, nothing published) when it goes away.
+///
+/// A connection is closed when: it sends no `initialize` within `handshake_timeout`; it has
+/// nothing in flight and sends no message for `idle_timeout`; a reply waits longer than
+/// `write_timeout` for it to read, or more than `max_queued_bytes` wait at once (a client
+/// that does not read); or, after SIGTERM, within a second of the last reply.
 pub async fn serve_connection(
     stream: UnixStream,
+    peer: Principal,
     exec: Arc<Executor>,
     shutdown: CancellationToken,
 ) {
-    let peer = match stream.peer_cred() {
-        Ok(c) => Principal {
-            uid: c.uid(),
-            gid: c.gid(),
-            pid: c.pid(),
-            client: None,
-        },
-        Err(e) => {
-            tracing::warn!("SO_PEERCRED failed, dropping the connection: {e}");
-            return;
-        }
-    };
-    // A worker never drives the daemon, whatever socket rights a profile gave it: its peer
-    // credentials tell (its uid is a worker uid, or its process group is a live worker's).
-    if exec.is_worker_peer(peer.pid, peer.uid) {
-        tracing::warn!(
-            uid = peer.uid,
-            pid = ?peer.pid,
-            "refused an MCP connection from a worker process"
-        );
-        return;
-    }
-    let limit = exec.policy.daemon.max_message_bytes;
+    let d = &exec.policy.daemon;
+    let (limit, write_timeout) = (d.max_message_bytes, d.write_timeout);
+    let (handshake_timeout, idle_timeout) = (d.handshake_timeout, d.idle_timeout);
+    let uid = peer.uid;
     let (sock_r, sock_w) = stream.into_split();
     let (rmcp_side, ours) = tokio::io::duplex(256 * 1024);
     let (from_rmcp, to_rmcp) = tokio::io::split(ours);
-    let (tx, rx) = mpsc::channel::<Vec<u8>>(64);
-    let writer = tokio::spawn(framing::write_lines(sock_w, rx));
-    // The end of the client's input ends its session (as closing stdin does for a stdio
-    // server): its running calls are cancelled at once, so a client that went away never
-    // has a call commit behind its back. rmcp alone would let them run on for a while.
+    let (queue, rx, queued) = framing::OutQueue::new(d.max_queued_bytes);
+    let ids = Arc::new(Mutex::new(framing::Ids::new(
+        d.max_requests_per_connection,
+        d.max_message_bytes,
+    )));
+    let freed = Arc::new(tokio::sync::Notify::new());
+    // `ct` ends the client's MCP session and cancels its calls; `kill` also drops its
+    // output at once. The end of the client's input cancels `ct` only (as closing stdin
+    // does for a stdio server), so replies already queued still go out.
     let ct = shutdown.child_token();
-    let input_ended = ct.clone();
-    let pump = framing::pump_in(framing::LineReader::new(sock_r, limit), to_rmcp, tx.clone());
-    let reader = tokio::spawn(async move {
-        pump.await;
-        input_ended.cancel();
-    });
-    let out = tokio::spawn(framing::pump_out(from_rmcp, tx));
-    match Handler::new(exec, peer.clone())
-        .serve_with_ct(rmcp_side, ct)
-        .await
-    {
-        Ok(service) => {
-            if let Err(e) = service.waiting().await {
-                tracing::debug!(uid = peer.uid, "connection ended: {e}");
+    let kill = CancellationToken::new();
+    let drop_conn = {
+        let (ct, kill) = (ct.clone(), kill.clone());
+        move |why: &str| {
+            tracing::warn!(uid, "dropping the connection: {why}");
+            kill.cancel();
+            ct.cancel();
+        }
+    };
+    let writer = tokio::spawn({
+        let (kill, drop_conn) = (kill.clone(), drop_conn.clone());
+        async move {
+            match framing::write_lines(sock_w, rx, queued, write_timeout, kill).await {
+                framing::WriteEnd::TimedOut => drop_conn(&format!(
+                    "the client did not read a reply within {write_timeout:?} (write_timeout)"
+                )),
+                framing::WriteEnd::Failed => drop_conn("the socket write failed"),
+                framing::WriteEnd::Done | framing::WriteEnd::Stopped => {}
             }
         }
-        Err(e) => tracing::info!(uid = peer.uid, "MCP handshake failed: {e}"),
+    });
+    let overflow = format!(
+        "more than {} bytes of replies wait for the client to read (max_queued_bytes)",
+        d.max_queued_bytes
+    );
+    let reader = tokio::spawn({
+        let (ct, ids, queue, freed) = (ct.clone(), ids.clone(), queue.clone(), freed.clone());
+        let (drop_conn, overflow) = (drop_conn.clone(), overflow.clone());
+        let lines = framing::LineReader::new(sock_r, limit);
+        let pump = framing::pump_in(lines, to_rmcp, queue, ids, freed);
+        async move {
+            if pump.await.is_err() {
+                drop_conn(&overflow);
+            }
+            ct.cancel();
+        }
+    });
+    let out = tokio::spawn({
+        let (ids, drop_conn) = (ids.clone(), drop_conn.clone());
+        framing::pump_out(from_rmcp, queue, ids, freed, move || drop_conn(&overflow))
+    });
+    // After SIGTERM, replies (the cancelled calls' errors) get a second to go out.
+    let last_flush = tokio::spawn({
+        let (shutdown, kill) = (shutdown.clone(), kill.clone());
+        async move {
+            shutdown.cancelled().await;
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            kill.cancel();
+        }
+    });
+
+    let handshake = Handler::new(exec, peer).serve_with_ct(rmcp_side, ct.clone());
+    let service = tokio::select! {
+        r = tokio::time::timeout(handshake_timeout, handshake) => match r {
+            Ok(Ok(service)) => Some(service),
+            Ok(Err(e)) => {
+                tracing::info!(uid, "MCP handshake failed: {e}");
+                None
+            }
+            Err(_) => {
+                drop_conn(&format!("no initialize within {handshake_timeout:?} (handshake_timeout)"));
+                None
+            }
+        },
+        _ = kill.cancelled() => None,
+    };
+    if let Some(service) = service {
+        let mut waiting = std::pin::pin!(service.waiting());
+        let idle = async {
+            loop {
+                let idle = ids.lock().unwrap_or_else(|p| p.into_inner()).idle_for();
+                if idle >= idle_timeout {
+                    return;
+                }
+                tokio::time::sleep((idle_timeout - idle).max(std::time::Duration::from_millis(50)))
+                    .await;
+            }
+        };
+        let ended = tokio::select! {
+            r = &mut waiting => Some(r),
+            _ = idle => {
+                drop_conn(&format!("idle for {idle_timeout:?} (idle_timeout)"));
+                None
+            }
+            _ = kill.cancelled() => None,
+        };
+        let r = match ended {
+            Some(r) => r,
+            None => {
+                ct.cancel();
+                waiting.await
+            }
+        };
+        if let Err(e) = r {
+            tracing::debug!(uid, "connection ended: {e}");
+        }
     }
+    ct.cancel();
     reader.abort();
-    let _ = out.await;
+    // What is queued goes out within the write timeout, then everything goes.
+    let flush = tokio::spawn({
+        let kill = kill.clone();
+        async move {
+            tokio::time::sleep(write_timeout).await;
+            kill.cancel();
+        }
+    });
     let _ = writer.await;
+    // rmcp is done with its side; what it still had in the pipe is discarded.
+    out.abort();
+    flush.abort();
+    last_flush.abort();
+    tracing::debug!(uid, "connection closed");
 }

@@ -191,6 +191,14 @@ struct RawDaemon {
     max_connections: Option<usize>,
     max_concurrent_calls: Option<usize>,
     audit_ring: Option<usize>,
+    audit_ring_bytes: Option<Spanned<Size>>,
+    max_connections_per_uid: Option<usize>,
+    max_requests_per_connection: Option<usize>,
+    max_queued_bytes: Option<Spanned<Size>>,
+    handshake_timeout: Option<Spanned<String>>,
+    idle_timeout: Option<Spanned<String>>,
+    write_timeout: Option<Spanned<String>>,
+    shutdown_timeout: Option<Spanned<String>>,
     cgroup: Option<PathBuf>,
     worker_user: Option<Spanned<String>>,
     worker_uids: Option<Spanned<String>>,
@@ -248,6 +256,69 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
     }
     if let Some(v) = r.audit_ring {
         d.audit_ring = v.max(1);
+    }
+    if let Some(v) = r.max_connections_per_uid {
+        d.max_connections_per_uid = v.max(1);
+    }
+    if let Some(v) = r.max_requests_per_connection {
+        d.max_requests_per_connection = v.max(1);
+    }
+    // Sizes and durations: each at least a floor that keeps the daemon usable.
+    let sizes = [
+        (
+            "audit_ring_bytes",
+            r.audit_ring_bytes,
+            64 << 10,
+            &mut d.audit_ring_bytes,
+        ),
+        (
+            "max_queued_bytes",
+            r.max_queued_bytes,
+            64 << 10,
+            &mut d.max_queued_bytes,
+        ),
+    ];
+    for (name, v, floor, slot) in sizes {
+        let Some(v) = v else { continue };
+        match v.get_ref().bytes(&text, v.span()) {
+            Ok(n) if n >= floor as u64 => *slot = n as usize,
+            Ok(_) => cx.at(
+                path,
+                &text,
+                v.span(),
+                format!("{name} must be at least {}KiB", floor >> 10),
+            ),
+            Err(m) => cx.at(path, &text, v.span(), m),
+        }
+    }
+    let durations = [
+        (
+            "handshake_timeout",
+            r.handshake_timeout,
+            &mut d.handshake_timeout,
+        ),
+        ("idle_timeout", r.idle_timeout, &mut d.idle_timeout),
+        ("write_timeout", r.write_timeout, &mut d.write_timeout),
+        (
+            "shutdown_timeout",
+            r.shutdown_timeout,
+            &mut d.shutdown_timeout,
+        ),
+    ];
+    for (name, v, slot) in durations {
+        let Some(v) = v else { continue };
+        match parse_duration(v.get_ref()) {
+            Ok(t) if t >= Duration::from_millis(100) && t <= Duration::from_secs(86_400) => {
+                *slot = t
+            }
+            Ok(_) => cx.at(
+                path,
+                &text,
+                v.span(),
+                format!("{name} must be between 100ms and 24h"),
+            ),
+            Err(m) => cx.at(path, &text, v.span(), m),
+        }
     }
     d.cgroup = r.cgroup;
     if let Some(v) = r.worker_user {

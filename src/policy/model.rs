@@ -32,6 +32,25 @@ pub struct DaemonConfig {
     pub max_concurrent_calls: usize,
     /// How many audit events the in-memory ring keeps (default 10 000).
     pub audit_ring: usize,
+    /// How many bytes (serialized) the in-memory audit ring keeps (default 16 MiB).
+    pub audit_ring_bytes: usize,
+    /// Connections one uid may hold at once (default 128, half of `max_connections`).
+    pub max_connections_per_uid: usize,
+    /// Requests one connection may have in flight (default 32); the connection's next
+    /// request is read only once one of them is answered.
+    pub max_requests_per_connection: usize,
+    /// Outgoing bytes queued for one connection before it is dropped (default 8 MiB).
+    pub max_queued_bytes: usize,
+    /// A connection that has not sent `initialize` by then is closed (default 10 s).
+    pub handshake_timeout: Duration,
+    /// A connection with no request in flight and no complete message for this long is
+    /// closed (default 300 s).
+    pub idle_timeout: Duration,
+    /// A reply not written to the socket within this time drops the connection (default 10 s).
+    pub write_timeout: Duration,
+    /// After SIGTERM, how long the daemon waits for calls and connections to end before it
+    /// exits anyway (default 10 s; recovery handles whatever was left mid-way).
+    pub shutdown_timeout: Duration,
     /// A delegated cgroup v2 directory; each worker gets a child cgroup in it.
     pub cgroup: Option<PathBuf>,
     /// Which uid workers run as (`worker_user`).
@@ -78,6 +97,14 @@ impl Default for DaemonConfig {
             max_connections: 256,
             max_concurrent_calls: 64,
             audit_ring: 10_000,
+            audit_ring_bytes: 16 << 20,
+            max_connections_per_uid: 128,
+            max_requests_per_connection: 32,
+            max_queued_bytes: 8 << 20,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
+            write_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(10),
             cgroup: None,
             worker_user: WorkerUser::Auto,
             worker_uids: DEFAULT_WORKER_UIDS,

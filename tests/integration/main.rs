@@ -6,5 +6,6 @@ mod daemon;
 mod harness;
 mod race;
 mod robust_args;
+mod robust_mcp;
 mod robust_publish;
 mod sandbox;
