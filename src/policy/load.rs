@@ -348,7 +348,10 @@ const ARCHES: &[&str] = &["x86_64", "aarch64"];
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawNetwork {
+    #[serde(default)]
     allow: bool,
+    #[serde(default)]
+    unix_sockets: Vec<Spanned<PathBuf>>,
 }
 
 #[derive(Deserialize)]
@@ -395,13 +398,13 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
     };
     if let Some(l) = raw.landlock {
         if let Some(abi) = l.abi {
-            if !(1..=7).contains(abi.get_ref()) {
+            if !(6..=7).contains(abi.get_ref()) {
                 cx.at(
                     path,
                     &text,
                     abi.span(),
                     format!(
-                        "landlock abi {} is not one this build knows (1 to 7)",
+                        "landlock abi {} is not 6 or 7: workers need ABI 6 at least (signal and abstract Unix socket scoping), and this build knows up to 7",
                         abi.get_ref()
                     ),
                 );
@@ -523,6 +526,23 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
             }
         }
     }
+    let (network, unix_sockets) = match raw.network {
+        Some(n) => {
+            for p in &n.unix_sockets {
+                if !p.get_ref().is_absolute() {
+                    cx.at(
+                        path,
+                        &text,
+                        p.span(),
+                        format!("unix socket {:?} is not an absolute path", p.get_ref()),
+                    );
+                }
+            }
+            let sockets = n.unix_sockets.into_iter().map(Spanned::into_inner);
+            (n.allow, sockets.collect())
+        }
+        None => (false, Vec::new()),
+    };
     let env = raw
         .env
         .map(|e| EnvProfile {
@@ -537,7 +557,8 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
         name,
         landlock,
         seccomp,
-        network: raw.network.is_some_and(|n| n.allow),
+        network,
+        unix_sockets,
         limits,
         env,
     })

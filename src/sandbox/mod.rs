@@ -211,7 +211,8 @@ impl Worker {
             }
             Some(_) => {}
         }
-        let seccomp = seccomp::build(&profile)?;
+        // Until workers get their own uid, they share the daemon's (the lead replaces this).
+        let seccomp = seccomp::build(&profile, true)?;
         let limits = &profile.limits;
         let spec = wire::Spec {
             argv,
