@@ -801,6 +801,48 @@ mod tests {
         assert!(placeholders("{ not one }").is_empty());
     }
 
+    /// The shipped policies with `profiles/extra.toml` added.
+    fn with_profile(extra: &str) -> Result<Policy, PolicyErrors> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+        for sub in ["", "profiles", "tools"] {
+            std::fs::create_dir_all(dir.path().join(sub)).expect("mkdir");
+            for e in std::fs::read_dir(shipped.join(sub))
+                .expect("read_dir")
+                .flatten()
+            {
+                if e.path().is_file() {
+                    std::fs::copy(e.path(), dir.path().join(sub).join(e.file_name()))
+                        .expect("copy");
+                }
+            }
+        }
+        std::fs::write(dir.path().join("profiles/extra.toml"), extra).expect("write");
+        load(dir.path())
+    }
+
+    #[test]
+    fn profiles_need_landlock_abi_6_for_the_scopes() {
+        let e = with_profile("[landlock]\nabi = 5\n").expect_err("abi 5 accepted");
+        let text = e.to_string();
+        assert!(text.contains("extra.toml:2:"), "{text}");
+        assert!(text.contains("workers need ABI 6 at least"), "{text}");
+        assert!(with_profile("[landlock]\nabi = 7\n").is_ok());
+    }
+
+    #[test]
+    fn unix_sockets_are_absolute_paths() {
+        let p = with_profile("[network]\nunix_sockets = [\"/run/a.sock\"]\n").expect("valid");
+        assert_eq!(
+            p.profiles["extra"].unix_sockets,
+            vec![PathBuf::from("/run/a.sock")]
+        );
+        assert!(!p.profiles["extra"].network);
+        assert!(p.profiles["default"].unix_sockets.is_empty());
+        let e = with_profile("[network]\nunix_sockets = [\"run/a.sock\"]\n").expect_err("relative");
+        assert!(e.to_string().contains("is not an absolute path"), "{e}");
+    }
+
     #[test]
     fn line_and_column() {
         assert_eq!(line_col("a\nbc\nd", 3), (2, 2));
