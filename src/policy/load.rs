@@ -458,7 +458,10 @@ const ARCHES: &[&str] = &["x86_64", "aarch64"];
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawNetwork {
+    #[serde(default)]
     allow: bool,
+    #[serde(default)]
+    unix_sockets: Vec<Spanned<PathBuf>>,
 }
 
 #[derive(Deserialize)]
@@ -507,13 +510,13 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
     };
     if let Some(l) = raw.landlock {
         if let Some(abi) = l.abi {
-            if !(1..=7).contains(abi.get_ref()) {
+            if !(6..=7).contains(abi.get_ref()) {
                 cx.at(
                     path,
                     &text,
                     abi.span(),
                     format!(
-                        "landlock abi {} is not one this build knows (1 to 7)",
+                        "landlock abi {} is not 6 or 7: workers need ABI 6 at least (signal and abstract Unix socket scoping), and this build knows up to 7",
                         abi.get_ref()
                     ),
                 );
@@ -639,6 +642,23 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
             }
         }
     }
+    let (network, unix_sockets) = match raw.network {
+        Some(n) => {
+            for p in &n.unix_sockets {
+                if !p.get_ref().is_absolute() {
+                    cx.at(
+                        path,
+                        &text,
+                        p.span(),
+                        format!("unix socket {:?} is not an absolute path", p.get_ref()),
+                    );
+                }
+            }
+            let sockets = n.unix_sockets.into_iter().map(Spanned::into_inner);
+            (n.allow, sockets.collect())
+        }
+        None => (false, Vec::new()),
+    };
     let env = raw
         .env
         .map(|e| EnvProfile {
@@ -653,7 +673,8 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
         name,
         landlock,
         seccomp,
-        network: raw.network.is_some_and(|n| n.allow),
+        network,
+        unix_sockets,
         limits,
         env,
     })
@@ -950,6 +971,48 @@ mod tests {
     fn placeholder_scan() {
         assert_eq!(placeholders("--out={out}.{ext}"), vec!["out", "ext"]);
         assert!(placeholders("{ not one }").is_empty());
+    }
+
+    /// The shipped policies with `profiles/extra.toml` added.
+    fn with_profile(extra: &str) -> Result<Policy, PolicyErrors> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+        for sub in ["", "profiles", "tools"] {
+            std::fs::create_dir_all(dir.path().join(sub)).expect("mkdir");
+            for e in std::fs::read_dir(shipped.join(sub))
+                .expect("read_dir")
+                .flatten()
+            {
+                if e.path().is_file() {
+                    std::fs::copy(e.path(), dir.path().join(sub).join(e.file_name()))
+                        .expect("copy");
+                }
+            }
+        }
+        std::fs::write(dir.path().join("profiles/extra.toml"), extra).expect("write");
+        load(dir.path())
+    }
+
+    #[test]
+    fn profiles_need_landlock_abi_6_for_the_scopes() {
+        let e = with_profile("[landlock]\nabi = 5\n").expect_err("abi 5 accepted");
+        let text = e.to_string();
+        assert!(text.contains("extra.toml:2:"), "{text}");
+        assert!(text.contains("workers need ABI 6 at least"), "{text}");
+        assert!(with_profile("[landlock]\nabi = 7\n").is_ok());
+    }
+
+    #[test]
+    fn unix_sockets_are_absolute_paths() {
+        let p = with_profile("[network]\nunix_sockets = [\"/run/a.sock\"]\n").expect("valid");
+        assert_eq!(
+            p.profiles["extra"].unix_sockets,
+            vec![PathBuf::from("/run/a.sock")]
+        );
+        assert!(!p.profiles["extra"].network);
+        assert!(p.profiles["default"].unix_sockets.is_empty());
+        let e = with_profile("[network]\nunix_sockets = [\"run/a.sock\"]\n").expect_err("relative");
+        assert!(e.to_string().contains("is not an absolute path"), "{e}");
     }
 
     #[test]

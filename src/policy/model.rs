@@ -118,7 +118,14 @@ pub struct Profile {
     pub name: String,
     pub landlock: LandlockProfile,
     pub seccomp: SeccompProfile,
+    /// `[network] allow`: sockets of every family (else only `AF_UNIX`, and only when
+    /// `unix_sockets` lists some).
     pub network: bool,
+    /// `[network] unix_sockets`: the pathname Unix sockets the worker may reach. Empty: no
+    /// `socket(AF_UNIX)` at all (socketpair still works). Landlock (ABI <= 7) does not mediate
+    /// `connect()` to a pathname socket, so a non-empty list lets the worker reach any socket
+    /// file permissions allow, not only these.
+    pub unix_sockets: Vec<PathBuf>,
     pub limits: Limits,
     pub env: EnvProfile,
 }

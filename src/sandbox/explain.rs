@@ -7,7 +7,10 @@ use std::path::Path;
 
 use crate::policy::{Profile, SeccompMode};
 
-use super::seccomp::CONTAINMENT;
+use super::seccomp::{
+    CHMOD_FAMILY, CLONE_NEW, CONTAINMENT, ENOSYS_ALWAYS, FOREIGN_EXEC, INODE_FLAG_IOCTLS,
+    LINGERING_IPC, NAMESPACE_JOIN, OWNER_AND_XATTR, SHARED_UID_DENIED, SPECIAL_MODE_BITS,
+};
 
 /// A human-readable description of the sandbox `profile` gives a worker.
 pub fn explain(profile: &Profile) -> String {
@@ -19,7 +22,7 @@ pub fn explain(profile: &Profile) -> String {
     let _ = writeln!(s, "\nfilesystem (Landlock):");
     let _ = writeln!(
         s,
-        "  staging dir of the call     create, write, remove (no device nodes): the only writable workspace location"
+        "  staging dir of the call     create, write, remove (no exec, no device nodes): the only writable workspace location"
     );
     let _ = writeln!(s, "  input files of the call     read");
     for (paths, rights) in [
@@ -42,16 +45,21 @@ pub fn explain(profile: &Profile) -> String {
             " fully enforced; the call fails (step landlock) on a kernel below it"
         }
     );
-    if ll.abi >= 6 {
-        let _ = writeln!(
-            s,
-            "  signals and abstract Unix sockets scoped to the worker's own processes"
-        );
-    }
+    let _ = writeln!(
+        s,
+        "  signals and abstract Unix sockets scoped to the worker's own processes (ABI 6, required even with best_effort)"
+    );
+    let _ = writeln!(
+        s,
+        "  not covered by Landlock: metadata (modes, owners, times, xattrs, inode flags) and connect() to pathname Unix sockets; see the seccomp rules below"
+    );
 
     let _ = writeln!(s, "\nnetwork:");
     if profile.network {
-        let _ = writeln!(s, "  allowed (no socket or TCP restriction)");
+        let _ = writeln!(
+            s,
+            "  allowed: sockets of every family but AF_UNIX (no TCP restriction)"
+        );
     } else {
         let _ = writeln!(
             s,
@@ -60,6 +68,24 @@ pub fn explain(profile: &Profile) -> String {
         if ll.abi >= 4 {
             let _ = writeln!(s, "  TCP bind and connect denied (Landlock)");
         }
+    }
+    if profile.unix_sockets.is_empty() {
+        let _ = writeln!(
+            s,
+            "  Unix sockets: none; socket(AF_UNIX) fails with EPERM; socketpair() works for stream and seqpacket pairs (a datagram pair could sendto() any path, so it fails with EPERM)"
+        );
+    } else {
+        let list = profile
+            .unix_sockets
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let _ = writeln!(s, "  Unix sockets listed: {list}");
+        let _ = writeln!(
+            s,
+            "  WARNING: Landlock (ABI <= 7) does not mediate connect() to a pathname socket: socket(AF_UNIX) is allowed, so the worker reaches ANY pathname socket file permissions allow, not only these; abstract sockets stay scoped"
+        );
     }
 
     let sc = &profile.seccomp;
@@ -72,12 +98,6 @@ pub fn explain(profile: &Profile) -> String {
     match sc.mode {
         SeccompMode::Deny => {
             let _ = writeln!(s, "  allowed by default; denied with {}: {list}", sc.errno);
-            if sc.syscalls.iter().any(|n| n == "clone3") {
-                let _ = writeln!(
-                    s,
-                    "  clone3 fails with ENOSYS instead, so glibc falls back to clone"
-                );
-            }
         }
         SeccompMode::Allow => {
             let _ = writeln!(s, "  denied by default with {}; allowed: {list}", sc.errno);
@@ -86,18 +106,65 @@ pub fn explain(profile: &Profile) -> String {
                 "  also allowed: {} (the launcher installs the filters, then execs the tool)",
                 super::seccomp::ALLOW_LIST_ALWAYS.join(", ")
             );
-            if !sc.syscalls.iter().any(|n| n == "clone3") {
-                let _ = writeln!(
-                    s,
-                    "  clone3 fails with ENOSYS instead, so glibc falls back to clone"
-                );
-            }
         }
     }
+    let _ = writeln!(s, "  in every profile, whatever the list above says:");
     let _ = writeln!(
         s,
-        "  always denied with EPERM: {} (the worker cannot leave its process group)",
+        "    ENOSYS: {} (arguments in memory, unseen by seccomp; glibc falls back to clone/openat)",
+        ENOSYS_ALWAYS.join(", ")
+    );
+    let _ = writeln!(
+        s,
+        "    EPERM: {} (the worker cannot leave its process group)",
         CONTAINMENT.join(", ")
+    );
+    let flags = CLONE_NEW.iter().map(|(n, _)| *n).collect::<Vec<_>>();
+    let _ = writeln!(
+        s,
+        "    EPERM: clone and unshare with any of {}; {} (no namespaces; threads and fork work)",
+        flags.join("|"),
+        NAMESPACE_JOIN.join(", ")
+    );
+    let _ = writeln!(
+        s,
+        "    EPERM: {} (no SysV IPC or POSIX message queue outlives the call)",
+        present(LINGERING_IPC)
+    );
+    let _ = writeln!(
+        s,
+        "    EPERM: {}; memfd_create without MFD_NOEXEC_SEAL (no exec outside the exec paths)",
+        present(FOREIGN_EXEC)
+    );
+    let bits = SPECIAL_MODE_BITS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>();
+    let chmods = CHMOD_FAMILY.iter().map(|(n, _)| *n).collect::<Vec<_>>();
+    let _ = writeln!(
+        s,
+        "    EPERM: {} with {} in the mode; open/openat (O_CREAT, O_TMPFILE), creat, mknod, mknodat with S_ISUID or S_ISGID",
+        present(&chmods),
+        bits.join("|")
+    );
+    let _ = writeln!(
+        s,
+        "    EPERM: {} (owners, extended attributes)",
+        present(OWNER_AND_XATTR)
+    );
+    let ioctls = INODE_FLAG_IOCTLS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>();
+    let _ = writeln!(s, "    EPERM: ioctl {} (inode flags)", ioctls.join(", "));
+    let _ = writeln!(
+        s,
+        "  when the worker shares the daemon's uid (an unprivileged daemon without CAP_SETUID), also:"
+    );
+    let _ = writeln!(
+        s,
+        "    EPERM: every {} (no mode or time change anywhere, staging included)",
+        present(SHARED_UID_DENIED)
     );
     if cfg!(target_arch = "x86_64") {
         let _ = writeln!(
@@ -168,6 +235,16 @@ pub fn explain(profile: &Profile) -> String {
     s
 }
 
+/// The names of `names` that exist on this architecture, comma-separated.
+fn present(names: &[&str]) -> String {
+    names
+        .iter()
+        .filter(|n| super::seccomp::syscall_number(n).is_some())
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn absent(p: &Path) -> &'static str {
     if p.exists() {
         ""
@@ -209,6 +286,7 @@ mod tests {
                 errno: "EPERM".into(),
             },
             network: false,
+            unix_sockets: vec![],
             limits: Limits::default(),
             env: EnvProfile {
                 keep: vec!["LANG".into()],
@@ -226,6 +304,20 @@ mod tests {
             "ENOSYS",
             "AF_UNIX",
             "setsid, setpgid",
+            "CLONE_NEWUSER|CLONE_NEWPID",
+            "clone3, openat2",
+            "shmget",
+            "mq_open",
+            "execveat",
+            "MFD_NOEXEC_SEAL",
+            "S_ISUID|S_ISGID|S_ISVTX",
+            "fchownat",
+            "removexattr",
+            "FS_IOC_SETFLAGS",
+            "utimensat",
+            "socket(AF_UNIX) fails with EPERM",
+            "no exec",
+            "connect() to pathname Unix sockets",
             "RLIMIT_NPROC",
             "2s grace",
             "1 MiB",
@@ -234,5 +326,17 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
         }
+        assert!(!text.contains("WARNING"), "{text}");
+
+        let listed = Profile {
+            unix_sockets: vec![PathBuf::from("/run/x.sock")],
+            ..profile
+        };
+        let text = explain(&listed);
+        assert!(text.contains("Unix sockets listed: /run/x.sock"), "{text}");
+        assert!(
+            text.contains("WARNING: Landlock (ABI <= 7) does not mediate connect()"),
+            "{text}"
+        );
     }
 }

@@ -1,15 +1,19 @@
 //! The worker's Landlock ruleset, built and applied by the launcher.
 //!
 //! Rights, by path:
-//! - `writable` (the staging dir): every filesystem right but creating device nodes.
-//!   Symlinks, FIFOs and sockets may be created there; publication rejects such outputs.
+//! - `writable` (the staging dir): every filesystem right but executing and creating device
+//!   nodes. Symlinks, FIFOs and sockets may be created there; publication rejects such
+//!   outputs. No exec from a writable dir: a worker cannot run a binary it copied or wrote.
 //! - `readable` (the call's inputs) and the profile's `read`: read files, list directories.
 //! - the profile's `exec`: the same plus execute.
 //! - the profile's `write` (device files such as `/dev/null`): read, write and truncate, but
 //!   never create or remove.
 //!
 //! With `network = false` and ABI >= 4, TCP bind and connect are handled and granted nowhere.
-//! With ABI >= 6, signals and abstract Unix sockets are scoped to the worker's domain.
+//! Signals and abstract Unix sockets are always scoped to the worker's domain (ABI 6), as a
+//! hard requirement even with `best_effort`: without the signal scope a worker sharing the
+//! daemon's uid could signal it, and the abstract-socket scope is the only layer for abstract
+//! sockets when the profile lists `unix_sockets`.
 //!
 //! Fail closed: the ruleset asks for the rights of the profile's ABI as a hard requirement,
 //! and a kernel below that ABI is refused up front, unless the profile says `best_effort`.
@@ -98,7 +102,7 @@ pub(crate) struct Rights {
 impl Rights {
     pub(crate) fn for_abi(abi: ABI) -> Rights {
         let handled = AccessFs::from_all(abi);
-        let staging = handled & !make_bitflags!(AccessFs::{MakeChar | MakeBlock});
+        let staging = handled & !make_bitflags!(AccessFs::{Execute | MakeChar | MakeBlock});
         let read = handled & make_bitflags!(AccessFs::{ReadFile | ReadDir});
         let exec = handled & make_bitflags!(AccessFs::{ReadFile | ReadDir | Execute});
         let write = handled & make_bitflags!(AccessFs::{ReadFile | ReadDir | WriteFile | Truncate});
@@ -159,11 +163,17 @@ pub(crate) fn apply(spec: &LandlockSpec) -> Result<Applied, LandlockFailure> {
             .handle_access(AccessNet::from_all(abi))
             .map_err(|e| LandlockFailure::of(ctx("handle network access"), &e))?;
     }
-    if abi >= ABI::V6 {
-        ruleset = ruleset
-            .scope(Scope::from_all(abi))
-            .map_err(|e| LandlockFailure::of(ctx("scope signals and abstract sockets"), &e))?;
-    }
+    // Scopes: always, and never best effort (see the module comment).
+    ruleset = ruleset
+        .set_compatibility(CompatLevel::HardRequirement)
+        .scope(make_bitflags!(Scope::{AbstractUnixSocket | Signal}))
+        .map_err(|e| {
+            LandlockFailure::of(
+                format!("cannot scope signals and abstract Unix sockets, which needs Landlock ABI 6 (kernel ABI {kernel_abi})"),
+                &e,
+            )
+        })?
+        .set_compatibility(level);
     let mut created = ruleset
         .create()
         .map_err(|e| LandlockFailure::of(ctx("create the ruleset"), &e))?;
@@ -239,10 +249,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn staging_may_not_make_devices() {
+    fn staging_may_not_make_devices_or_execute() {
         let r = Rights::for_abi(ABI::V6);
         assert!(!r.staging.contains(AccessFs::MakeChar));
         assert!(!r.staging.contains(AccessFs::MakeBlock));
+        assert!(!r.staging.contains(AccessFs::Execute));
+        assert!(r.handled.contains(AccessFs::Execute));
         for a in [
             AccessFs::MakeSym,
             AccessFs::MakeFifo,

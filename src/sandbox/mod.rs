@@ -233,7 +233,9 @@ impl Worker {
             }
             Some(_) => {}
         }
-        let seccomp = seccomp::build(&profile)?;
+        // A worker that keeps the daemon's uid owns what the daemon owns: seccomp then denies
+        // every mode and time change too, since file permissions cannot.
+        let seccomp = seccomp::build(&profile, identity.is_none())?;
         let limits = &profile.limits;
         let spec = wire::Spec {
             argv,

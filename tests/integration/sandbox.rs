@@ -222,7 +222,7 @@ async fn abstract_unix_sockets_are_out_of_reach() {
     let r = py(
         &c,
         &format!(
-            "import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect('\\0{name}')\n    print('CONNECTED')\nexcept OSError as e:\n    print('denied', e.errno)\n"
+            "import socket\ntry:\n    s = socket.socket(socket.AF_UNIX)\n    s.connect('\\0{name}')\n    print('CONNECTED')\nexcept OSError as e:\n    print('denied', e.errno)\n"
         ),
     )
     .await;
