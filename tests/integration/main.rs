@@ -7,3 +7,4 @@ mod harness;
 mod race;
 mod robust_args;
 mod sandbox;
+mod uid_separation;
