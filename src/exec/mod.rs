@@ -363,9 +363,15 @@ impl Executor {
             let (Some(role), Some(raw)) = (p.path, values.get(name).and_then(Value::as_str)) else {
                 continue;
             };
-            let rel = self.workspace.resolve(raw, role).map_err(|e| {
-                ToolReply::fault("PATH_REJECTED", format!("argument {name:?}: {e}"))
-            })?;
+            let rejected = |e| ToolReply::fault("PATH_REJECTED", format!("argument {name:?}: {e}"));
+            let rel = self.workspace.resolve(raw, role).map_err(rejected)?;
+            // Landlock grants an input with everything beneath it: no input may cover other
+            // calls' job dirs or another filesystem.
+            if role == PathRole::Input {
+                self.workspace
+                    .check_input_reach(raw, &rel)
+                    .map_err(rejected)?;
+            }
             out.push((name.clone(), role, rel));
         }
         Ok(out)

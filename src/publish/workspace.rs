@@ -300,3 +300,133 @@ pub(super) fn is_reserved(first: &OsStr) -> bool {
         .iter()
         .any(|p| first.as_encoded_bytes().starts_with(p.as_bytes()))
 }
+
+/// Names beginning with this are airlock's own (job dirs, quarantine dirs): no input may name
+/// one or be a directory that holds one.
+pub const RESERVED_PREFIX: &str = ".airlock-";
+
+impl Workspace {
+    /// The reach of an input, checked after [`Workspace::resolve`] (`rel` is what it
+    /// returned). Landlock grants a worker an input directory with everything beneath it, so
+    /// an input is refused when that would include other calls' jobs or another filesystem:
+    ///
+    /// * the workspace root itself (it holds every running call's job dir);
+    /// * a path with a component reserved to airlock (`.airlock-*`);
+    /// * a directory holding an entry with a reserved name (the root of another workspace,
+    ///   say, nested in this one);
+    /// * a directory beneath which another filesystem is mounted (the daemon's mountinfo,
+    ///   compared against the resolved absolute path). A mount *at* the input itself is
+    ///   refused by `resolve` already (`RESOLVE_NO_XDEV`).
+    ///
+    /// Mounts and entries created after this check are not seen: the check is for mistakes
+    /// and for the layout the workspace has, not a race-free guard against its own operator.
+    pub fn check_input_reach(&self, raw: &str, rel: &Path) -> Result<(), PathError> {
+        let reject = |reason: String| PathError::Rejected {
+            raw: raw.to_string(),
+            reason,
+        };
+        if rel.as_os_str().is_empty() || rel == Path::new(".") {
+            return Err(reject(format!(
+                "is the workspace root, which holds the job dirs of running calls \
+                 ({RESERVED_PREFIX}*); name a subdirectory of it instead"
+            )));
+        }
+        if let Some(c) = rel
+            .iter()
+            .find(|c| c.as_encoded_bytes().starts_with(RESERVED_PREFIX.as_bytes()))
+        {
+            return Err(reject(format!(
+                "{:?} is a name reserved to airlock ({RESERVED_PREFIX}*)",
+                c.to_string_lossy()
+            )));
+        }
+        let dir = match open_beneath(self.fd(), rel, OFlags::RDONLY | OFlags::DIRECTORY) {
+            Ok(fd) => fd,
+            // A file: nothing lies beneath it.
+            Err(Errno::NOTDIR) => return Ok(()),
+            Err(e) => return Err(reject(walk_error(rel, e))),
+        };
+        let entries = rustix::fs::Dir::read_from(&dir)
+            .map_err(|e| reject(format!("cannot list {}: {e}", rel.display())))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| reject(format!("cannot list {}: {e}", rel.display())))?;
+            let name = entry.file_name().to_bytes();
+            if name.starts_with(RESERVED_PREFIX.as_bytes()) {
+                return Err(reject(format!(
+                    "holds {:?}, a name reserved to airlock job and quarantine dirs \
+                     ({RESERVED_PREFIX}*); name a subdirectory that does not",
+                    String::from_utf8_lossy(name)
+                )));
+            }
+        }
+        let abs = self.root.join(rel);
+        let info = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| {
+            reject(format!(
+                "cannot read /proc/self/mountinfo to check for mounts beneath it: {e}"
+            ))
+        })?;
+        if let Some(m) = mounts_beneath(&info, &abs).into_iter().next() {
+            return Err(reject(format!(
+                "crosses into the filesystem mounted at {}; name a directory with no mount \
+                 point beneath it",
+                m.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The mount points of `mountinfo` (proc(5)) strictly beneath `dir`, in order.
+fn mounts_beneath(mountinfo: &str, dir: &Path) -> Vec<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    mountinfo
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(|field| PathBuf::from(OsStr::from_bytes(&unescape_mountinfo(field))))
+        .filter(|m| m != dir && m.starts_with(dir))
+        .collect()
+}
+
+/// Undoes mountinfo's octal escapes (`\040` for a space, `\012`, `\011`, `\134`).
+fn unescape_mountinfo(field: &str) -> Vec<u8> {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod reach_tests {
+    use super::*;
+
+    #[test]
+    fn mounts_beneath_a_directory_are_found_escapes_undone() {
+        let info = "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+                    40 22 0:50 / /w/sub/mnt rw - tmpfs tmpfs rw\n\
+                    41 22 0:51 / /w/a\\040b/m rw - tmpfs tmpfs rw\n\
+                    42 22 0:52 / /w/subway rw - tmpfs tmpfs rw\n\
+                    43 22 0:53 / /w/sub rw - tmpfs tmpfs rw\n";
+        assert_eq!(
+            mounts_beneath(info, Path::new("/w/sub")),
+            vec![PathBuf::from("/w/sub/mnt")]
+        );
+        assert_eq!(
+            mounts_beneath(info, Path::new("/w/a b")),
+            vec![PathBuf::from("/w/a b/m")]
+        );
+        assert!(mounts_beneath(info, Path::new("/w/sub/mnt")).is_empty());
+        assert_eq!(mounts_beneath(info, Path::new("/w")).len(), 4);
+    }
+}

@@ -259,6 +259,9 @@ impl Plan {
         //     everything the worker does not own, metadata included, which Landlock does not.
         if let Some((uid, gid)) = self.spec.identity {
             switch_identity(uid, gid)?;
+            // The kernel clears PDEATHSIG when the credentials change (commit_creds): set it
+            // again, and check again that the daemon did not die in between.
+            rearm_parent_death(self.spec.parent)?;
         }
 
         // 11. Capabilities: drop what is left of the five sets, and read them all back.
@@ -437,6 +440,31 @@ fn switch_identity(uid: u32, gid: u32) -> Result<(), Failure> {
             step,
             libc::EPERM,
             format!("asked for uid {uid} gid {gid}, have (ruid, euid, rgid, egid) {now:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Step 10, after the uid switch: PDEATHSIG again (the switch cleared it), then the parent
+/// check of step 2 again, since a daemon that died before this point sent us nothing.
+fn rearm_parent_death(expected: i32) -> Result<(), Failure> {
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL)).map_err(
+        |e| {
+            Failure::new(
+                "parent_death",
+                e.raw_os_error(),
+                format!("PR_SET_PDEATHSIG after the uid switch: {e}"),
+            )
+        },
+    )?;
+    let parent = rustix::process::getppid()
+        .map(|p| p.as_raw_nonzero().get())
+        .unwrap_or(0);
+    if parent != expected {
+        return Err(Failure::new(
+            "parent_death",
+            libc::ESRCH,
+            format!("the parent is pid {parent}, expected the daemon, pid {expected}"),
         ));
     }
     Ok(())

@@ -10,3 +10,4 @@ mod robust_args;
 mod robust_mcp;
 mod robust_publish;
 mod sandbox;
+mod uid_separation;

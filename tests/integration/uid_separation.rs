@@ -1,0 +1,916 @@
+//! Issue #7: workers under a uid of their own, and what they can reach. Each test is a hostile
+//! tool run through the real daemon, as root (workers get a uid of their own from
+//! `worker_uids`) and, where meaningful, as `nobody` (workers keep the daemon's uid), under the
+//! shipped `default` and `strict` profiles; each asserts on the outside world: contents,
+//! modes, owners, times, xattrs, processes, and the daemon still serving and restarting.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::json;
+
+use crate::harness::*;
+use crate::sandbox::give_to_nobody;
+
+const PROFILES: [&str; 2] = ["default", "strict"];
+
+/// Test tools under `profile`: `hs` (write: a shell script, optional output), `hs755` (the
+/// same with `mode = "0755"` on its output), `hp` (write: python code, optional output, optional
+/// input) and `hr` (read: a shell script, optional input directory).
+fn daemon(profile: &str) -> Daemon {
+    let d = Daemon::new();
+    let sh_write = |name: &str, mode: &str| {
+        format!(
+            r#"name = "{name}"
+description = "Run a shell script (test only)"
+capability = "write"
+profile = "{profile}"
+command = ["/bin/sh", "-c", "{{script}}", "{name}", "{{out}}"]
+timeout = "60s"
+[params.script]
+type = "string"
+[params.out]
+type = "string"
+path = "output"
+required = false
+{mode}
+"#
+        )
+    };
+    d.add_tool("hs", &sh_write("hs", ""));
+    d.add_tool("hs755", &sh_write("hs755", "mode = \"0755\""));
+    d.add_tool(
+        "hp",
+        &format!(
+            r#"name = "hp"
+description = "Run python code (test only)"
+capability = "write"
+profile = "{profile}"
+command = ["/usr/bin/python3", "-I", "-c", "{{code}}", "{{out}}", "{{input}}"]
+timeout = "60s"
+[params.code]
+type = "string"
+[params.out]
+type = "string"
+path = "output"
+required = false
+[params.input]
+type = "string"
+path = "input"
+required = false
+"#
+        ),
+    );
+    d.add_tool(
+        "hr",
+        &format!(
+            r#"name = "hr"
+description = "Run a shell script with read rights (test only)"
+capability = "read"
+profile = "{profile}"
+command = ["/bin/sh", "-c", "{{script}}", "hr", "{{dir}}"]
+timeout = "60s"
+[params.script]
+type = "string"
+[params.dir]
+type = "string"
+path = "input"
+required = false
+"#
+        ),
+    );
+    d
+}
+
+/// Sets `key = value` lines in `[daemon]` of the daemon's airlock.toml (its last table),
+/// replacing a key that is already set.
+fn daemon_setting(d: &Daemon, lines: &str) {
+    let p = d.policies.join("airlock.toml");
+    let mut t = std::fs::read_to_string(&p).expect("airlock.toml");
+    for line in lines.lines() {
+        let key = line.split('=').next().expect("key").trim();
+        t = t
+            .lines()
+            .filter(|l| l.split('=').next().map(str::trim) != Some(key))
+            .collect::<Vec<_>>()
+            .join("\n");
+        t.push('\n');
+        t.push_str(line);
+        t.push('\n');
+    }
+    std::fs::write(&p, t).expect("airlock.toml");
+}
+
+fn as_nobody(d: &mut Daemon) {
+    give_to_nobody(d);
+    d.user = Some((65534, 65534));
+}
+
+/// A number no other test's process carries on its command line.
+fn unique() -> String {
+    let n = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .subsec_nanos();
+    format!("{:09}{}", n, std::process::id() % 1000)
+}
+
+fn status_field(pid: i32, field: &str) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with(&format!("{field}:")))
+        .map(|l| l[field.len() + 1..].trim().to_string())
+}
+
+/// The real uid of `pid`.
+fn ruid(pid: i32) -> Option<u32> {
+    status_field(pid, "Uid")?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Names of the bound abstract Unix sockets (`@name`) in the test's network namespace.
+fn abstract_sockets() -> Vec<String> {
+    std::fs::read_to_string("/proc/net/unix")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .filter(|p| p.starts_with('@'))
+        .map(str::to_string)
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Other calls' jobs and other filesystems are out of reach of inputs.
+
+#[tokio::test]
+async fn inputs_covering_job_dirs_are_refused_while_another_call_stages_output() {
+    require_root();
+    for (profile, nobody) in [("default", false), ("strict", false), ("default", true)] {
+        let mut d = daemon(profile);
+        d.write("sub/f.txt", "plain");
+        if nobody {
+            // Workers share the daemon's uid: only the input check keeps job dirs out.
+            as_nobody(&mut d);
+        }
+        d.write("nest/.airlock-job-fake/x", "not a job, but a reserved name");
+        d.start();
+        let c = d.client().await;
+        session(&c, "a").await;
+        session(&c, "b").await;
+        // Session a's call stages a secret and blocks; its client waits on a raw connection.
+        let secret = format!("SECRET-{}", unique());
+        let blocker = format!("33.{}", unique());
+        let mut raw = d.raw();
+        raw.initialize();
+        raw.call(
+            1,
+            "hs",
+            json!({"session": "a", "out": "a.txt",
+                "script": format!("printf {secret} > \"$1\" && exec sleep {blocker}")}),
+        );
+        wait_for_process(&blocker).await;
+        let staged: Vec<PathBuf> = d
+            .job_dirs()
+            .iter()
+            .flat_map(|j| walk_files(&d.workspace.join(j)))
+            .filter(|p| std::fs::read_to_string(p).is_ok_and(|t| t == secret))
+            .collect();
+        assert!(
+            !staged.is_empty(),
+            "the blocked call has not staged its output (the test would prove nothing)"
+        );
+        // Job dirs aside: the running call's journal moves on its own.
+        let outside_jobs = |d: &Daemon| {
+            let mut s = snapshot(&d.workspace);
+            s.retain(|(p, _)| !p.starts_with(".airlock-job-"));
+            s
+        };
+        let before = outside_jobs(&d);
+
+        for source in [".", "a/..", "sub/..", &d.workspace.display().to_string()] {
+            let r = call(
+                &c,
+                "archive",
+                json!({"session": "b", "source": source, "out": "leak.tar"}),
+            )
+            .await;
+            assert_eq!(
+                code(&r),
+                "PATH_REJECTED",
+                "archive {source:?} [{profile}]: {r}"
+            );
+            let t = text(&r);
+            assert!(
+                t.contains("workspace root") && t.contains("name a subdirectory"),
+                "{t}"
+            );
+            assert!(!t.contains(&secret), "{t}");
+            let r = call(
+                &c,
+                "hr",
+                json!({"dir": source, "script": "cat \"$1\"/.airlock-*/*/* \"$1\"/.airlock-*/*; ls -laR \"$1\""}),
+            )
+            .await;
+            assert_eq!(code(&r), "PATH_REJECTED", "hr {source:?} [{profile}]: {r}");
+            assert!(!text(&r).contains(&secret), "{r}");
+            let r = call(
+                &c,
+                "hp",
+                json!({"session": "b", "input": source, "code": "import os, sys\nfor r, ds, fs in os.walk(sys.argv[2]):\n    for f in fs:\n        print(open(os.path.join(r, f)).read())"}),
+            )
+            .await;
+            assert_eq!(code(&r), "PATH_REJECTED", "hp {source:?} [{profile}]: {r}");
+            assert!(!text(&r).contains(&secret), "{r}");
+        }
+        // The empty path and a job dir named directly are refused too.
+        let r = call(
+            &c,
+            "archive",
+            json!({"session": "b", "source": "", "out": "leak.tar"}),
+        )
+        .await;
+        assert_eq!(code(&r), "PATH_REJECTED", "{r}");
+        let job = d.job_dirs().into_iter().next().expect("a job dir");
+        let r = call(
+            &c,
+            "archive",
+            json!({"session": "b", "source": job, "out": "leak.tar"}),
+        )
+        .await;
+        assert_eq!(code(&r), "PATH_REJECTED", "{r}");
+        // A directory holding a reserved name is refused, saying which name.
+        let r = call(
+            &c,
+            "archive",
+            json!({"session": "b", "source": "nest", "out": "leak.tar"}),
+        )
+        .await;
+        assert_eq!(code(&r), "PATH_REJECTED", "{r}");
+        assert!(text(&r).contains(".airlock-job-fake"), "{r}");
+        assert!(d.read("leak.tar").is_none());
+        assert_eq!(
+            outside_jobs(&d),
+            before,
+            "a refused call changed the workspace"
+        );
+        // An ordinary subdirectory still works, and its tar holds only it.
+        let r = call(
+            &c,
+            "archive",
+            json!({"session": "b", "source": "sub", "out": "sub.tar"}),
+        )
+        .await;
+        assert!(!is_error(&r), "{r}");
+        let tar = std::fs::read(d.workspace.join("sub.tar")).expect("sub.tar");
+        assert!(!String::from_utf8_lossy(&tar).contains(&secret));
+        let list = std::process::Command::new("tar")
+            .arg("-tf")
+            .arg(d.workspace.join("sub.tar"))
+            .output()
+            .expect("tar");
+        assert_eq!(String::from_utf8_lossy(&list.stdout), "sub/\nsub/f.txt\n");
+        // Session a's call is cancelled by its client leaving: nothing of it is published.
+        drop(raw);
+        wait_no_process(&blocker).await;
+        wait_until("the cancelled job dir to go", || d.job_dirs().is_empty()).await;
+        assert!(d.read("a.txt").is_none());
+        assert_eq!(version(&c, "a").await, 0);
+    }
+}
+
+fn walk_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        match e.file_type() {
+            Ok(t) if t.is_dir() => out.extend(walk_files(&p)),
+            Ok(t) if t.is_file() => out.push(p),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Unmounts on drop, so a failing test leaves no mount behind.
+struct Mounted(PathBuf);
+
+impl Mounted {
+    fn tmpfs(at: &Path) -> Mounted {
+        std::fs::create_dir_all(at).expect("mount point");
+        let st = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "airlock-test"])
+            .arg(at)
+            .status()
+            .expect("mount");
+        assert!(st.success(), "mount -t tmpfs at {}", at.display());
+        Mounted(at.to_path_buf())
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+#[tokio::test]
+async fn inputs_crossing_into_another_mount_are_refused() {
+    require_root();
+    let mut d = daemon("default");
+    d.write("sub/plain.txt", "plain");
+    let mnt = d.workspace.join("sub/mnt");
+    let _mount = Mounted::tmpfs(&mnt);
+    std::fs::write(mnt.join("foreign.txt"), "FOREIGN-FS").expect("write in tmpfs");
+    d.start();
+    let c = d.client().await;
+    session(&c, "b").await;
+    let canon = std::fs::canonicalize(&mnt).expect("canonical");
+    for (source, why) in [
+        (
+            "sub",
+            format!("crosses into the filesystem mounted at {}", canon.display()),
+        ),
+        ("sub/mnt", "on another mount".to_string()),
+        ("sub/mnt/foreign.txt", "on another mount".to_string()),
+    ] {
+        let r = call(
+            &c,
+            "archive",
+            json!({"session": "b", "source": source, "out": "x.tar"}),
+        )
+        .await;
+        assert_eq!(code(&r), "PATH_REJECTED", "archive {source}: {r}");
+        assert!(text(&r).contains(&why), "archive {source}: {r}");
+        let r = call(
+            &c,
+            "hr",
+            json!({"dir": source, "script": "cat \"$1\" \"$1\"/mnt/* \"$1\"/*"}),
+        )
+        .await;
+        assert_eq!(code(&r), "PATH_REJECTED", "hr {source}: {r}");
+        assert!(!text(&r).contains("FOREIGN-FS"), "{r}");
+    }
+    assert!(d.read("x.tar").is_none());
+    // The file beside the mount is still an input.
+    let r = call(
+        &c,
+        "hr",
+        json!({"dir": "sub/plain.txt", "script": "cat \"$1\""}),
+    )
+    .await;
+    assert_eq!(text(&r).trim(), "plain", "{r}");
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Published outputs carry no privilege.
+
+#[tokio::test]
+async fn setuid_outputs_are_published_without_privilege() {
+    require_root();
+    for profile in PROFILES {
+        for nobody in [false, true] {
+            let mut d = daemon(profile);
+            if nobody {
+                as_nobody(&mut d);
+            }
+            d.start();
+            let c = d.client().await;
+            session(&c, "h").await;
+            let who = if nobody { 65534 } else { 0 };
+            // Creation mode 06755, then fchmod for good measure: the worker tries both.
+            let code_ = "import os, sys\nfd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, 0o6755)\nos.write(fd, open('/usr/bin/id', 'rb').read())\ntry:\n    os.fchmod(fd, 0o6755)\nexcept OSError as e:\n    print('fchmod', e.errno)\nos.close(fd)\nprint('staged', oct(os.stat(sys.argv[1]).st_mode))";
+            for (tool, want) in [("hp", 0o644), ("hs755", 0o755)] {
+                let out = format!("{tool}-id");
+                let r = if tool == "hp" {
+                    call(&c, "hp", json!({"session": "h", "out": out, "code": code_})).await
+                } else {
+                    // The same code through sh (single quotes: the code holds none).
+                    call(
+                        &c,
+                        "hs755",
+                        json!({"session": "h", "out": out, "script": format!(
+                            "exec /usr/bin/python3 -I -c '{}' \"$1\"",
+                            code_.replace('\'', "\"")
+                        )}),
+                    )
+                    .await
+                };
+                assert!(!is_error(&r), "{tool} [{profile}, nobody={nobody}]: {r}");
+                let p = d.workspace.join(&out);
+                let m = std::fs::metadata(&p).expect("published");
+                assert_eq!(
+                    (m.mode() & 0o7777, m.uid(), m.gid()),
+                    (want, who, who),
+                    "{tool} [{profile}, nobody={nobody}]: mode/owner of the published copy"
+                );
+                assert_eq!(
+                    std::fs::read(&p).expect("read"),
+                    std::fs::read("/usr/bin/id").expect("id"),
+                    "the content is published as written"
+                );
+                // Run as nobody: no euid of anyone else.
+                let run = std::process::Command::new("setpriv")
+                    .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+                    .arg(&p)
+                    .output()
+                    .expect("setpriv");
+                let stdout = String::from_utf8_lossy(&run.stdout);
+                if want & 0o111 == 0 {
+                    assert!(!run.status.success(), "a 0644 output ran: {stdout}");
+                } else {
+                    assert!(
+                        run.status.success()
+                            && stdout.starts_with("uid=65534")
+                            && !stdout.contains("euid")
+                            && !stdout.contains("egid"),
+                        "{tool} [{profile}, nobody={nobody}]: {stdout} {}",
+                        String::from_utf8_lossy(&run.stderr)
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_setuid_output_mode_is_refused_by_policy_check() {
+    let d = daemon("default");
+    std::fs::write(
+        d.policies.join("tools/suid.toml"),
+        "name = \"suid\"\ncapability = \"write\"\ncommand = [\"/bin/true\", \"{out}\"]\n[params.out]\ntype = \"string\"\npath = \"output\"\nmode = \"4755\"\n",
+    )
+    .expect("tool");
+    let out = std::process::Command::new(BIN)
+        .args(["policy", "check", "--policies"])
+        .arg(&d.policies)
+        .output()
+        .expect("policy check");
+    let err =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("suid.toml:7:8:") && err.contains("\"4755\"") && err.contains("setuid"),
+        "{err}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Each worker runs under a leased uid of its own, freed when its call ends.
+
+#[tokio::test]
+async fn concurrent_workers_get_distinct_uids_from_the_range_and_free_them() {
+    require_root();
+    for profile in PROFILES {
+        let mut d = daemon(profile);
+        // A range of exactly two ids (and two call slots) no other test uses: a third call
+        // runs only if both were released.
+        daemon_setting(
+            &d,
+            "worker_uids = \"62010-62011\"\nmax_concurrent_calls = 2",
+        );
+        d.write("gate/.keep", "");
+        d.start();
+        let c = d.client().await;
+        session(&c, "a").await;
+        session(&c, "b").await;
+        let mut raws = Vec::new();
+        let mut markers = Vec::new();
+        for (i, s) in ["a", "b"].iter().enumerate() {
+            let marker = format!("34.{}{i}", unique());
+            let mut raw = d.raw();
+            raw.initialize();
+            raw.call(
+                1,
+                "hp",
+                json!({"session": s, "input": "gate", "code": format!(
+                    "import os, sys, time, subprocess\nprint(open('/proc/self/status').read())\nsubprocess.run(['/bin/sh', '-c', 'until [ -e \"$0/open\" ]; do sleep 0.05; done # {marker}', sys.argv[1]])\n"
+                )}),
+            );
+            raws.push(raw);
+            markers.push(marker);
+        }
+        for m in &markers {
+            wait_for_process(m).await;
+        }
+        let uids: Vec<u32> = markers
+            .iter()
+            .map(|m| ruid(processes_with(m)[0]).expect("uid"))
+            .collect();
+        assert!(
+            uids.iter().all(|u| (62010..=62011).contains(u)) && uids[0] != uids[1],
+            "[{profile}] worker uids {uids:?}"
+        );
+        for u in &uids {
+            assert!(
+                abstract_sockets().contains(&format!("@airlock-worker-uid-{u}")),
+                "uid {u} is not locked while leased"
+            );
+        }
+        // Neither worker may open the gate: it is the daemon's directory, not theirs. The
+        // test opens it.
+        std::fs::write(d.workspace.join("gate/open"), "").expect("open the gate");
+        for (raw, u) in raws.iter_mut().zip(&uids) {
+            let r = raw.response(1);
+            let t = r["result"]["content"][0]["text"].as_str().unwrap_or("");
+            assert!(
+                t.contains(&format!("Uid:\t{u}\t{u}\t{u}\t{u}"))
+                    && t.contains(&format!("Gid:\t{u}\t{u}\t{u}\t{u}"))
+                    && t.lines().any(|l| l.trim() == "Groups:"),
+                "[{profile}] {r}"
+            );
+        }
+        for u in &uids {
+            assert!(
+                !abstract_sockets().contains(&format!("@airlock-worker-uid-{u}")),
+                "uid {u} still locked after its call"
+            );
+            assert!(
+                all_pids().into_iter().all(|p| ruid(p) != Some(*u)),
+                "a process of uid {u} outlived its call"
+            );
+        }
+        // A third and a fourth call run: the uids were freed.
+        for s in ["a", "b"] {
+            let r = call(&c, "hs", json!({"session": s, "script": "id -u"})).await;
+            let u: u32 = text(&r).trim().parse().unwrap_or_else(|_| panic!("{r}"));
+            assert!(uids.contains(&u), "{u}");
+        }
+    }
+}
+
+fn all_pids() -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse().ok())
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Metadata outside staging, as a root daemon.
+
+/// What a worker could change about a file without writing it.
+#[derive(Debug, PartialEq)]
+struct Meta {
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    mtime: (i64, i64),
+    /// Moves with every chmod, chown, utimensat, setxattr and inode-flag change.
+    ctime: Option<(i64, i64)>,
+    xattrs: Vec<u8>,
+}
+
+fn meta(p: &Path, with_times: bool) -> Meta {
+    let m = std::fs::symlink_metadata(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("path");
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `c` is a NUL-terminated path and `buf` a writable buffer of the length given.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert!(n >= 0, "llistxattr {}", p.display());
+    buf.truncate(n as usize);
+    Meta {
+        mode: m.mode(),
+        uid: m.uid(),
+        gid: m.gid(),
+        mtime: if with_times {
+            (m.mtime(), m.mtime_nsec())
+        } else {
+            (0, 0)
+        },
+        ctime: with_times.then(|| (m.ctime(), m.ctime_nsec())),
+        xattrs: buf,
+    }
+}
+
+#[tokio::test]
+async fn workers_change_no_metadata_outside_staging_under_a_root_daemon() {
+    require_root();
+    for profile in PROFILES {
+        let mut d = daemon(profile);
+        let outside = d.dir.path().join("outside.txt");
+        std::fs::write(&outside, "root's").expect("outside");
+        d.write("undeclared.txt", "undeclared");
+        d.write("in/ro.txt", "read-only input");
+        d.start();
+        let c = d.client().await;
+        session(&c, "h").await;
+        let ws = d.workspace.clone();
+        // The workspace root's times move with every job dir, so only its mode, owner and
+        // xattrs are compared (and a successful utime would be seen by the tool's report).
+        let targets: Vec<(PathBuf, bool)> = vec![
+            (outside.clone(), true),
+            (d.socket.clone(), true),
+            (ws.join("undeclared.txt"), true),
+            (ws.clone(), false),
+            (ws.join("in/ro.txt"), true),
+        ];
+        let before: Vec<Meta> = targets.iter().map(|(p, t)| meta(p, *t)).collect();
+        let list = targets
+            .iter()
+            .map(|(p, _)| format!("{:?}", p.display().to_string()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let code_ = format!(
+            r#"import os, fcntl, struct
+res = []
+def flags(p):
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fcntl.ioctl(fd, 0x40086602, struct.pack('i', 0x80))
+    finally:
+        os.close(fd)
+for p in [{list}]:
+    for name, f in [
+        ('chmod4777', lambda: os.chmod(p, 0o4777)),
+        ('chmod000', lambda: os.chmod(p, 0)),
+        ('chown-group0', lambda: os.chown(p, -1, 0)),
+        ('chown-self', lambda: os.chown(p, os.getuid(), os.getgid())),
+        ('utime', lambda: os.utime(p, (0, 0))),
+        ('touch-now', lambda: os.utime(p)),
+        ('setxattr', lambda: os.setxattr(p, 'user.pwned', b'1')),
+        ('setxattr-trusted', lambda: os.setxattr(p, 'trusted.pwned', b'1')),
+        ('inode-flags', lambda: flags(p)),
+    ]:
+        try:
+            f()
+            res.append('CHANGED %s %s' % (name, p))
+        except OSError as e:
+            res.append('denied %s %s errno %d' % (name, p, e.errno))
+print('\n'.join(res))
+"#
+        );
+        let r = call(
+            &c,
+            "hp",
+            json!({"session": "h", "input": "in/ro.txt", "code": code_}),
+        )
+        .await;
+        let out = text(&r);
+        assert!(!is_error(&r), "[{profile}] {r}");
+        assert_eq!(
+            out.matches("denied ").count(),
+            9 * targets.len(),
+            "[{profile}] {out}"
+        );
+        assert!(!out.contains("CHANGED"), "[{profile}] {out}");
+        let after: Vec<Meta> = targets.iter().map(|(p, t)| meta(p, *t)).collect();
+        for ((p, _), (b, a)) in targets.iter().zip(before.iter().zip(&after)) {
+            assert_eq!(b, a, "[{profile}] {} changed", p.display());
+        }
+        // The same from the shell's own tools.
+        let r = call(
+            &c,
+            "hs",
+            json!({"session": "h", "script": format!(
+                "for p in {}; do chmod 4777 \"$p\"; chmod 000 \"$p\"; chown :0 \"$p\"; touch -d 2000-01-01 \"$p\"; chattr +A \"$p\"; done 2>&1; echo done",
+                targets.iter().map(|(p, _)| format!("'{}'", p.display())).collect::<Vec<_>>().join(" ")
+            )}),
+        )
+        .await;
+        assert!(text(&r).contains("done"), "{r}");
+        let after: Vec<Meta> = targets.iter().map(|(p, t)| meta(p, *t)).collect();
+        for ((p, _), (b, a)) in targets.iter().zip(before.iter().zip(&after)) {
+            assert_eq!(b, a, "[{profile}] {} changed by shell tools", p.display());
+        }
+        // The daemon serves, and restarts.
+        write_and_check(&c, &d, "after.txt").await;
+        drop(c);
+        assert!(d.stop().success());
+        d.start();
+        let c = d.client().await;
+        write_and_check(&c, &d, "after-restart.txt").await;
+    }
+}
+
+async fn write_and_check(c: &Client, d: &Daemon, out: &str) {
+    let r = call(
+        c,
+        "write_text",
+        json!({"session": "h", "text": out, "out": out}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read(out).as_deref(), Some(out));
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. No worker process outlives the daemon.
+
+/// How the daemon goes away in [`outliving`].
+#[derive(Clone, Copy, Debug)]
+enum Death {
+    Kill9,
+    Hup,
+}
+
+/// A tool (`hs` write, or `hr` read) starts a background `sleep` and blocks in another; the
+/// daemon dies; the background process must not survive the daemon's next start.
+async fn outliving(profile: &str, nobody: bool, tool: &str, death: Death) {
+    require_root();
+    let mut d = daemon(profile);
+    if nobody {
+        as_nobody(&mut d);
+    } else {
+        // A range of its own: a daemon of another test starting meanwhile would otherwise
+        // sweep this one's leftovers (any process of the range whose uid lock is free) and
+        // the test would prove nothing.
+        let first = match (tool, death) {
+            ("hs", Death::Kill9) => 62200,
+            ("hr", Death::Kill9) => 62300,
+            _ => 62400,
+        };
+        daemon_setting(&d, &format!("worker_uids = \"{first}-{}\"", first + 63));
+    }
+    d.write("keep.txt", "kept");
+    d.start();
+    let c = d.client().await;
+    session(&c, "h").await;
+    let before = snapshot(&d.workspace);
+    let marker = format!("31.{}", unique());
+    let leader = format!("32.{}", unique());
+    let script = format!("sleep {marker} & exec sleep {leader}");
+    let args = if tool == "hs" {
+        json!({"session": "h", "out": "never.txt", "script": script})
+    } else {
+        json!({"script": script})
+    };
+    let mut raw = d.raw();
+    raw.initialize();
+    raw.call(1, tool, args);
+    wait_for_process(&marker).await;
+    wait_for_process(&leader).await;
+    let ctx = format!("[{profile}, nobody={nobody}, {tool}, {death:?}]");
+    match death {
+        Death::Kill9 => {
+            drop(c);
+            d.kill9();
+            // The leader dies with the daemon (PDEATHSIG); its background child does not.
+            wait_no_process(&leader).await;
+            assert!(
+                !processes_with(&marker).is_empty(),
+                "{ctx} the background child died with the daemon: this test would prove nothing"
+            );
+            d.start();
+            assert!(
+                processes_with(&marker).is_empty(),
+                "{ctx} a worker's background child outlived the daemon's restart:\n{}",
+                d.log_text()
+            );
+            assert!(
+                d.job_dirs().is_empty(),
+                "{ctx} job dirs left: {:?}",
+                d.job_dirs()
+            );
+            assert_eq!(snapshot(&d.workspace), before, "{ctx} workspace changed");
+            let c = d.client().await;
+            write_and_check(&c, &d, "after.txt").await;
+        }
+        Death::Hup => {
+            // SAFETY: kill(2) on the daemon, our own child.
+            unsafe { libc::kill(d.pid() as i32, libc::SIGHUP) };
+            // A full call after the signal, in another session (the running call holds
+            // "h"): the daemon still serves...
+            session(&c, "hup").await;
+            let r = call(
+                &c,
+                "write_text",
+                json!({"session": "hup", "text": "after", "out": "after.txt"}),
+            )
+            .await;
+            assert!(!is_error(&r), "{ctx} {r}");
+            assert_eq!(d.read("after.txt").as_deref(), Some("after"));
+            assert!(
+                d.child
+                    .as_mut()
+                    .expect("daemon")
+                    .try_wait()
+                    .expect("wait")
+                    .is_none(),
+                "{ctx} SIGHUP killed the daemon"
+            );
+            // ...the worker still runs, and dies with its call.
+            assert!(
+                !processes_with(&leader).is_empty(),
+                "{ctx} SIGHUP killed the worker"
+            );
+            drop(raw);
+            wait_no_process(&marker).await;
+            wait_no_process(&leader).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn write_workers_do_not_outlive_a_killed_root_daemon() {
+    for profile in PROFILES {
+        outliving(profile, false, "hs", Death::Kill9).await;
+    }
+}
+
+#[tokio::test]
+async fn write_workers_do_not_outlive_a_killed_unprivileged_daemon() {
+    for profile in PROFILES {
+        outliving(profile, true, "hs", Death::Kill9).await;
+    }
+}
+
+#[tokio::test]
+async fn read_workers_do_not_outlive_a_killed_daemon() {
+    for profile in PROFILES {
+        for nobody in [false, true] {
+            outliving(profile, nobody, "hr", Death::Kill9).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn sighup_neither_kills_the_daemon_nor_its_workers() {
+    for nobody in [false, true] {
+        outliving("default", nobody, "hs", Death::Hup).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. Startup refuses a worker identity it cannot honour.
+
+#[tokio::test]
+async fn separate_workers_without_privilege_refuse_to_start() {
+    require_root();
+    let mut d = daemon("default");
+    daemon_setting(&d, "worker_user = \"separate\"");
+    as_nobody(&mut d);
+    let status = d.try_start().expect_err("started without the capabilities");
+    assert!(!status.success());
+    let log = d.log_text();
+    for cap in [
+        "CAP_SETUID",
+        "CAP_SETGID",
+        "CAP_CHOWN",
+        "CAP_FOWNER",
+        "CAP_DAC_OVERRIDE",
+        "CAP_KILL",
+    ] {
+        assert!(log.contains(cap), "{cap} not named:\n{log}");
+    }
+    assert!(log.contains("worker_user = \"separate\""), "{log}");
+    assert!(!d.socket.exists(), "a socket was left");
+}
+
+/// Removes a user created by a test, on drop.
+struct TempUser(String);
+
+impl Drop for TempUser {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("userdel").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_worker_range_holding_an_account_refuses_to_start() {
+    require_root();
+    let name = "airlock-h5-taken".to_string();
+    let _ = std::process::Command::new("userdel").arg(&name).status();
+    let st = std::process::Command::new("useradd")
+        .args([
+            "--system",
+            "--no-create-home",
+            "--uid",
+            "62150",
+            "--user-group",
+            "--shell",
+            "/usr/sbin/nologin",
+        ])
+        .arg(&name)
+        .status()
+        .expect("useradd");
+    assert!(st.success(), "useradd {name} (uid 62150)");
+    let _user = TempUser(name.clone());
+    let mut d = daemon("default");
+    daemon_setting(&d, "worker_uids = \"62100-62199\"");
+    let status = d
+        .try_start()
+        .expect_err("started with an account in the range");
+    assert!(!status.success());
+    let log = d.log_text();
+    assert!(
+        log.contains("62100-62199") && log.contains("62150") && log.contains(&name),
+        "{log}"
+    );
+    // The same range without the account is accepted.
+    drop(_user);
+    d.start();
+    let c = d.client().await;
+    session(&c, "h").await;
+    let r = call(&c, "hs", json!({"session": "h", "script": "id -u"})).await;
+    let u: u32 = text(&r).trim().parse().unwrap_or_else(|_| panic!("{r}"));
+    assert!((62100..=62199).contains(&u), "{u}");
+}
