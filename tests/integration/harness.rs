@@ -34,6 +34,9 @@ pub struct Daemon {
     pub env: Vec<(String, String)>,
     /// Run the daemon as this uid/gid (via setpriv), when set.
     pub user: Option<(u32, u32)>,
+    /// With `user`: capabilities (setpriv names, e.g. "setuid,kill") the daemon keeps as
+    /// ambient ones, as systemd's `AmbientCapabilities=` would give them.
+    pub ambient_caps: Option<String>,
 }
 
 pub type Client = RunningService<RoleClient, ()>;
@@ -69,6 +72,7 @@ impl Daemon {
             dir,
             env: Vec::new(),
             user: None,
+            ambient_caps: None,
         }
     }
 
@@ -94,12 +98,27 @@ impl Daemon {
         let mut cmd = match self.user {
             Some((uid, gid)) => {
                 let mut c = Command::new("setpriv");
+                let caps = match &self.ambient_caps {
+                    Some(list) => {
+                        let plus: Vec<String> =
+                            list.split(',').map(|c| format!("+{}", c.trim())).collect();
+                        let plus = plus.join(",");
+                        [
+                            format!("--inh-caps=-all,{plus}"),
+                            format!("--ambient-caps={plus}"),
+                        ]
+                    }
+                    None => [
+                        "--inh-caps=-all".to_string(),
+                        "--bounding-set=-all".to_string(),
+                    ],
+                };
                 c.args([
                     format!("--reuid={uid}"),
                     format!("--regid={gid}"),
                     "--clear-groups".to_string(),
-                    "--inh-caps=-all".to_string(),
-                    "--bounding-set=-all".to_string(),
+                    caps[0].clone(),
+                    caps[1].clone(),
                     "--".to_string(),
                     BIN.to_string(),
                 ]);

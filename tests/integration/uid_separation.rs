@@ -914,3 +914,108 @@ async fn a_worker_range_holding_an_account_refuses_to_start() {
     let u: u32 = text(&r).trim().parse().unwrap_or_else(|_| panic!("{r}"));
     assert!((62100..=62199).contains(&u), "{u}");
 }
+
+/// The third deployment: an unprivileged daemon holding the capabilities SECURITY.md lists
+/// (as systemd's `AmbientCapabilities=` gives them) runs each worker under a uid of its own,
+/// with no capability left to it; the published output belongs to the daemon's user; the
+/// worker changes no metadata of the daemon's files; the daemon restarts and serves.
+#[tokio::test]
+async fn a_capable_unprivileged_daemon_gives_workers_their_own_uid() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::time::Duration;
+    require_root();
+    for profile in ["default", "strict"] {
+        let mut d = daemon(profile);
+        as_nobody(&mut d);
+        d.ambient_caps = Some("setuid,setgid,chown,fowner,dac_override,kill".into());
+        daemon_setting(
+            &d,
+            "worker_user = \"separate\"\nworker_uids = \"62600-62663\"",
+        );
+        d.write("mine.txt", "daemon's");
+        let root_mode = std::fs::metadata(&d.workspace)
+            .expect("ws")
+            .permissions()
+            .mode();
+        let mine_mode = std::fs::metadata(d.workspace.join("mine.txt"))
+            .expect("mine")
+            .permissions()
+            .mode();
+        d.start();
+        let c = d.client().await;
+        session(&c, "cap").await;
+        let ws = d.workspace.display().to_string();
+        let script = format!(
+            "grep -E '^(Uid|Gid|CapEff|CapPrm|CapAmb):' /proc/self/status > \"$1\"; \
+             chmod 000 {ws} 2>/dev/null; chmod 666 {ws}/mine.txt 2>/dev/null; \
+             touch -d 2000-01-01 {ws}/mine.txt 2>/dev/null; true"
+        );
+        let r = call(
+            &c,
+            "hs",
+            json!({"session": "cap", "out": "who.txt", "script": script}),
+        )
+        .await;
+        assert!(!is_error(&r), "[{profile}] {r}");
+        let who = d.read("who.txt").expect("who.txt");
+        let uid_line = who.lines().find(|l| l.starts_with("Uid:")).expect("Uid");
+        let uids: Vec<u32> = uid_line[4..]
+            .split_whitespace()
+            .map(|u| u.parse().expect("uid"))
+            .collect();
+        assert!(
+            uids.iter().all(|u| (62600..=62663).contains(u)),
+            "[{profile}] the worker ran as {uids:?}: {who}"
+        );
+        for cap in ["CapEff:", "CapPrm:", "CapAmb:"] {
+            let line = who.lines().find(|l| l.starts_with(cap)).expect(cap);
+            assert!(line.ends_with("0000000000000000"), "[{profile}] {line}");
+        }
+        let meta = std::fs::metadata(d.workspace.join("who.txt")).expect("who.txt");
+        assert_eq!(
+            (meta.uid(), meta.gid()),
+            (65534, 65534),
+            "[{profile}] owner"
+        );
+        assert_eq!(
+            meta.permissions().mode() & 0o7777,
+            0o644,
+            "[{profile}] mode"
+        );
+        assert_eq!(
+            std::fs::metadata(&d.workspace)
+                .expect("ws")
+                .permissions()
+                .mode(),
+            root_mode,
+            "[{profile}] the workspace root's mode changed"
+        );
+        let mine = std::fs::metadata(d.workspace.join("mine.txt")).expect("mine");
+        assert_eq!(
+            mine.permissions().mode(),
+            mine_mode,
+            "[{profile}] mine.txt's mode"
+        );
+        assert!(
+            mine.modified().expect("mtime") > UNIX_EPOCH + Duration::from_secs(1_000_000_000),
+            "[{profile}] mine.txt's mtime was set back"
+        );
+        assert!(
+            d.log_text().contains("workers run as a uid of its own"),
+            "{}",
+            d.log_text()
+        );
+        drop(c);
+        assert!(d.stop().success());
+        d.start();
+        let c = d.client().await;
+        let r = call(
+            &c,
+            "hs",
+            json!({"session": "cap", "out": "after.txt", "script": "echo after > \"$1\""}),
+        )
+        .await;
+        assert!(!is_error(&r), "[{profile}] after restart: {r}");
+        assert_eq!(d.read("after.txt").as_deref(), Some("after\n"));
+    }
+}
