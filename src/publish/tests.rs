@@ -242,6 +242,44 @@ fn stage(job: &Job, i: usize, content: &str) {
     fs::write(job.staged_path(i), content).unwrap();
 }
 
+/// Whatever owner and mode the worker left on a staged output (setuid, setgid, sticky, group
+/// and other write, another uid), the published file is the daemon's, with the declared mode.
+#[test]
+fn published_outputs_are_sealed() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test needs root (it stages a file owned by another uid)"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let mut s = spec("j", &["a.bin", "b.sh"]);
+    s.modes = vec![crate::policy::DEFAULT_OUTPUT_MODE, 0o755];
+    s.stage_owner = Some((60999, 60999));
+    let job = Job::create(&ws, s).unwrap();
+    // The staging dirs are the worker's; the job dir lets it through, nobody else in.
+    let stage_meta = fs::metadata(job.stage_dir()).unwrap();
+    assert_eq!((stage_meta.uid(), stage_meta.gid()), (60999, 60999));
+    assert_eq!(fs::metadata(job.dir()).unwrap().mode() & 0o777, 0o711);
+    for i in 0..2 {
+        let p = job.staged_path(i);
+        stage(&job, i, "#!/bin/sh\n");
+        std::os::unix::fs::chown(&p, Some(60999), Some(60999)).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o7777)).unwrap();
+    }
+    job.publish_and_commit(|| Ok(())).unwrap();
+    let euid = rustix::process::geteuid().as_raw();
+    let egid = rustix::process::getegid().as_raw();
+    for (name, mode) in [("a.bin", 0o644), ("b.sh", 0o755)] {
+        let m = fs::metadata(tmp.path().join(name)).unwrap();
+        assert_eq!(
+            (m.mode() & 0o7777, m.uid(), m.gid()),
+            (mode, euid, egid),
+            "{name}"
+        );
+    }
+}
+
 #[test]
 fn publishes_one_new_file() {
     let tmp = tempfile::tempdir().unwrap();

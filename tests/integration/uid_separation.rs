@@ -385,8 +385,12 @@ async fn setuid_outputs_are_published_without_privilege() {
             let c = d.client().await;
             session(&c, "h").await;
             let who = if nobody { 65534 } else { 0 };
-            // Creation mode 06755, then fchmod for good measure: the worker tries both.
-            let code_ = "import os, sys\nfd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, 0o6755)\nos.write(fd, open('/usr/bin/id', 'rb').read())\ntry:\n    os.fchmod(fd, 0o6755)\nexcept OSError as e:\n    print('fchmod', e.errno)\nos.close(fd)\nprint('staged', oct(os.stat(sys.argv[1]).st_mode))";
+            // Creation mode 06755, then fchmod for good measure: the worker tries both. The
+            // containment filter refuses both (EPERM); the worker then stages a plain 0755
+            // copy, and the publication must still carry no privilege (the daemon's seal is
+            // the layer shown here; `publish::tests::published_outputs_are_sealed` stages a
+            // real 06755 file).
+            let code_ = "import os, sys\ntry:\n    fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, 0o6755)\nexcept OSError as e:\n    print('create', e.errno)\n    fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, 0o755)\nos.write(fd, open('/usr/bin/id', 'rb').read())\ntry:\n    os.fchmod(fd, 0o6755)\nexcept OSError as e:\n    print('fchmod', e.errno)\nos.close(fd)\nprint('staged', oct(os.stat(sys.argv[1]).st_mode))";
             for (tool, want) in [("hp", 0o644), ("hs755", 0o755)] {
                 let out = format!("{tool}-id");
                 let r = if tool == "hp" {
