@@ -315,6 +315,10 @@ async fn memory_stays_under_the_documented_bound_under_abuse() {
         }
         pipers.push(p);
     }
+    // Neither reads for a while (past write_timeout, with more than max_queued_bytes of
+    // results ready): each must then be dropped. Reading earlier would let a fast daemon
+    // deliver everything and prove nothing.
+    tokio::time::sleep(Duration::from_secs(8)).await;
     // Each is dropped (reading what the kernel buffered, then EOF), not grown without end.
     for p in &mut pipers {
         let (_, eof) = read_to_eof(&mut p.stream, Duration::from_secs(60));
