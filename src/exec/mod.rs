@@ -51,6 +51,16 @@ pub enum StartupError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "workers run under uids of their own and cannot reach the workspace {workspace}: \
+         {dir} is not searchable by other users (mode {mode:04o}); make it searchable \
+         (chmod o+x), move the workspace, or set worker_user = \"daemon\""
+    )]
+    Unreachable {
+        workspace: PathBuf,
+        dir: PathBuf,
+        mode: u32,
+    },
     #[error("worker identities: {0}")]
     Identity(#[from] crate::sandbox::IdentityError),
     #[error("cannot open the worker registry: {0}")]
@@ -178,6 +188,9 @@ impl Executor {
         let sessions = SessionStore::open(&d.state_dir)?;
         let identities = Identities::detect(d.worker_user, d.worker_uids, d.max_concurrent_calls)?;
         tracing::info!("workers run as {}", identities.describe());
+        if identities.range().is_some() {
+            check_reachable_by_workers(&d.workspace)?;
+        }
         // Before recovery touches a job dir, nothing a dead daemon's workers left may run.
         let registry = sweep_leftovers(d, identities.range())?;
         recover(&workspace, &sessions)?;
@@ -911,6 +924,33 @@ fn lock(path: &std::path::Path, what: &'static str) -> Result<std::fs::File, Sta
             source,
         },
     })
+}
+
+/// With worker uids, every directory from `/` to the workspace root must be searchable by
+/// other users: a worker reaches its staging dir and its inputs by absolute path.
+fn check_reachable_by_workers(workspace: &std::path::Path) -> Result<(), StartupError> {
+    use std::os::unix::fs::PermissionsExt;
+    let abs = std::fs::canonicalize(workspace).map_err(|source| StartupError::Workspace {
+        path: workspace.to_path_buf(),
+        source,
+    })?;
+    for dir in abs.ancestors() {
+        let mode = std::fs::metadata(dir)
+            .map_err(|source| StartupError::Workspace {
+                path: dir.to_path_buf(),
+                source,
+            })?
+            .permissions()
+            .mode();
+        if mode & 0o001 == 0 {
+            return Err(StartupError::Unreachable {
+                workspace: abs.clone(),
+                dir: dir.to_path_buf(),
+                mode: mode & 0o7777,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Kills every process the workers of a previous run left (registry records, the reserved

@@ -865,7 +865,13 @@ fn policy_explain_shows_the_effective_sandbox() {
 #[tokio::test]
 async fn serve_with_no_flags_uses_the_checkout_layout() {
     // From a directory holding `policies/`: ./workspace is created, ./airlock.sock listens.
+    // Searchable by others: a root daemon's workers run under uids of their own.
     let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
     let d = Daemon::new();
     let status = std::process::Command::new("cp")
         .arg("-a")

@@ -1023,3 +1023,42 @@ async fn a_capable_unprivileged_daemon_gives_workers_their_own_uid() {
         assert_eq!(d.read("after.txt").as_deref(), Some("after\n"));
     }
 }
+
+/// With worker uids, a workspace other users cannot reach (a parent dir 0700) is refused at
+/// startup with a message saying which directory and what to do, rather than every call
+/// failing later with EACCES.
+#[tokio::test]
+async fn a_workspace_workers_cannot_reach_refuses_to_start() {
+    use std::os::unix::fs::PermissionsExt;
+    require_root();
+    let mut d = daemon("default");
+    let hidden = d.dir.path().join("hidden");
+    std::fs::create_dir(&hidden).expect("mkdir");
+    std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    d.workspace = hidden.join("ws");
+    std::fs::create_dir(&d.workspace).expect("mkdir ws");
+    let status = d
+        .try_start()
+        .expect_err("started with an unreachable workspace");
+    assert!(!status.success());
+    let log = d.log_text();
+    assert!(
+        log.contains("is not searchable by other users (mode 0700)"),
+        "{log}"
+    );
+    assert!(log.contains(&hidden.display().to_string()), "{log}");
+    assert!(log.contains("worker_user = \"daemon\""), "{log}");
+    // Made searchable, the same layout serves.
+    std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    d.start();
+    let c = d.client().await;
+    session(&c, "r").await;
+    let r = call(
+        &c,
+        "hs",
+        json!({"session": "r", "out": "o.txt", "script": "echo ok > \"$1\""}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("o.txt").as_deref(), Some("ok\n"));
+}
