@@ -1017,6 +1017,15 @@ pub fn recover(
     Ok(done)
 }
 
+/// Counts a call out of `in_flight` however it ends (cancellation drops the future).
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1034,14 +1043,5 @@ mod tests {
         assert!(parse_json_response("t", r#"{"state": 3}"#).is_err());
         let e = parse_json_response("t", r#"{"isError": true, "content": []}"#).unwrap_err();
         assert!(e.is_error);
-    }
-}
-
-/// Counts a call out of `in_flight` however it ends (cancellation drops the future).
-struct InFlight<'a>(&'a AtomicUsize);
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
