@@ -49,6 +49,12 @@ enum Command {
     Policy(PolicyCommand),
     /// Roll back or complete every job a crashed daemon left, then exit.
     Recover(Dirs),
+    /// Write the man pages and shell completions into DIR (used to build the package).
+    #[command(hide = true)]
+    GenerateAssets {
+        /// Where `man/` and `completions/` are created.
+        out: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -131,6 +137,7 @@ pub fn main() -> i32 {
             policy_explain(&policies, &tool)
         }
         Command::Recover(a) => recover(a),
+        Command::GenerateAssets { out } => generate_assets(&out),
         Command::Serve(a) => runtime().map_or(2, |rt| {
             let code = rt.block_on(serve(a));
             // A blocking task still running (a cleanup after `shutdown_timeout`) must not
@@ -142,6 +149,33 @@ pub fn main() -> i32 {
             runtime().map_or(2, |rt| rt.block_on(connect(&socket.socket)))
         }
         Command::Call(a) => runtime().map_or(2, |rt| rt.block_on(call(a))),
+    }
+}
+
+/// Man pages (from the clap definitions) in `out/man`, completions for bash, zsh and fish
+/// in `out/completions`.
+fn generate_assets(out: &Path) -> i32 {
+    use clap::CommandFactory;
+    let run = || -> std::io::Result<()> {
+        let (man, comp) = (out.join("man"), out.join("completions"));
+        std::fs::create_dir_all(&man)?;
+        std::fs::create_dir_all(&comp)?;
+        clap_mangen::generate_to(Cli::command(), &man)?;
+        for shell in [
+            clap_complete::Shell::Bash,
+            clap_complete::Shell::Zsh,
+            clap_complete::Shell::Fish,
+        ] {
+            clap_complete::generate_to(shell, &mut Cli::command(), "airlock", &comp)?;
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("airlock: {}: cannot write the assets: {e}", out.display());
+            2
+        }
     }
 }
 
