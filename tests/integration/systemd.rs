@@ -13,7 +13,8 @@ use serde_json::json;
 use crate::harness::*;
 
 /// A socket systemd would bind, passed as fd 3 to `airlock serve` started the way systemd
-/// starts it (`sh -c 'LISTEN_PID=$$ exec ...'` keeps the pid, so LISTEN_PID is the daemon's).
+/// starts it (`sh -c 'LISTEN_PID=$$ exec ...'` keeps the pid, so LISTEN_PID is the daemon's),
+/// under the unit's `UMask=0077`.
 fn spawn_activated(
     d: &mut Daemon,
     listener: &UnixListener,
@@ -27,7 +28,7 @@ fn spawn_activated(
         .expect("log");
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c")
-        .arg("LISTEN_PID=$$ exec \"$0\" \"$@\"")
+        .arg("umask 077; LISTEN_PID=$$ exec \"$0\" \"$@\"")
         .arg(BIN)
         .arg("serve")
         .arg("--policies")
