@@ -337,14 +337,30 @@ fn apply_overrides(p: &mut Policy, workspace: Option<PathBuf>, state_dir: Option
 fn recover(a: Dirs) -> i32 {
     let mut policy = match policy::load(&a.policies) {
         Ok(p) => p,
-        Err(_) if a.workspace.is_some() && a.state_dir.is_some() => Policy {
-            dir: a.policies.clone(),
-            daemon: Default::default(),
-            profiles: Default::default(),
-            tools: Default::default(),
-        },
+        // Recovery needs no tool, only where the workspace and state are: with both given,
+        // a broken policy is reported and the [daemon] defaults (worker_uids among them)
+        // stand in for the rest.
+        Err(e) if a.workspace.is_some() && a.state_dir.is_some() => {
+            for d in &e.0 {
+                eprintln!("airlock: {d}");
+            }
+            eprintln!(
+                "airlock: {}: {} error(s); recovering with the default [daemon] settings and the given --workspace and --state-dir",
+                a.policies.display(),
+                e.0.len()
+            );
+            Policy {
+                dir: a.policies.clone(),
+                daemon: Default::default(),
+                profiles: Default::default(),
+                tools: Default::default(),
+            }
+        }
         Err(e) => {
             eprintln!("airlock: {e}");
+            eprintln!(
+                "airlock: recover: fix the policy, or give both --workspace and --state-dir to recover without it"
+            );
             return 2;
         }
     };

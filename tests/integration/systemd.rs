@@ -401,3 +401,44 @@ timeout = "5s"
         d.log_text()
     );
 }
+
+#[tokio::test]
+async fn recover_with_a_broken_policy_says_so_instead_of_going_on_silently() {
+    let d = Daemon::new();
+    std::fs::write(
+        d.policies.join("tools/broken.toml"),
+        "name = \"broken\"\ncapability = \n",
+    )
+    .expect("write");
+    std::fs::create_dir_all(&d.state).expect("state");
+    let out = Command::new(BIN)
+        .arg("recover")
+        .arg("--policies")
+        .arg(&d.policies)
+        .arg("--workspace")
+        .arg(&d.workspace)
+        .arg("--state-dir")
+        .arg(&d.state)
+        .output()
+        .expect("recover");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("broken.toml:2:"), "{err}");
+    assert!(
+        err.contains("recovering with the default [daemon] settings"),
+        "{err}"
+    );
+    // Without the dirs, it refuses and says how to go on.
+    let out = Command::new(BIN)
+        .arg("recover")
+        .arg("--policies")
+        .arg(&d.policies)
+        .output()
+        .expect("recover");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("give both --workspace and --state-dir"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
