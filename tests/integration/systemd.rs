@@ -42,6 +42,7 @@ fn spawn_activated(
         .env("LISTEN_FDS", "1")
         .env("LISTEN_FDNAMES", fd_name)
         .env("NOTIFY_SOCKET", notify)
+        .env("WATCHDOG_USEC", "2000000")
         .env("AIRLOCK_LOG", "debug")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -170,6 +171,9 @@ timeout = "30s"
     );
     let r = hold.await.expect("join");
     assert_eq!(text(&r).trim(), "held", "{r}");
+
+    // WatchdogSec=2s: WATCHDOG=1 at least once a second.
+    recv_until(&notify, "WATCHDOG=1", &d);
 
     // SIGTERM: STOPPING=1, exit 0, and the socket file (systemd's) is left in place.
     sigterm(d.pid());
