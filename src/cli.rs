@@ -49,6 +49,12 @@ enum Command {
     Policy(PolicyCommand),
     /// Roll back or complete every job a crashed daemon left, then exit.
     Recover(Dirs),
+    /// Write the man pages and shell completions into DIR (used to build the package).
+    #[command(hide = true)]
+    GenerateAssets {
+        /// Where `man/` and `completions/` are created.
+        out: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -131,6 +137,7 @@ pub fn main() -> i32 {
             policy_explain(&policies, &tool)
         }
         Command::Recover(a) => recover(a),
+        Command::GenerateAssets { out } => generate_assets(&out),
         Command::Serve(a) => runtime().map_or(2, |rt| {
             let code = rt.block_on(serve(a));
             // A blocking task still running (a cleanup after `shutdown_timeout`) must not
@@ -142,6 +149,33 @@ pub fn main() -> i32 {
             runtime().map_or(2, |rt| rt.block_on(connect(&socket.socket)))
         }
         Command::Call(a) => runtime().map_or(2, |rt| rt.block_on(call(a))),
+    }
+}
+
+/// Man pages (from the clap definitions) in `out/man`, completions for bash, zsh and fish
+/// in `out/completions`.
+fn generate_assets(out: &Path) -> i32 {
+    use clap::CommandFactory;
+    let run = || -> std::io::Result<()> {
+        let (man, comp) = (out.join("man"), out.join("completions"));
+        std::fs::create_dir_all(&man)?;
+        std::fs::create_dir_all(&comp)?;
+        clap_mangen::generate_to(Cli::command(), &man)?;
+        for shell in [
+            clap_complete::Shell::Bash,
+            clap_complete::Shell::Zsh,
+            clap_complete::Shell::Fish,
+        ] {
+            clap_complete::generate_to(shell, &mut Cli::command(), "airlock", &comp)?;
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("airlock: {}: cannot write the assets: {e}", out.display());
+            2
+        }
     }
 }
 
@@ -303,14 +337,30 @@ fn apply_overrides(p: &mut Policy, workspace: Option<PathBuf>, state_dir: Option
 fn recover(a: Dirs) -> i32 {
     let mut policy = match policy::load(&a.policies) {
         Ok(p) => p,
-        Err(_) if a.workspace.is_some() && a.state_dir.is_some() => Policy {
-            dir: a.policies.clone(),
-            daemon: Default::default(),
-            profiles: Default::default(),
-            tools: Default::default(),
-        },
+        // Recovery needs no tool, only where the workspace and state are: with both given,
+        // a broken policy is reported and the [daemon] defaults (worker_uids among them)
+        // stand in for the rest.
+        Err(e) if a.workspace.is_some() && a.state_dir.is_some() => {
+            for d in &e.0 {
+                eprintln!("airlock: {d}");
+            }
+            eprintln!(
+                "airlock: {}: {} error(s); recovering with the default [daemon] settings and the given --workspace and --state-dir",
+                a.policies.display(),
+                e.0.len()
+            );
+            Policy {
+                dir: a.policies.clone(),
+                daemon: Default::default(),
+                profiles: Default::default(),
+                tools: Default::default(),
+            }
+        }
         Err(e) => {
             eprintln!("airlock: {e}");
+            eprintln!(
+                "airlock: recover: fix the policy, or give both --workspace and --state-dir to recover without it"
+            );
             return 2;
         }
     };
@@ -363,13 +413,16 @@ fn recover(a: Dirs) -> i32 {
 }
 
 async fn serve(a: ServeArgs) -> i32 {
-    let mut policy = match load_policy(&a.dirs.policies) {
+    let notify = Arc::new(crate::systemd::Notifier::from_env());
+    let (workspace, state_dir, socket) = (a.dirs.workspace, a.dirs.state_dir, a.socket);
+    let policies = a.dirs.policies;
+    let mut policy = match load_policy(&policies) {
         Ok(p) => p,
         Err(code) => return code,
     };
-    apply_overrides(&mut policy, a.dirs.workspace, a.dirs.state_dir);
-    if let Some(s) = a.socket {
-        policy.daemon.socket = s;
+    apply_overrides(&mut policy, workspace.clone(), state_dir.clone());
+    if let Some(s) = &socket {
+        policy.daemon.socket = s.clone();
     }
     if let Err(e) = crate::sandbox::init_daemon() {
         eprintln!("airlock: {e}");
@@ -385,8 +438,23 @@ async fn serve(a: ServeArgs) -> i32 {
         }
     };
     let d = &policy.daemon;
-    let listener = match crate::mcp::bind(&d.socket, d.socket_mode, d.socket_group.as_deref()) {
-        Ok(l) => l,
+    // Socket-activated: systemd owns the socket file (mode, group, removal); otherwise the
+    // daemon binds it and removes it at exit.
+    let (listener, activated) = match crate::systemd::take_listener() {
+        Ok(Some(l)) => match tokio::net::UnixListener::from_std(l) {
+            Ok(l) => (l, true),
+            Err(e) => {
+                eprintln!("airlock: socket activation: cannot use the passed listener: {e}");
+                return 2;
+            }
+        },
+        Ok(None) => match crate::mcp::bind(&d.socket, d.socket_mode, d.socket_group.as_deref()) {
+            Ok(l) => (l, false),
+            Err(e) => {
+                eprintln!("airlock: {e}");
+                return 2;
+            }
+        },
         Err(e) => {
             eprintln!("airlock: {e}");
             return 2;
@@ -394,6 +462,7 @@ async fn serve(a: ServeArgs) -> i32 {
     };
     tracing::info!(
         socket = %d.socket.display(),
+        socket_activated = activated,
         workspace = %d.workspace.display(),
         tools = policy.tools.len(),
         "airlock serving"
@@ -406,22 +475,169 @@ async fn serve(a: ServeArgs) -> i32 {
             return 2;
         }
     };
+    // Policies loaded, recovery done, the socket listening: ready.
+    notify.ready(&status_line(&exec));
+    let reload = Reload {
+        dir: policies,
+        workspace,
+        state_dir,
+        socket,
+        exec: exec.clone(),
+        notify: notify.clone(),
+    };
     let stop = shutdown.clone();
     let shutdown_timeout = d.shutdown_timeout;
+    let stopping = notify.clone();
     tokio::spawn(async move {
-        signals.wait_for_stop().await;
+        signals.wait_for_stop(&reload).await;
+        stopping.stopping();
         tracing::info!(
             "shutting down: cancelling running calls (exit within {shutdown_timeout:?} and a second)"
         );
         stop.cancel();
     });
+    if notify.enabled() {
+        tokio::spawn(keep_systemd_informed(
+            notify.clone(),
+            exec.clone(),
+            shutdown.clone(),
+        ));
+    }
     crate::mcp::run(listener, exec, shutdown).await;
-    let _ = std::fs::remove_file(&d.socket);
+    if !activated {
+        let _ = std::fs::remove_file(&d.socket);
+    }
     tracing::info!("stopped");
     0
 }
 
-/// The daemon's signals: SIGTERM and SIGINT stop it; SIGHUP is logged and ignored.
+fn status_line(exec: &crate::exec::Executor) -> String {
+    let p = exec.policy();
+    format!(
+        "serving {} tools; {} call(s) in flight",
+        p.tools.len(),
+        exec.calls_in_flight()
+    )
+}
+
+/// `STATUS=` when it changes (checked every second) and `WATCHDOG=1` at half of
+/// `WatchdogSec`, until shutdown.
+async fn keep_systemd_informed(
+    notify: Arc<crate::systemd::Notifier>,
+    exec: Arc<crate::exec::Executor>,
+    shutdown: CancellationToken,
+) {
+    let tick = notify
+        .watchdog_interval()
+        .map_or(Duration::from_secs(1), |w| w.min(Duration::from_secs(1)));
+    let watchdog = notify.watchdog_interval();
+    let mut last_status = String::new();
+    let mut last_watchdog = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let status = status_line(&exec);
+        if status != last_status {
+            notify.status(&status);
+            last_status = status;
+        }
+        if let Some(w) = watchdog {
+            if last_watchdog.elapsed() >= w {
+                notify.watchdog();
+                last_watchdog = tokio::time::Instant::now();
+            }
+        }
+    }
+}
+
+/// What SIGHUP needs: the policy directory and the command line's overrides.
+struct Reload {
+    dir: PathBuf,
+    workspace: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
+    socket: Option<PathBuf>,
+    exec: Arc<crate::exec::Executor>,
+    notify: Arc<crate::systemd::Notifier>,
+}
+
+impl Reload {
+    /// Re-reads the policy directory. A valid one serves every call that starts from now
+    /// on (tools, profiles); the daemon settings keep the values the daemon started with,
+    /// and a changed one is logged as needing a restart. An invalid one changes nothing;
+    /// each of its errors is logged as `file:line:col: message`, as `policy check` prints.
+    fn run(&self) {
+        self.notify.reloading();
+        let old = self.exec.policy();
+        match policy::load(&self.dir) {
+            Err(e) => {
+                for d in &e.0 {
+                    tracing::error!("reload: {d}");
+                }
+                tracing::error!(
+                    "reload: {}: {} error(s); still serving the policy loaded before ({} tools)",
+                    self.dir.display(),
+                    e.0.len(),
+                    old.tools.len()
+                );
+            }
+            Ok(mut new) => {
+                apply_overrides(&mut new, self.workspace.clone(), self.state_dir.clone());
+                if let Some(s) = &self.socket {
+                    new.daemon.socket = s.clone();
+                }
+                for field in changed_settings(&old.daemon, &new.daemon) {
+                    tracing::warn!(
+                        "reload: [daemon] {field} changed in airlock.toml; it needs a restart and keeps its old value until then"
+                    );
+                }
+                new.daemon = old.daemon.clone();
+                let (tools, profiles) = (new.tools.len(), new.profiles.len());
+                self.exec.replace_policy(Arc::new(new));
+                tracing::info!(
+                    "reload: {}: now serving {tools} tools, {profiles} profiles (calls in flight finish on the policy they started with)",
+                    self.dir.display()
+                );
+            }
+        }
+        self.notify.ready(&status_line(&self.exec));
+    }
+}
+
+/// The `[daemon]` settings that differ, by name (one `name: value` line each in the
+/// pretty debug form, so a new setting is covered without a list to keep).
+fn changed_settings(
+    old: &crate::policy::DaemonConfig,
+    new: &crate::policy::DaemonConfig,
+) -> Vec<String> {
+    let (a, b) = (format!("{old:#?}"), format!("{new:#?}"));
+    let top = |s: &str| -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for line in s.lines().skip(1) {
+            match line.strip_prefix("    ").filter(|l| !l.starts_with(' ')) {
+                Some(l) => out.push((l.split(':').next().unwrap_or(l).to_string(), l.to_string())),
+                None => {
+                    if let Some(last) = out.last_mut() {
+                        last.1.push_str(line);
+                    }
+                }
+            }
+        }
+        out
+    };
+    let (a, b) = (top(&a), top(&b));
+    b.iter()
+        .filter(|(k, v)| {
+            a.iter()
+                .find(|(k2, _)| k2 == k)
+                .is_none_or(|(_, v2)| v2 != v)
+        })
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
+/// The daemon's signals: SIGTERM and SIGINT stop it; SIGHUP reloads the policies.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
@@ -438,17 +654,17 @@ impl Signals {
         })
     }
 
-    /// Returns at SIGTERM or SIGINT. SIGHUP, which by default would kill the daemon, only
-    /// logs that reloading is not supported yet (issue #12).
-    async fn wait_for_stop(mut self) {
+    /// Returns at SIGTERM or SIGINT; reloads the policies at each SIGHUP (the load runs off
+    /// the async threads).
+    async fn wait_for_stop(mut self, reload: &Reload) {
         loop {
             tokio::select! {
                 _ = self.term.recv() => return,
                 _ = self.int.recv() => return,
-                _ = self.hup.recv() => tracing::warn!(
-                    "SIGHUP: reloading the policy is not supported yet (issue #12); \
-                     still serving with the policy loaded at start"
-                ),
+                _ = self.hup.recv() => {
+                    tracing::info!("SIGHUP: reloading the policies from {}", reload.dir.display());
+                    tokio::task::block_in_place(|| reload.run());
+                }
             }
         }
     }

@@ -13,3 +13,4 @@ pub mod policy;
 pub mod publish;
 pub mod sandbox;
 pub mod session;
+pub mod systemd;

@@ -9,7 +9,7 @@ pub mod response;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -151,7 +151,11 @@ fn session_fault(e: SessionError) -> Stop {
 }
 
 pub struct Executor {
-    pub policy: Arc<Policy>,
+    /// The policy new calls start on; SIGHUP swaps it (`replace_policy`), a call in flight
+    /// keeps the `Arc` it started with.
+    policy: std::sync::RwLock<Arc<Policy>>,
+    /// Calls between the start and the end of `call`, for `STATUS=`.
+    in_flight: AtomicUsize,
     pub sessions: SessionStore,
     pub workspace: Workspace,
     pub audit: Audit,
@@ -201,7 +205,8 @@ impl Executor {
             _state_lock: state_lock,
             audit: Audit::new(d.audit_ring, d.audit_ring_bytes),
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
-            policy,
+            policy: std::sync::RwLock::new(policy),
+            in_flight: AtomicUsize::new(0),
             sessions,
             workspace,
             targets: locks::TargetLocks::default(),
@@ -218,9 +223,31 @@ impl Executor {
         format!("{:x}-{}-{n}", nanos, std::process::id())
     }
 
-    /// Runs one `tools/call` to its terminal result.
+    /// The policy new calls start on.
+    pub fn policy(&self) -> Arc<Policy> {
+        self.policy
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Makes `new` the policy of every call that starts from now on; calls in flight finish
+    /// on theirs. The caller keeps the daemon settings (`new.daemon`) that cannot change.
+    pub fn replace_policy(&self, new: Arc<Policy>) {
+        *self.policy.write().unwrap_or_else(|p| p.into_inner()) = new;
+    }
+
+    /// How many calls are running.
+    pub fn calls_in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Runs one `tools/call` to its terminal result, on the policy current when it starts.
     pub async fn call(&self, req: CallRequest) -> Reply {
-        let Some(tool) = self.policy.tools.get(&req.tool) else {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let _counted = InFlight(&self.in_flight);
+        let policy = self.policy();
+        let Some(tool) = policy.tools.get(&req.tool) else {
             return Reply::UnknownTool(req.tool);
         };
         let session = req
@@ -250,11 +277,13 @@ impl Executor {
             Ok(values) => match (tool.builtin, &tool.exec, tool.capability) {
                 (Some(b), _, _) => self.builtin(&call, b, &req.args, &cancel).await,
                 (None, Some(ext), Capability::Read) => {
-                    self.run_read(&call, tool, ext, values, &cancel).await
+                    self.run_read(&policy, &call, tool, ext, values, &cancel)
+                        .await
                 }
                 (None, Some(ext), Capability::Write) => {
                     let id = session.unwrap_or_default();
-                    self.run_write(&call, tool, ext, &id, values, &cancel).await
+                    self.run_write(&policy, &call, tool, ext, &id, values, &cancel)
+                        .await
                 }
                 (None, None, _) => Err(ToolReply::fault(
                     "INTERNAL",
@@ -392,6 +421,7 @@ impl Executor {
 
     async fn run_read(
         &self,
+        policy: &Policy,
         call: &CallRef,
         tool: &Tool,
         ext: &ExternalTool,
@@ -402,13 +432,14 @@ impl Executor {
         let root = self.workspace.root().to_path_buf();
         // Read tools have no outputs (the policy loader refuses them), so nothing is staged.
         let bound = args::bind(&values, &paths, &root, None, |_| root.clone());
-        self.check_bounds(tool, ext, &bound, None)?;
+        self.check_bounds(policy, tool, ext, &bound, None)?;
         let _slot = self.slot(cancel).await?;
         let stdin = match ext.protocol {
             Protocol::Json => json_request(&tool.name, &bound.arguments, None),
             Protocol::Argv => Vec::new(),
         };
         let launch = self.launch(
+            policy,
             ext,
             &bound.subst,
             root,
@@ -428,6 +459,7 @@ impl Executor {
     #[allow(clippy::too_many_arguments)]
     async fn run_write(
         &self,
+        policy: &Policy,
         call: &CallRef,
         tool: &Tool,
         ext: &ExternalTool,
@@ -464,7 +496,7 @@ impl Executor {
             let target = outputs.get(i).map_or(std::path::Path::new(""), |(_, t)| t);
             args::predicted_staged_path(self.workspace.root(), &call.call, i, target)
         });
-        self.check_bounds(tool, ext, &predicted, Some(&before))?;
+        self.check_bounds(policy, tool, ext, &predicted, Some(&before))?;
 
         // 4. The job dir, its journal, and the staged path of every output.
         // The worker's own uid, if it gets one, owns its staging dirs.
@@ -501,6 +533,7 @@ impl Executor {
         let stage = job.stage_dir();
         let ran = async {
             let launch = self.launch(
+                policy,
                 ext,
                 &bound.subst,
                 stage.clone(),
@@ -523,7 +556,7 @@ impl Executor {
                 return Err(stop);
             }
         };
-        if let Err(stop) = self.check_staging(ext, &job) {
+        if let Err(stop) = self.check_staging(policy, ext, &job) {
             discard(job).await;
             return Err(stop);
         }
@@ -583,8 +616,8 @@ impl Executor {
     }
 
     /// Fails the call if the worker left more in staging than its profile allows.
-    fn check_staging(&self, ext: &ExternalTool, job: &Job) -> Result<(), Stop> {
-        let Some(profile) = self.policy.profiles.get(&ext.profile) else {
+    fn check_staging(&self, policy: &Policy, ext: &ExternalTool, job: &Job) -> Result<(), Stop> {
+        let Some(profile) = policy.profiles.get(&ext.profile) else {
             return Ok(());
         };
         let l = &profile.limits;
@@ -612,6 +645,7 @@ impl Executor {
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
+        policy: &Policy,
         ext: &ExternalTool,
         subst: &BTreeMap<String, String>,
         cwd: PathBuf,
@@ -621,7 +655,7 @@ impl Executor {
         job_id: &str,
         identity: Option<crate::sandbox::Lease>,
     ) -> Result<Launch, Stop> {
-        let profile = self.policy.profiles.get(&ext.profile).ok_or_else(|| {
+        let profile = policy.profiles.get(&ext.profile).ok_or_else(|| {
             ToolReply::fault("INTERNAL", format!("unknown profile {}", ext.profile))
         })?;
         Ok(Launch {
@@ -631,7 +665,7 @@ impl Executor {
             writable,
             readable,
             profile: profile.clone(),
-            cgroup_parent: self.policy.daemon.cgroup.clone(),
+            cgroup_parent: policy.daemon.cgroup.clone(),
             job_id: job_id.to_string(),
             identity,
             registry: Some(self.registry.clone()),
@@ -692,14 +726,14 @@ impl Executor {
     /// a bound is `INVALID_ARGUMENT`, naming the argument and the limit.
     fn check_bounds(
         &self,
+        policy: &Policy,
         tool: &Tool,
         ext: &ExternalTool,
         bound: &args::Bound,
         session: Option<&Snapshot>,
     ) -> Result<(), Stop> {
         let invalid = |e: args::ArgError| Stop::from(ToolReply::fault("INVALID_ARGUMENT", e));
-        let env = self
-            .policy
+        let env = policy
             .profiles
             .get(&ext.profile)
             .map_or(0, |p| worker_env_bytes(&p.env));
@@ -713,7 +747,7 @@ impl Executor {
         )
         .map_err(invalid)?;
         if ext.protocol == Protocol::Json {
-            let limit = self.policy.daemon.max_message_bytes;
+            let limit = policy.daemon.max_message_bytes;
             let len = json_request(&tool.name, &bound.arguments, session).len();
             if len > limit {
                 let size = |m: &Map<String, Value>| serde_json::to_vec(m).map_or(0, |v| v.len());
@@ -1027,6 +1061,15 @@ pub fn recover(
         tracing::info!(job = %r.job, "recovery: {}", r.action);
     }
     Ok(done)
+}
+
+/// Counts a call out of `in_flight` however it ends (cancellation drops the future).
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]

@@ -61,9 +61,8 @@ impl ServerHandler for Handler {
         _request: Option<PaginatedRequestParams>,
         _cx: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        let tools: Vec<Value> = self
-            .exec
-            .policy
+        let policy = self.exec.policy();
+        let tools: Vec<Value> = policy
             .tools
             .values()
             .map(|t| {
@@ -146,7 +145,8 @@ impl ServerHandler for Handler {
         }
         // The newest events that fit a reply the connection can queue (escaping at most
         // doubles the text), never a copy of the whole ring.
-        let d = &self.exec.policy.daemon;
+        let policy = self.exec.policy();
+        let d = &policy.daemon;
         let text = self
             .exec
             .audit

@@ -145,7 +145,8 @@ fn admit(
 /// line, then EOF) instead of waiting in the backlog: past `max_connections` in total or
 /// `max_connections_per_uid` for its peer's uid.
 pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: CancellationToken) {
-    let d = &exec.policy.daemon;
+    let policy = exec.policy();
+    let d = &policy.daemon;
     let (max_total, max_per_uid) = (d.max_connections, d.max_connections_per_uid);
     let shutdown_timeout = d.shutdown_timeout;
     let counts = Arc::new(Mutex::new(Counts::default()));
@@ -233,7 +234,8 @@ pub async fn serve_connection(
     exec: Arc<Executor>,
     shutdown: CancellationToken,
 ) {
-    let d = &exec.policy.daemon;
+    let policy = exec.policy();
+    let d = &policy.daemon;
     let (limit, write_timeout) = (d.max_message_bytes, d.write_timeout);
     let (handshake_timeout, idle_timeout) = (d.handshake_timeout, d.idle_timeout);
     let uid = peer.uid;

@@ -128,6 +128,13 @@ impl Job {
         let made = (|| {
             let fd =
                 open_dir_beneath(root.as_fd(), &name).map_err(|e| io("open job dir", &dir, e))?;
+            if job_mode == 0o711 {
+                // mkdir's mode passed the umask (systemd's UMask=0077 makes it 0700, which
+                // would shut the worker out of its staging dir): set it whatever the umask.
+                mutate("publish.chmod_job", &dir, || {
+                    rustix::fs::fchmod(fd.as_fd(), Mode::from_raw_mode(job_mode))
+                })?;
+            }
             let stage = dir.join(STAGE);
             mutate("publish.mkdir_stage", &stage, || {
                 rustix::fs::mkdirat(fd.as_fd(), STAGE, Mode::from_raw_mode(0o700))

@@ -10,4 +10,5 @@ mod robust_args;
 mod robust_mcp;
 mod robust_publish;
 mod sandbox;
+mod systemd;
 mod uid_separation;

@@ -1,0 +1,448 @@
+//! airlock under systemd's protocols, with the test in systemd's place: socket activation
+//! (fd 3, LISTEN_PID, LISTEN_FDS, LISTEN_FDNAMES), sd_notify on a datagram socket the test
+//! listens on, SIGTERM during a call, SIGHUP reloads.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixDatagram, UnixListener};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::harness::*;
+
+/// A socket systemd would bind, passed as fd 3 to `airlock serve` started the way systemd
+/// starts it (`sh -c 'LISTEN_PID=$$ exec ...'` keeps the pid, so LISTEN_PID is the daemon's),
+/// under the unit's `UMask=0077`.
+fn spawn_activated(
+    d: &mut Daemon,
+    listener: &UnixListener,
+    fd_name: &str,
+    notify: &std::path::Path,
+) {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&d.log)
+        .expect("log");
+    let mut cmd = Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg("umask 077; LISTEN_PID=$$ exec \"$0\" \"$@\"")
+        .arg(BIN)
+        .arg("serve")
+        .arg("--policies")
+        .arg(&d.policies)
+        .arg("--socket")
+        .arg(&d.socket)
+        .arg("--workspace")
+        .arg(&d.workspace)
+        .arg("--state-dir")
+        .arg(&d.state)
+        .env("LISTEN_FDS", "1")
+        .env("LISTEN_FDNAMES", fd_name)
+        .env("NOTIFY_SOCKET", notify)
+        .env("WATCHDOG_USEC", "2000000")
+        .env("AIRLOCK_LOG", "debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log));
+    let fd = listener.as_raw_fd();
+    // SAFETY: between fork and exec only dup2 and fcntl run, both async-signal-safe; the
+    // listener's fd is open in the parent (and so in the child) for the whole spawn.
+    unsafe {
+        cmd.pre_exec(move || {
+            if fd == 3 {
+                let flags = libc::fcntl(3, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            } else if libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    d.child = Some(cmd.spawn().expect("spawn airlock serve"));
+}
+
+/// The test's end of NOTIFY_SOCKET.
+fn notify_socket(d: &Daemon) -> (UnixDatagram, std::path::PathBuf) {
+    let path = d.dir.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&path).expect("bind notify socket");
+    (sock, path)
+}
+
+/// Datagrams until one has a line containing `want` (every one received is returned), or panics after
+/// 20 s naming what arrived.
+fn recv_until(sock: &UnixDatagram, want: &str, d: &Daemon) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "no sd_notify message with {want:?} within 20 s; got {got:?}\n{}",
+            d.log_text()
+        );
+        sock.set_read_timeout(Some(left)).expect("timeout");
+        if let Ok(n) = sock.recv(&mut buf) {
+            let m = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let done = m.lines().any(|l| l.contains(want));
+            got.push(m);
+            if done {
+                return got;
+            }
+        }
+    }
+}
+
+fn sigterm(pid: u32) {
+    // SAFETY: kill(2) on the test's own child.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+}
+
+fn sighup(pid: u32) {
+    // SAFETY: kill(2) on the test's own child.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGHUP) }, 0);
+}
+
+async fn tool_names(c: &Client) -> Vec<String> {
+    let mut v: Vec<String> = c
+        .list_all_tools()
+        .await
+        .expect("tools/list")
+        .into_iter()
+        .map(|t| t.name.to_string())
+        .collect();
+    v.sort();
+    v
+}
+
+// Multi-threaded: the test blocks on the notify socket while its client call runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn socket_activated_daemon_serves_calls_and_tells_systemd_its_state() {
+    let mut d = Daemon::new();
+    d.add_tool(
+        "activated_hold",
+        r#"name = "activated_hold"
+description = "sleeps"
+capability = "read"
+command = ["/bin/sh", "-c", "sleep 3.1416; echo held"]
+timeout = "30s"
+"#,
+    );
+    let listener = UnixListener::bind(&d.socket).expect("bind the socket systemd would");
+    let (notify, notify_path) = notify_socket(&d);
+    spawn_activated(&mut d, &listener, "airlock", &notify_path);
+    let ready = recv_until(&notify, "READY=1", &d);
+    assert!(
+        ready.iter().all(|m| !m.contains("STOPPING")),
+        "stopping before ready: {ready:?}"
+    );
+    assert!(
+        d.log_text().contains("socket_activated=true"),
+        "the daemon did not say it was socket-activated:\n{}",
+        d.log_text()
+    );
+
+    // A real call through the passed listener: a write tool publishes its output.
+    let c = d.client().await;
+    session(&c, "act").await;
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "act", "out": "activated.txt", "text": "through fd 3"}),
+    )
+    .await;
+    assert!(!is_error(&r), "write_text: {r}");
+    assert_eq!(d.read("activated.txt").as_deref(), Some("through fd 3"));
+
+    // STATUS= counts the call in flight.
+    let c2 = d.client().await;
+    let hold = tokio::spawn(async move { call(&c2, "activated_hold", json!({})).await });
+    let status = recv_until(&notify, "1 call(s) in flight", &d);
+    assert!(
+        status
+            .last()
+            .is_some_and(|m| m.starts_with("STATUS=serving")),
+        "{status:?}"
+    );
+    let r = hold.await.expect("join");
+    assert_eq!(text(&r).trim(), "held", "{r}");
+
+    // WatchdogSec=2s: WATCHDOG=1 at least once a second.
+    recv_until(&notify, "WATCHDOG=1", &d);
+
+    // SIGTERM: STOPPING=1, exit 0, and the socket file (systemd's) is left in place.
+    sigterm(d.pid());
+    recv_until(&notify, "STOPPING=1", &d);
+    let st = d
+        .wait_exit(Duration::from_secs(30))
+        .expect("exit after SIGTERM");
+    assert!(st.success(), "exit status {st}\n{}", d.log_text());
+    assert!(
+        d.socket.exists(),
+        "a socket-activated daemon removed systemd's socket file"
+    );
+}
+
+#[tokio::test]
+async fn a_passed_fd_with_another_name_is_refused_and_named() {
+    let mut d = Daemon::new();
+    let listener = UnixListener::bind(&d.socket).expect("bind");
+    let (_notify, notify_path) = notify_socket(&d);
+    spawn_activated(&mut d, &listener, "web", &notify_path);
+    let st = d
+        .wait_exit(Duration::from_secs(30))
+        .expect("the daemon exits");
+    assert_eq!(st.code(), Some(2), "{}", d.log_text());
+    let log = d.log_text();
+    assert!(
+        log.contains("none of the 1 passed fd(s) is named \"airlock\"")
+            && log.contains("LISTEN_FDNAMES=\"web\""),
+        "{log}"
+    );
+}
+
+#[tokio::test]
+async fn a_passed_fd_that_is_not_a_listener_is_refused() {
+    let mut d = Daemon::new();
+    // A bound but not listening stream socket stands where the listener should be.
+    let dgram = UnixDatagram::bind(d.dir.path().join("dgram.sock")).expect("bind");
+    let (_notify, notify_path) = notify_socket(&d);
+    // SAFETY: the fd is the test's open datagram socket; the listener wrapper is forgotten
+    // below so it is never closed twice.
+    let fake = unsafe { <UnixListener as std::os::fd::FromRawFd>::from_raw_fd(dgram.as_raw_fd()) };
+    spawn_activated(&mut d, &fake, "airlock", &notify_path);
+    std::mem::forget(fake);
+    let st = d
+        .wait_exit(Duration::from_secs(30))
+        .expect("the daemon exits");
+    assert_eq!(st.code(), Some(2), "{}", d.log_text());
+    assert!(
+        d.log_text()
+            .contains("is not a listening AF_UNIX stream socket"),
+        "{}",
+        d.log_text()
+    );
+    assert!(
+        std::os::unix::net::UnixStream::connect(&d.socket).is_err(),
+        "the daemon bound a socket of its own instead"
+    );
+}
+
+#[tokio::test]
+async fn sigterm_during_a_slow_write_leaves_the_workspace_unchanged_and_no_worker() {
+    let mut d = Daemon::new();
+    d.add_tool(
+        "term_slow",
+        r#"name = "term_slow"
+description = "writes after a long sleep"
+capability = "write"
+command = ["/bin/sh", "-c", "echo partial > \"$1\"; sleep 27.1828; echo done > \"$1\"", "term_slow", "{out}"]
+timeout = "60s"
+
+[params.out]
+type = "string"
+path = "output"
+description = "the output"
+"#,
+    );
+    d.write("out.txt", "before");
+    d.start();
+    let c = d.client().await;
+    session(&c, "t").await;
+    let before = snapshot(&d.workspace);
+    let c2 = d.client().await;
+    let pending = tokio::spawn(async move {
+        c2.call_tool(
+            rmcp::model::CallToolRequestParams::new("term_slow")
+                .with_arguments(args(json!({"session": "t", "out": "out.txt"}))),
+        )
+        .await
+    });
+    wait_for_process("27.1828").await;
+    sigterm(d.pid());
+    let st = d
+        .wait_exit(Duration::from_secs(30))
+        .expect("exit after SIGTERM");
+    assert!(st.success(), "exit status {st}\n{}", d.log_text());
+    let _ = pending.await;
+    assert!(
+        processes_with("27.1828").is_empty(),
+        "a worker outlived the daemon: {:?}",
+        processes_with("27.1828")
+    );
+    assert_eq!(snapshot(&d.workspace), before, "the workspace changed");
+    assert_eq!(d.read("out.txt").as_deref(), Some("before"));
+    assert!(d.job_dirs().is_empty(), "job dirs left: {:?}", d.job_dirs());
+    // The next start finds nothing to recover and the session is where it was.
+    d.start();
+    let c = d.client().await;
+    assert_eq!(version(&c, "t").await, 0);
+    assert!(
+        !d.log_text().contains("recovered job dir"),
+        "the next start had a job to roll back:\n{}",
+        d.log_text()
+    );
+}
+
+fn hold_tool(version: &str) -> String {
+    format!(
+        r#"name = "reload_hold"
+description = "sleeps, then says which policy it ran on"
+capability = "read"
+command = ["/bin/sh", "-c", "sleep 2.7183; echo {version}"]
+timeout = "30s"
+"#
+    )
+}
+
+#[tokio::test]
+async fn sighup_reloads_a_good_policy_and_keeps_the_old_one_when_broken() {
+    let mut d = Daemon::new();
+    d.add_tool("reload_hold", &hold_tool("policy-v1"));
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let original = tool_names(&c).await;
+    assert!(original.contains(&"upper".to_string()), "{original:?}");
+    assert!(!original.contains(&"reload_new".to_string()));
+
+    // A broken policy: a tool with a syntax error. The old policy keeps serving; the error
+    // is logged with its file, line and column, as `policy check` prints it.
+    let broken = d.policies.join("tools/broken.toml");
+    std::fs::write(&broken, "name = \"broken\"\ncapability = \n").expect("write");
+    let check = Command::new(BIN)
+        .args(["policy", "check", "--policies"])
+        .arg(&d.policies)
+        .output()
+        .expect("policy check");
+    assert_eq!(check.status.code(), Some(1));
+    let verdict = String::from_utf8_lossy(&check.stdout).into_owned();
+    let first = verdict.lines().next().expect("an error line").to_string();
+    assert!(first.contains("broken.toml:2:"), "{verdict}");
+    sighup(d.pid());
+    wait_until("the reload to be refused", || {
+        d.log_text()
+            .contains("still serving the policy loaded before")
+    })
+    .await;
+    assert!(
+        d.log_text().contains(&first),
+        "the daemon's log lacks policy check's error {first:?}:\n{}",
+        d.log_text()
+    );
+    assert_eq!(
+        tool_names(&c).await,
+        original,
+        "a broken policy changed the tools"
+    );
+    d.write("in.txt", "still");
+    let r = call(
+        &c,
+        "upper",
+        json!({"session": "s", "source": "in.txt", "out": "up.txt"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("up.txt").as_deref(), Some("STILL"));
+
+    // A good policy: `upper` removed, `reload_new` added, `reload_hold` changed, and a daemon
+    // setting changed (needs a restart). A call in flight finishes on the old tool.
+    std::fs::remove_file(&broken).expect("rm");
+    let c2 = d.client().await;
+    let in_flight = tokio::spawn(async move { call(&c2, "reload_hold", json!({})).await });
+    wait_for_process("2.7183").await;
+    std::fs::remove_file(d.policies.join("tools/upper.toml")).expect("rm upper");
+    d.add_tool("reload_hold", &hold_tool("policy-v2"));
+    d.add_tool(
+        "reload_new",
+        r#"name = "reload_new"
+description = "new after the reload"
+capability = "read"
+command = ["/bin/echo", "new tool"]
+timeout = "5s"
+"#,
+    );
+    let conf = d.policies.join("airlock.toml");
+    let text_conf = std::fs::read_to_string(&conf).expect("read airlock.toml");
+    let changed = text_conf.replace("shutdown_timeout = \"10s\"", "shutdown_timeout = \"3s\"");
+    assert_ne!(
+        changed, text_conf,
+        "airlock.toml has no shutdown_timeout = \"10s\""
+    );
+    std::fs::write(&conf, changed).expect("write airlock.toml");
+    sighup(d.pid());
+    wait_until("the reload", || d.log_text().contains("now serving")).await;
+    let after = tool_names(&c).await;
+    assert!(after.contains(&"reload_new".to_string()), "{after:?}");
+    assert!(!after.contains(&"upper".to_string()), "{after:?}");
+    let r = in_flight.await.expect("join");
+    assert_eq!(text(&r).trim(), "policy-v1", "the call in flight: {r}");
+    let r = call(&c, "reload_hold", json!({})).await;
+    assert_eq!(text(&r).trim(), "policy-v2", "a call after the reload: {r}");
+    let r = call(&c, "reload_new", json!({})).await;
+    assert_eq!(text(&r).trim(), "new tool", "{r}");
+    let gone = c
+        .call_tool(
+            rmcp::model::CallToolRequestParams::new("upper").with_arguments(args(
+                json!({"session": "s", "source": "in.txt", "out": "gone.txt"}),
+            )),
+        )
+        .await;
+    assert!(
+        gone.as_ref().map_or(true, |r| r.is_error == Some(true)),
+        "a removed tool ran: {gone:?}"
+    );
+    assert_eq!(d.read("gone.txt"), None);
+    assert!(
+        d.log_text()
+            .contains("shutdown_timeout changed in airlock.toml; it needs a restart"),
+        "{}",
+        d.log_text()
+    );
+}
+
+#[tokio::test]
+async fn recover_with_a_broken_policy_says_so_instead_of_going_on_silently() {
+    let d = Daemon::new();
+    std::fs::write(
+        d.policies.join("tools/broken.toml"),
+        "name = \"broken\"\ncapability = \n",
+    )
+    .expect("write");
+    std::fs::create_dir_all(&d.state).expect("state");
+    let out = Command::new(BIN)
+        .arg("recover")
+        .arg("--policies")
+        .arg(&d.policies)
+        .arg("--workspace")
+        .arg(&d.workspace)
+        .arg("--state-dir")
+        .arg(&d.state)
+        .output()
+        .expect("recover");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("broken.toml:2:"), "{err}");
+    assert!(
+        err.contains("recovering with the default [daemon] settings"),
+        "{err}"
+    );
+    // Without the dirs, it refuses and says how to go on.
+    let out = Command::new(BIN)
+        .arg("recover")
+        .arg("--policies")
+        .arg(&d.policies)
+        .output()
+        .expect("recover");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("give both --workspace and --state-dir"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
