@@ -30,6 +30,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
+use super::cancel::Calls;
 use crate::audit::truncate;
 
 /// The deepest nesting of arrays and objects a message may have.
@@ -305,8 +306,10 @@ pub enum Inbound {
 /// The requests in flight on one connection, under the client's ids and the daemon's.
 pub struct Ids {
     by_client: HashMap<String, u64>,
-    /// The client's id and the request's size in bytes.
-    by_internal: HashMap<u64, (Value, usize)>,
+    /// The client's id, the request's size in bytes, and whether it is a `tools/call`.
+    by_internal: HashMap<u64, (Value, usize, bool)>,
+    /// The connection's cancellable calls, shared with the handler.
+    calls: Arc<Calls>,
     next: u64,
     max_in_flight: usize,
     /// The size of the requests in flight, and its bound.
@@ -327,7 +330,13 @@ impl Ids {
             bytes: 0,
             max_bytes,
             last_activity: Instant::now(),
+            calls: Arc::new(Calls::default()),
         }
+    }
+
+    /// The connection's cancellable calls, for the handler.
+    pub fn calls(&self) -> Arc<Calls> {
+        self.calls.clone()
     }
 
     /// Whether a request of `len` bytes would exceed the in-flight caps.
@@ -449,19 +458,28 @@ impl Ids {
         self.next += 1;
         self.bytes += line.len();
         self.by_client.insert(key, internal);
-        self.by_internal.insert(internal, (id, line.len()));
+        self.by_internal
+            .insert(internal, (id, line.len(), method == "tools/call"));
         Inbound::Forward(line)
     }
 
     fn notification(&mut self, mut v: Value, method: &str) -> Inbound {
         if method == "notifications/cancelled" {
-            // The client's id becomes the daemon's; rmcp will send nothing for it, so the
-            // client may use the id again.
             let key = v["params"]["requestId"].to_string();
-            let Some(internal) = self.by_client.remove(&key) else {
+            let Some(&internal) = self.by_client.get(&key) else {
                 return Inbound::Ignore;
             };
-            if let Some((_, len)) = self.by_internal.remove(&internal) {
+            if self.by_internal.get(&internal).is_some_and(|e| e.2) {
+                // A tools/call: the executor decides (see `cancel`), and its reply, or its
+                // silence, frees the id. rmcp never hears of it: it would drop the result of
+                // a call that is already past its point of no return.
+                self.calls.cancel(internal);
+                return Inbound::Ignore;
+            }
+            // Any other request: rmcp sends nothing for it, so the client may use the id
+            // again.
+            self.by_client.remove(&key);
+            if let Some((_, len, _)) = self.by_internal.remove(&internal) {
                 self.bytes -= len;
             }
             v["params"]["requestId"] = json!(internal);
@@ -476,7 +494,8 @@ impl Ids {
     }
 
     /// Maps a line from rmcp back to the client's id; `None` for the reply to a request the
-    /// client cancelled (the client is not waiting for it).
+    /// client cancelled and that ended cancelled (a call past its point of no return is
+    /// answered: see `cancel`).
     pub fn outbound(&mut self, line: Vec<u8>) -> Option<Vec<u8>> {
         let top = scan_top(&line);
         let (Some(r), None, true) = (top.id, top.method, top.reply) else {
@@ -488,11 +507,15 @@ impl Ids {
         else {
             return Some(line);
         };
-        let (client, len) = self.by_internal.remove(&internal)?;
+        let (client, len, _) = self.by_internal.remove(&internal)?;
         self.bytes -= len;
         let client = client.to_string();
         self.by_client.remove(&client);
         self.last_activity = Instant::now();
+        if self.calls.take_silent(internal) {
+            // A call its client cancelled, rolled back: JSON-RPC answers it with nothing.
+            return None;
+        }
         let mut out = Vec::with_capacity(line.len() + client.len());
         out.extend_from_slice(&line[..r.start]);
         out.extend_from_slice(client.as_bytes());

@@ -186,8 +186,9 @@ fn a_duplicate_in_flight_id_is_rejected_and_ids_map_back() {
 
 #[test]
 fn a_cancelled_request_frees_its_id_and_its_late_reply_is_dropped() {
+    // Not a tools/call: rmcp handles the cancellation and sends nothing.
     let mut ids = Ids::new(8, 1 << 30);
-    let internal = forwarded(ids.inbound(&req(json!("x"), "tools/call")))["id"].clone();
+    let internal = forwarded(ids.inbound(&req(json!("x"), "resources/read")))["id"].clone();
     let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
         "params": {"requestId": "x", "reason": "test"}});
     let fwd = forwarded(ids.inbound(cancel.to_string().as_bytes()));
@@ -198,6 +199,54 @@ fn a_cancelled_request_frees_its_id_and_its_late_reply_is_dropped() {
     assert_eq!(ids.inbound(cancel.to_string().as_bytes()), Inbound::Ignore);
     assert!(matches!(
         ids.inbound(&req(json!("x"), "ping")),
+        Inbound::Forward(_)
+    ));
+}
+
+#[test]
+fn a_cancelled_call_is_decided_by_the_executor_not_rmcp() {
+    let mut ids = Ids::new(8, 1 << 30);
+    let calls = ids.calls();
+    let internal = forwarded(ids.inbound(&req(json!("c"), "tools/call")))["id"]
+        .as_u64()
+        .expect("numeric id");
+    let token = calls.register(internal, &tokio_util::sync::CancellationToken::new());
+    let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": {"requestId": "c"}});
+    // rmcp never hears of it; the executor's token is cancelled.
+    assert_eq!(ids.inbound(cancel.to_string().as_bytes()), Inbound::Ignore);
+    assert!(token.is_cancelled());
+    // The id stays in flight until the call's reply (or silence) goes out.
+    let again = ids.inbound(&req(json!("c"), "ping"));
+    assert!(
+        matches!(&again, Inbound::Reply(l) if String::from_utf8_lossy(l).contains("already in flight")),
+        "{again:?}"
+    );
+    // Too late: the executor returned a result; it is sent under the client's id.
+    let result = format!("{{\"jsonrpc\":\"2.0\",\"id\":{internal},\"result\":{{}}}}\n");
+    let out = ids
+        .outbound(result.into_bytes())
+        .expect("a too-late result is sent");
+    let v: Value = serde_json::from_slice(&out).expect("json");
+    assert_eq!(v["id"], "c");
+
+    // Rolled back: the handler silenced it; its error is dropped and the id is free.
+    let internal = forwarded(ids.inbound(&req(json!("d"), "tools/call")))["id"]
+        .as_u64()
+        .expect("numeric id");
+    let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": {"requestId": "d"}});
+    assert_eq!(ids.inbound(cancel.to_string().as_bytes()), Inbound::Ignore);
+    let token = calls.register(internal, &tokio_util::sync::CancellationToken::new());
+    assert!(
+        token.is_cancelled(),
+        "a cancel before the handler started still counts"
+    );
+    assert!(calls.silence(internal));
+    let err = format!("{{\"jsonrpc\":\"2.0\",\"id\":{internal},\"error\":{{\"code\":-32603,\"message\":\"x\"}}}}\n");
+    assert_eq!(ids.outbound(err.into_bytes()), None);
+    assert!(matches!(
+        ids.inbound(&req(json!("d"), "ping")),
         Inbound::Forward(_)
     ));
 }
