@@ -2,6 +2,7 @@
 //! socket (the layout of Codex's Linux sandbox tests).
 
 mod cancel;
+mod client_cli;
 mod containment;
 mod crash;
 mod daemon;
