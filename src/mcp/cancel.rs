@@ -83,7 +83,7 @@ impl Calls {
 
     /// How many calls are tracked (for tests).
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    pub fn tracked(&self) -> usize {
         self.lock().len()
     }
 }
@@ -101,7 +101,7 @@ mod tests {
         assert!(t.is_cancelled());
         assert!(calls.silence(3));
         assert!(calls.take_silent(3));
-        assert_eq!(calls.len(), 0);
+        assert_eq!(calls.tracked(), 0);
     }
 
     #[test]
@@ -122,7 +122,7 @@ mod tests {
         let _t = calls.register(5, &CancellationToken::new());
         calls.cancel(5);
         assert!(!calls.take_silent(5));
-        assert_eq!(calls.len(), 0);
+        assert_eq!(calls.tracked(), 0);
     }
 
     #[test]

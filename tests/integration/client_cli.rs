@@ -255,7 +255,7 @@ fn connect_names_what_is_wrong_with_the_socket_path() {
     // Permission: a socket of mode 0 refuses everyone but root.
     let locked = dir.path().join("locked.sock");
     let _listener = std::os::unix::net::UnixListener::bind(&locked).expect("bind");
-    std::fs::set_permissions(&locked, std::os::unix::fs::PermissionsExt::from_mode(0))
+    std::fs::set_permissions(&locked, std::os::unix::fs::PermissionsExt::from_mode(0o000))
         .expect("chmod");
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
