@@ -263,8 +263,10 @@ impl Executor {
             principal: Some(req.principal.clone()),
         };
         // Cancelled by the client's request or by the daemon's shutdown.
-        let cancel = self.shutdown.child_token();
-        let _link = link(&req.cancel, &cancel);
+        // The client's cancellation reaches `cancel` synchronously (a child token), so the
+        // point of no return in `run_write` sees every cancel that came before it.
+        let cancel = req.cancel.child_token();
+        let _link = link(&self.shutdown, &cancel);
 
         // 1. Authorize. Every local peer is allowed until grants exist.
         self.audit.record(
@@ -292,17 +294,26 @@ impl Executor {
                 .into()),
             },
         };
+        // A cancel the call did not act on (it came past the point of no return, or the
+        // call never waits on one): the result is sent, and the audit says so.
+        let too_late = cancel.is_cancelled();
         match outcome {
             Ok(reply) => {
-                self.audit.record(&call, "done", json!({"is_error": false}));
+                let mut detail = json!({"is_error": false});
+                if too_late {
+                    detail["cancel_too_late"] = json!(true);
+                }
+                self.audit.record(&call, "done", detail);
                 Reply::Result(reply)
             }
             Err(Stop::Fault(reply)) => {
-                self.audit.record(
-                    &call,
-                    "failed",
-                    reply.structured.clone().unwrap_or(Value::Null),
-                );
+                let mut detail = reply.structured.clone().unwrap_or(Value::Null);
+                if too_late {
+                    if let Some(o) = detail.as_object_mut() {
+                        o.insert("cancel_too_late".into(), json!(true));
+                    }
+                }
+                self.audit.record(&call, "failed", detail);
                 Reply::Result(reply)
             }
             Err(Stop::Cancelled) => {
@@ -559,6 +570,15 @@ impl Executor {
         if let Err(stop) = self.check_staging(policy, ext, &job) {
             discard(job).await;
             return Err(stop);
+        }
+
+        // The point of no return: publication starts. A cancel that came before it rolls
+        // the call back (nothing published, no response); one that comes after it is too
+        // late: the call completes and its result is sent (`cancel_too_late` in the audit).
+        // Nothing between this check and the publication awaits.
+        if cancel.is_cancelled() {
+            discard(job).await;
+            return Err(Stop::Cancelled);
         }
 
         // 7. Publish the outputs, then commit the state: the commit point.

@@ -30,6 +30,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
+use super::cancel::Calls;
 use crate::audit::truncate;
 
 /// The deepest nesting of arrays and objects a message may have.
@@ -280,10 +281,15 @@ pub fn recover_id(line: &[u8]) -> Value {
         .map_or(Value::Null, |id| echoable(&id))
 }
 
-/// A JSON-RPC error as one line.
+/// A JSON-RPC error as one line. An id that cannot be recovered (`null`) is left out, as
+/// the MCP schema has it (its error's `id` is a string or a number, or absent), never sent
+/// as `"id": null`.
 pub fn error_line(id: &Value, code: i64, message: &str) -> Vec<u8> {
     let message = truncate(message, MAX_ERROR_MESSAGE);
-    let v = json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}});
+    let mut v = json!({"jsonrpc": "2.0", "error": {"code": code, "message": message}});
+    if !id.is_null() {
+        v["id"] = id.clone();
+    }
     let mut line = v.to_string().into_bytes();
     line.push(b'\n');
     line
@@ -305,8 +311,12 @@ pub enum Inbound {
 /// The requests in flight on one connection, under the client's ids and the daemon's.
 pub struct Ids {
     by_client: HashMap<String, u64>,
-    /// The client's id and the request's size in bytes.
-    by_internal: HashMap<u64, (Value, usize)>,
+    /// The client's id, the request's size in bytes, and whether it is a `tools/call`.
+    by_internal: HashMap<u64, (Value, usize, bool)>,
+    /// The connection's cancellable calls, shared with the handler.
+    calls: Arc<Calls>,
+    /// An `initialize` was passed on.
+    initialized: bool,
     next: u64,
     max_in_flight: usize,
     /// The size of the requests in flight, and its bound.
@@ -327,7 +337,21 @@ impl Ids {
             bytes: 0,
             max_bytes,
             last_activity: Instant::now(),
+            calls: Arc::new(Calls::default()),
+            initialized: false,
         }
+    }
+
+    /// As if `initialize` had been passed on (unit tests of what follows the handshake).
+    #[cfg(test)]
+    pub fn after_handshake(mut self) -> Ids {
+        self.initialized = true;
+        self
+    }
+
+    /// The connection's cancellable calls, for the handler.
+    pub fn calls(&self) -> Arc<Calls> {
+        self.calls.clone()
     }
 
     /// Whether a request of `len` bytes would exceed the in-flight caps.
@@ -367,12 +391,27 @@ impl Ids {
             Err(e) => return reply(&recover_id(line), -32700, &format!("Parse error: {e}")),
         };
         let Some(obj) = v.as_object() else {
-            let msg = if v.is_array() {
-                "Invalid Request: batches are not supported; send one message per line"
-            } else {
-                "Invalid Request: a message must be a JSON object"
-            };
-            return reply(&Value::Null, -32600, msg);
+            if let Some(batch) = v.as_array() {
+                // Each request of the batch is refused under its own id, so that a client
+                // waiting on any of them hears why; a batch with none gets one error.
+                let msg = "Invalid Request: batches are not supported (MCP removed JSON-RPC batching); send one message per line";
+                let mut lines: Vec<u8> = batch
+                    .iter()
+                    .filter(|m| m.get("method").is_some())
+                    .filter_map(|m| m.get("id").map(echoable))
+                    .filter(|id| !id.is_null())
+                    .flat_map(|id| error_line(&id, -32600, msg))
+                    .collect();
+                if lines.is_empty() {
+                    lines = error_line(&Value::Null, -32600, msg);
+                }
+                return Inbound::Reply(lines);
+            }
+            return reply(
+                &Value::Null,
+                -32600,
+                "Invalid Request: a message must be a JSON object",
+            );
         };
         let id = obj.get("id").cloned();
         let echo = id.as_ref().map_or(Value::Null, echoable);
@@ -439,6 +478,23 @@ impl Ids {
             if let Err(msg) = bound_initialize(&mut v) {
                 return reply(&id, -32600, &msg);
             }
+            self.initialized = true;
+        } else if !self.initialized
+            && !matches!(method, "ping" | "server/discover")
+            && v["params"].get("_meta").is_none()
+        {
+            // rmcp would answer with a complaint about `_meta` keys a 2025-era client never
+            // sent; a request that carries no `_meta` is a client that skipped the handshake.
+            return reply(
+                &id,
+                -32600,
+                &format!("Invalid Request: {method:?} before initialize; send initialize first (then notifications/initialized)"),
+            );
+        }
+        if method == "tools/call" {
+            if let Err(msg) = check_call_params(&v["params"]) {
+                return reply(&id, -32602, &msg);
+            }
         }
         let internal = self.next;
         v["id"] = json!(internal);
@@ -449,19 +505,28 @@ impl Ids {
         self.next += 1;
         self.bytes += line.len();
         self.by_client.insert(key, internal);
-        self.by_internal.insert(internal, (id, line.len()));
+        self.by_internal
+            .insert(internal, (id, line.len(), method == "tools/call"));
         Inbound::Forward(line)
     }
 
     fn notification(&mut self, mut v: Value, method: &str) -> Inbound {
         if method == "notifications/cancelled" {
-            // The client's id becomes the daemon's; rmcp will send nothing for it, so the
-            // client may use the id again.
             let key = v["params"]["requestId"].to_string();
-            let Some(internal) = self.by_client.remove(&key) else {
+            let Some(&internal) = self.by_client.get(&key) else {
                 return Inbound::Ignore;
             };
-            if let Some((_, len)) = self.by_internal.remove(&internal) {
+            if self.by_internal.get(&internal).is_some_and(|e| e.2) {
+                // A tools/call: the executor decides (see `cancel`), and its reply, or its
+                // silence, frees the id. rmcp never hears of it: it would drop the result of
+                // a call that is already past its point of no return.
+                self.calls.cancel(internal);
+                return Inbound::Ignore;
+            }
+            // Any other request: rmcp sends nothing for it, so the client may use the id
+            // again.
+            self.by_client.remove(&key);
+            if let Some((_, len, _)) = self.by_internal.remove(&internal) {
                 self.bytes -= len;
             }
             v["params"]["requestId"] = json!(internal);
@@ -476,7 +541,8 @@ impl Ids {
     }
 
     /// Maps a line from rmcp back to the client's id; `None` for the reply to a request the
-    /// client cancelled (the client is not waiting for it).
+    /// client cancelled and that ended cancelled (a call past its point of no return is
+    /// answered: see `cancel`).
     pub fn outbound(&mut self, line: Vec<u8>) -> Option<Vec<u8>> {
         let top = scan_top(&line);
         let (Some(r), None, true) = (top.id, top.method, top.reply) else {
@@ -488,11 +554,15 @@ impl Ids {
         else {
             return Some(line);
         };
-        let (client, len) = self.by_internal.remove(&internal)?;
+        let (client, len, _) = self.by_internal.remove(&internal)?;
         self.bytes -= len;
         let client = client.to_string();
         self.by_client.remove(&client);
         self.last_activity = Instant::now();
+        if self.calls.take_silent(internal) {
+            // A call its client cancelled, rolled back: JSON-RPC answers it with nothing.
+            return None;
+        }
         let mut out = Vec::with_capacity(line.len() + client.len());
         out.extend_from_slice(&line[..r.start]);
         out.extend_from_slice(client.as_bytes());
@@ -508,6 +578,29 @@ fn checked(v: &Value) -> Result<Vec<u8>, serde_json::Error> {
     serde_json::from_slice::<rmcp::model::ClientJsonRpcMessage>(&line)?;
     line.push(b'\n');
     Ok(line)
+}
+
+/// `tools/call` params rmcp would take for some other method (and answer -32601): a
+/// `name` string and, if present, an `arguments` object.
+fn check_call_params(params: &Value) -> Result<(), String> {
+    let Some(p) = params.as_object() else {
+        return Err(
+            "Invalid params: tools/call needs params {\"name\": ..., \"arguments\": {...}}".into(),
+        );
+    };
+    match p.get("name") {
+        Some(Value::String(_)) => {}
+        Some(_) => return Err("Invalid params: tools/call \"name\" must be a string".into()),
+        None => {
+            return Err(
+                "Invalid params: tools/call needs a \"name\" (tools/list names the tools)".into(),
+            )
+        }
+    }
+    match p.get("arguments") {
+        None | Some(Value::Object(_)) => Ok(()),
+        Some(_) => Err("Invalid params: tools/call \"arguments\" must be an object".into()),
+    }
 }
 
 /// Truncates clientInfo's strings and bounds the params rmcp keeps for the connection.

@@ -12,6 +12,7 @@ use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{json, Value};
 
+use super::cancel::Calls;
 use crate::audit::Principal;
 use crate::exec::{CallRequest, Executor, Reply};
 
@@ -29,11 +30,13 @@ pub fn audit_read_budget(ring_bytes: usize, queue_bytes: usize) -> usize {
 pub struct Handler {
     exec: Arc<Executor>,
     peer: Principal,
+    /// The connection's calls a client may cancel (the framing's cancellations land here).
+    calls: Arc<Calls>,
 }
 
 impl Handler {
-    pub fn new(exec: Arc<Executor>, peer: Principal) -> Handler {
-        Handler { exec, peer }
+    pub fn new(exec: Arc<Executor>, peer: Principal, calls: Arc<Calls>) -> Handler {
+        Handler { exec, peer, calls }
     }
 }
 
@@ -89,11 +92,20 @@ impl ServerHandler for Handler {
     ) -> Result<CallToolResponse, McpError> {
         let mut principal = self.peer.clone();
         principal.client = cx.peer.peer_info().map(|i| i.client_info.name.clone());
+        // The framing gives every request a numeric id of the daemon's own.
+        let id = match &cx.id {
+            rmcp::model::NumberOrString::Number(n) => u64::try_from(*n).ok(),
+            rmcp::model::NumberOrString::String(_) => None,
+        };
+        let cancel = match id {
+            Some(id) => self.calls.register(id, &cx.ct),
+            None => cx.ct.clone(),
+        };
         let req = CallRequest {
             tool: request.name.to_string(),
             args: request.arguments.unwrap_or_default(),
             principal,
-            cancel: cx.ct.clone(),
+            cancel,
         };
         match self.exec.call(req).await {
             Reply::Result(r) => {
@@ -108,8 +120,12 @@ impl ServerHandler for Handler {
                 format!("unknown tool {name:?}; tools/list names the tools this daemon serves"),
                 None,
             )),
-            // rmcp sends nothing for a request the client cancelled; this only reaches a
-            // client when the daemon itself is shutting down.
+            // Cancelled by its client before the point of no return: the framing drops
+            // this reply (JSON-RPC answers a cancelled request with nothing).
+            Reply::Cancelled if id.is_some_and(|id| self.calls.silence(id)) => Err(
+                McpError::internal_error("call cancelled by the client", None),
+            ),
+            // Cancelled by the daemon's shutdown (or the client went away, and nobody reads).
             Reply::Cancelled => Err(McpError::internal_error(
                 "call cancelled: the daemon is shutting down or the client went away",
                 None,

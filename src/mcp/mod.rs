@@ -1,9 +1,11 @@
 //! MCP over a Unix socket: the listener, one rmcp service per connection, framing. Only this
 //! module knows JSON-RPC.
 
+mod cancel;
 mod framing;
 mod handler;
 
+pub use cancel::Calls;
 pub use handler::{Handler, AUDIT_URI};
 
 use std::collections::HashMap;
@@ -247,6 +249,7 @@ pub async fn serve_connection(
         d.max_requests_per_connection,
         d.max_message_bytes,
     )));
+    let calls = ids.lock().unwrap_or_else(|p| p.into_inner()).calls();
     let freed = Arc::new(tokio::sync::Notify::new());
     // `ct` ends the client's MCP session and cancels its calls; `kill` also drops its
     // output at once. The end of the client's input cancels `ct` only (as closing stdin
@@ -303,7 +306,7 @@ pub async fn serve_connection(
         }
     });
 
-    let handshake = Handler::new(exec, peer).serve_with_ct(rmcp_side, ct.clone());
+    let handshake = Handler::new(exec, peer, calls).serve_with_ct(rmcp_side, ct.clone());
     let service = tokio::select! {
         r = tokio::time::timeout(handshake_timeout, handshake) => match r {
             Ok(Ok(service)) => Some(service),

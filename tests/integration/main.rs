@@ -1,6 +1,8 @@
 //! All integration tests, in one binary that drives the real `airlock` program over a real
 //! socket (the layout of Codex's Linux sandbox tests).
 
+mod cancel;
+mod client_cli;
 mod containment;
 mod crash;
 mod daemon;

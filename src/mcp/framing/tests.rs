@@ -25,6 +25,12 @@ fn req(id: Value, method: &str) -> Vec<u8> {
         .into_bytes()
 }
 
+fn call_req(id: Value) -> Vec<u8> {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": "cat"}})
+        .to_string()
+        .into_bytes()
+}
+
 #[tokio::test]
 async fn frames() {
     let input: &[u8] =
@@ -55,7 +61,7 @@ async fn an_endless_line_is_held_only_up_to_its_prefix() {
 
 #[test]
 fn deep_nesting_is_refused_before_parsing_under_the_recovered_id() {
-    let mut ids = Ids::new(8, 1 << 30);
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
     let deep = "[".repeat(100_000);
     let r = reply_of(ids.inbound(deep.as_bytes()));
     assert_eq!(r["error"]["code"], -32600);
@@ -85,7 +91,7 @@ fn deep_nesting_is_refused_before_parsing_under_the_recovered_id() {
 
 #[test]
 fn invalid_utf8_and_broken_json_are_answered_under_their_id() {
-    let mut ids = Ids::new(8, 1 << 30);
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
     let mut line = br#"{"jsonrpc":"2.0","id":"abc","method":"ping","params":{"x":""#.to_vec();
     line.extend_from_slice(&[0xff, 0xfe]);
     line.extend_from_slice(br#""}}"#);
@@ -107,11 +113,11 @@ fn invalid_utf8_and_broken_json_are_answered_under_their_id() {
 
 #[test]
 fn messages_that_are_not_json_rpc_get_an_error() {
-    let mut ids = Ids::new(8, 1 << 30);
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
     for (line, id) in [
         (
             &br#"[{"jsonrpc":"2.0","id":1,"method":"ping"}]"#[..],
-            Value::Null,
+            json!(1),
         ),
         (br#""text""#, Value::Null),
         (br#"{"jsonrpc":"1.0","id":3,"method":"ping"}"#, json!(3)),
@@ -148,7 +154,7 @@ fn messages_that_are_not_json_rpc_get_an_error() {
 
 #[test]
 fn a_duplicate_in_flight_id_is_rejected_and_ids_map_back() {
-    let mut ids = Ids::new(8, 1 << 30);
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
     let first = forwarded(ids.inbound(&req(json!(1), "ping")));
     let internal = first["id"].as_u64().expect("a numeric internal id");
     let r = reply_of(ids.inbound(&req(json!(1), "ping")));
@@ -186,8 +192,9 @@ fn a_duplicate_in_flight_id_is_rejected_and_ids_map_back() {
 
 #[test]
 fn a_cancelled_request_frees_its_id_and_its_late_reply_is_dropped() {
-    let mut ids = Ids::new(8, 1 << 30);
-    let internal = forwarded(ids.inbound(&req(json!("x"), "tools/call")))["id"].clone();
+    // Not a tools/call: rmcp handles the cancellation and sends nothing.
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
+    let internal = forwarded(ids.inbound(&req(json!("x"), "resources/read")))["id"].clone();
     let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
         "params": {"requestId": "x", "reason": "test"}});
     let fwd = forwarded(ids.inbound(cancel.to_string().as_bytes()));
@@ -203,8 +210,56 @@ fn a_cancelled_request_frees_its_id_and_its_late_reply_is_dropped() {
 }
 
 #[test]
+fn a_cancelled_call_is_decided_by_the_executor_not_rmcp() {
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
+    let calls = ids.calls();
+    let internal = forwarded(ids.inbound(&call_req(json!("c"))))["id"]
+        .as_u64()
+        .expect("numeric id");
+    let token = calls.register(internal, &tokio_util::sync::CancellationToken::new());
+    let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": {"requestId": "c"}});
+    // rmcp never hears of it; the executor's token is cancelled.
+    assert_eq!(ids.inbound(cancel.to_string().as_bytes()), Inbound::Ignore);
+    assert!(token.is_cancelled());
+    // The id stays in flight until the call's reply (or silence) goes out.
+    let again = ids.inbound(&req(json!("c"), "ping"));
+    assert!(
+        matches!(&again, Inbound::Reply(l) if String::from_utf8_lossy(l).contains("already in flight")),
+        "{again:?}"
+    );
+    // Too late: the executor returned a result; it is sent under the client's id.
+    let result = format!("{{\"jsonrpc\":\"2.0\",\"id\":{internal},\"result\":{{}}}}\n");
+    let out = ids
+        .outbound(result.into_bytes())
+        .expect("a too-late result is sent");
+    let v: Value = serde_json::from_slice(&out).expect("json");
+    assert_eq!(v["id"], "c");
+
+    // Rolled back: the handler silenced it; its error is dropped and the id is free.
+    let internal = forwarded(ids.inbound(&call_req(json!("d"))))["id"]
+        .as_u64()
+        .expect("numeric id");
+    let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": {"requestId": "d"}});
+    assert_eq!(ids.inbound(cancel.to_string().as_bytes()), Inbound::Ignore);
+    let token = calls.register(internal, &tokio_util::sync::CancellationToken::new());
+    assert!(
+        token.is_cancelled(),
+        "a cancel before the handler started still counts"
+    );
+    assert!(calls.silence(internal));
+    let err = format!("{{\"jsonrpc\":\"2.0\",\"id\":{internal},\"error\":{{\"code\":-32603,\"message\":\"x\"}}}}\n");
+    assert_eq!(ids.outbound(err.into_bytes()), None);
+    assert!(matches!(
+        ids.inbound(&req(json!("d"), "ping")),
+        Inbound::Forward(_)
+    ));
+}
+
+#[test]
 fn requests_in_flight_are_capped() {
-    let mut ids = Ids::new(3, 1 << 30);
+    let mut ids = Ids::new(3, 1 << 30).after_handshake();
     for i in 0..3 {
         assert!(matches!(
             ids.inbound(&req(json!(i), "ping")),
@@ -222,7 +277,7 @@ fn requests_in_flight_are_capped() {
         .contains("max_requests_per_connection"));
     assert_eq!(ids.idle_for(), Duration::ZERO);
     // In bytes: a second request waits while the first holds the budget; alone, any size goes.
-    let mut ids = Ids::new(10, 100);
+    let mut ids = Ids::new(10, 100).after_handshake();
     assert!(!ids.full(1000));
     assert!(matches!(
         ids.inbound(&req(json!(1), "ping")),
@@ -234,7 +289,7 @@ fn requests_in_flight_are_capped() {
 
 #[test]
 fn client_info_is_truncated_before_rmcp_sees_it() {
-    let mut ids = Ids::new(8, 1 << 30);
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
     let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {},
         "clientInfo": {"name": "n".repeat(1 << 20), "version": "v".repeat(100_000), "title": "é".repeat(1000)}}});
@@ -250,7 +305,7 @@ fn client_info_is_truncated_before_rmcp_sees_it() {
         assert!(s.contains("…[truncated "), "{field}: {s}");
     }
     // Params too large to keep are refused.
-    let mut ids = Ids::new(8, 1 << 30);
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
     let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {"experimental": {"x": {"y": "z".repeat(100_000)}}},
         "clientInfo": {"name": "n", "version": "1"}}});
@@ -377,7 +432,7 @@ proptest! {
     #[test]
     fn random_bytes_never_panic_and_get_a_verdict(line in prop::collection::vec(any::<u8>(), 0..512)) {
         let line: Vec<u8> = line.into_iter().filter(|b| *b != b'\n').collect();
-        let mut ids = Ids::new(4, 1 << 30);
+        let mut ids = Ids::new(4, 1 << 30).after_handshake();
         let _ = scan_top(&line);
         let _ = recover_id(&line);
         match ids.inbound(&line) {
@@ -402,7 +457,7 @@ proptest! {
     fn random_json_requests_are_forwarded_or_answered_under_their_id(
         msgs in prop::collection::vec(prop_oneof![arb_request(), arb_json()], 1..16)
     ) {
-        let mut ids = Ids::new(64, 1 << 30);
+        let mut ids = Ids::new(64, 1 << 30).after_handshake();
         let mut seen = std::collections::HashSet::new();
         for v in msgs {
             let line = v.to_string().into_bytes();
@@ -450,7 +505,7 @@ async fn through_rmcp(lines: Vec<Vec<u8>>, expect: Vec<Value>) -> Vec<Value> {
     let (rmcp_side, ours) = tokio::io::duplex(256 * 1024);
     let (from_rmcp, to_rmcp) = tokio::io::split(ours);
     let (queue, rx, queued) = OutQueue::new(8 << 20);
-    let ids = Arc::new(Mutex::new(Ids::new(4, 1 << 30)));
+    let ids = Arc::new(Mutex::new(Ids::new(4, 1 << 30).after_handshake()));
     tokio::spawn(write_lines(
         sock_w,
         rx,
@@ -595,4 +650,69 @@ proptest! {
             prop_assert_eq!(n, 1, "id {} got {} replies: {:?}", id, n, got);
         }
     }
+}
+
+#[test]
+fn jsonrpc_errors_a_client_can_match() {
+    let mut ids = Ids::new(8, 1 << 30);
+    // Before initialize: a clear error under the request's id, not rmcp's `_meta` complaint.
+    let r = reply_of(ids.inbound(&req(json!(1), "tools/list")));
+    assert_eq!(r["id"], 1);
+    assert_eq!(r["error"]["code"], -32600);
+    let msg = r["error"]["message"].as_str().expect("message");
+    assert!(
+        msg.contains("before initialize") && !msg.contains("_meta"),
+        "{msg}"
+    );
+    assert!(matches!(
+        ids.inbound(&req(json!(2), "ping")),
+        Inbound::Forward(_)
+    ));
+    let init = json!({"jsonrpc": "2.0", "id": 3, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "0"}}});
+    assert!(matches!(
+        ids.inbound(init.to_string().as_bytes()),
+        Inbound::Forward(_)
+    ));
+    // tools/call without a name, with a non-string name, with non-object arguments: -32602.
+    for (n, params) in [
+        json!({"arguments": {}}),
+        json!({"name": 5}),
+        json!({"name": "cat", "arguments": [1]}),
+        json!({"name": "cat", "arguments": "x"}),
+        json!("cat"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let line =
+            json!({"jsonrpc": "2.0", "id": 10 + n, "method": "tools/call", "params": params});
+        let r = reply_of(ids.inbound(line.to_string().as_bytes()));
+        assert_eq!(r["id"], 10 + n, "{r}");
+        assert_eq!(r["error"]["code"], -32602, "{params}: {r}");
+    }
+    // A batch: each request refused under its own id; one with no request id: no id at all.
+    let Inbound::Reply(lines) = ids.inbound(
+        br#"[{"jsonrpc":"2.0","id":"a","method":"ping"},{"jsonrpc":"2.0","method":"notifications/x"},{"jsonrpc":"2.0","id":7,"method":"tools/list"}]"#,
+    ) else {
+        panic!("a batch is answered")
+    };
+    let replies: Vec<Value> = String::from_utf8(lines)
+        .expect("utf8")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    assert_eq!(replies.len(), 2, "{replies:?}");
+    assert_eq!(replies[0]["id"], "a");
+    assert_eq!(replies[1]["id"], 7);
+    assert!(replies.iter().all(|r| r["error"]["code"] == -32600));
+    let r = reply_of(ids.inbound(br#"[{"jsonrpc":"2.0","method":"notifications/x"}]"#));
+    assert!(
+        r.as_object().expect("object").get("id").is_none(),
+        "never \"id\": null: {r}"
+    );
+    // Nothing recoverable: the id is left out, never null.
+    let r = reply_of(ids.inbound(b"{not json"));
+    assert!(r.as_object().expect("object").get("id").is_none(), "{r}");
 }

@@ -1,0 +1,280 @@
+//! `airlock call` and `airlock connect` as a client's caller sees them: exit codes, one
+//! clear line on stderr, replies never lost at the end of stdin, cancellation on Ctrl-C.
+
+use std::io::{Read, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// Waits up to `within` for `child` to exit.
+fn exit_within(child: &mut Child, within: Duration) -> ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            return s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("still running {within:?} later");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn stderr_of(child: &mut Child) -> String {
+    let mut s = String::new();
+    child
+        .stderr
+        .take()
+        .expect("piped stderr")
+        .read_to_string(&mut s)
+        .expect("stderr");
+    s
+}
+
+fn sigint(child: &Child) {
+    // SAFETY: kill(2) on the pid of a child this test spawned and has not reaped.
+    let rc = unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert_eq!(rc, 0, "kill SIGINT");
+}
+
+fn airlock_call(d: &Daemon, extra: &[&str]) -> Child {
+    Command::new(BIN)
+        .arg("call")
+        .args(extra)
+        .arg("--socket")
+        .arg(&d.socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn airlock call")
+}
+
+async fn assert_rolled_back(d: &Daemon, c: &Client, sleeper: &str) {
+    wait_for_event(c, "slow_write", "cancelled").await;
+    wait_no_process(sleeper).await;
+    assert_eq!(d.read("o.txt"), None, "a cancelled call published");
+    assert_eq!(version(c, "k").await, 0);
+    wait_until("the job dir to go", || d.job_dirs().is_empty()).await;
+}
+
+#[tokio::test]
+async fn call_ctrl_c_cancels_over_the_wire_says_cancelled_and_exits_130() {
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "k").await;
+    let mut child = airlock_call(
+        &d,
+        &[
+            "slow_write",
+            "--session",
+            "k",
+            "--arg",
+            "seconds=30.21",
+            "--arg",
+            "out=o.txt",
+        ],
+    );
+    wait_for_process("sleep 30.21").await;
+    sigint(&child);
+    let status = exit_within(&mut child, Duration::from_secs(2));
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(130), "stderr: {err}");
+    assert!(err.contains("cancelled"), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "one line on stderr: {err}");
+    assert_rolled_back(&d, &c, "sleep 30.21").await;
+    // The daemon still serves.
+    assert_eq!(version(&c, "k").await, 0);
+}
+
+#[tokio::test]
+async fn call_timeout_cancels_says_cancelled_and_exits_124() {
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "k").await;
+    let mut child = airlock_call(
+        &d,
+        &[
+            "slow_write",
+            "--session",
+            "k",
+            "--arg",
+            "seconds=30.22",
+            "--arg",
+            "out=o.txt",
+            "--timeout",
+            "1",
+        ],
+    );
+    wait_for_process("sleep 30.22").await;
+    let status = exit_within(&mut child, Duration::from_secs(3));
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(124), "stderr: {err}");
+    assert!(
+        err.contains("cancelled") && err.contains("no result within 1s"),
+        "stderr: {err}"
+    );
+    assert_rolled_back(&d, &c, "sleep 30.22").await;
+}
+
+fn bridge(socket: &std::path::Path) -> Child {
+    Command::new(BIN)
+        .arg("connect")
+        .arg("--socket")
+        .arg(socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn airlock connect")
+}
+
+const INIT: &str = r#"{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"pipe","version":"0"}}}
+{"jsonrpc":"2.0","method":"notifications/initialized"}
+"#;
+
+#[tokio::test]
+async fn connect_with_piped_stdin_writes_every_reply_before_closing() {
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "k").await;
+    // Like `printf ... | airlock connect`: everything at once, then end of stdin, while a
+    // call is still running.
+    let mut input = INIT.to_string();
+    input.push_str(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"slow_write","arguments":{"session":"k","seconds":0.7,"out":"o.txt"}}}"#);
+    input.push('\n');
+    input.push_str(r#"{"jsonrpc":"2.0","id":"two","method":"tools/list"}"#);
+    input.push('\n');
+    input.push_str(r#"{"jsonrpc":"2.0","id":3,"method":"ping"}"#);
+    input.push('\n');
+    let mut child = bridge(&d.socket);
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input.as_bytes())
+        .expect("write");
+    // stdin is closed here (dropped).
+    let status = exit_within(&mut child, Duration::from_secs(10));
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_to_string(&mut out)
+        .expect("stdout");
+    let err = stderr_of(&mut child);
+    assert!(status.success(), "exit {status}; stderr: {err}");
+    assert_eq!(err, "", "nothing on stderr");
+    let replies: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    for id in [json!(0), json!(1), json!("two"), json!(3)] {
+        assert!(
+            replies
+                .iter()
+                .any(|r| r["id"] == id && r.get("method").is_none()),
+            "no reply to {id}: {out}"
+        );
+    }
+    let call = replies.iter().find(|r| r["id"] == 1).expect("call reply");
+    assert_eq!(call["result"]["isError"], false, "{call}");
+    assert_eq!(d.read("o.txt").as_deref(), Some("done\n"));
+    assert_eq!(version(&c, "k").await, 1);
+}
+
+#[tokio::test]
+async fn connect_exits_nonzero_with_one_line_when_the_daemon_dies_mid_call() {
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "k").await;
+    drop(c);
+    let mut child = bridge(&d.socket);
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(INIT.as_bytes()).expect("write");
+    stdin
+        .write_all(
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"slow_write","arguments":{"session":"k","seconds":30.23,"out":"o.txt"}}}
+"#,
+        )
+        .expect("write");
+    wait_for_process("sleep 30.23").await;
+    d.kill9();
+    // stdin stays open: the bridge must not wait for it.
+    let status = exit_within(&mut child, Duration::from_secs(2));
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(1), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(
+        err.contains("the daemon closed the connection with 1 request(s) unanswered"),
+        "{err}"
+    );
+    drop(stdin);
+}
+
+#[test]
+fn connect_names_what_is_wrong_with_the_socket_path() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run = |p: &std::path::Path| {
+        let out = Command::new(BIN)
+            .arg("connect")
+            .arg("--socket")
+            .arg(p)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = run(&dir.path().join("missing.sock"));
+    assert_eq!(code, Some(2));
+    assert!(err.contains("no such file"), "{err}");
+
+    let file = dir.path().join("file.sock");
+    std::fs::write(&file, "").expect("file");
+    let (code, err) = run(&file);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("not a socket"), "{err}");
+
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));
+    let (code, err) = run(&stale);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("nobody is listening"), "{err}");
+
+    // Permission: a socket of mode 0 refuses everyone but root.
+    let locked = dir.path().join("locked.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&locked).expect("bind");
+    std::fs::set_permissions(&locked, std::os::unix::fs::PermissionsExt::from_mode(0o000))
+        .expect("chmod");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        // Root passes any mode: drop to nobody for this one.
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(BIN)
+            .arg("connect")
+            .arg("--socket")
+            .arg(&locked)
+            .stdin(Stdio::null())
+            .output()
+            .expect("setpriv");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("permission denied"), "{err}");
+    } else {
+        let (code, err) = run(&locked);
+        assert_eq!(code, Some(2));
+        assert!(err.contains("permission denied"), "{err}");
+    }
+}
