@@ -213,3 +213,53 @@ async fn a_cancel_at_any_instant_rolls_back_silently_or_is_too_late_and_answered
     assert!(d.job_dirs().is_empty(), "job dirs left: {:?}", d.job_dirs());
     assert_eq!(version, session_version(&mut raw, 200_000));
 }
+
+/// JSON-RPC errors over the real socket carry what a client can match: a request before
+/// `initialize`, `tools/call` without `name` or with non-object `arguments`, and a batch are
+/// each answered under the request's own id, never `"id": null`; the connection keeps
+/// serving.
+#[tokio::test]
+async fn jsonrpc_errors_over_the_socket_carry_the_request_id() {
+    let mut d = Daemon::new();
+    d.start();
+    let mut raw = d.raw();
+    let error_of = |m: &Value| m["error"]["code"].as_i64();
+    // Before initialize.
+    raw.send(&json!({"jsonrpc": "2.0", "id": 7, "method": "tools/list"}));
+    let r = raw.response(7);
+    assert_eq!(error_of(&r), Some(-32600), "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("initialize"),
+        "{r}"
+    );
+    raw.initialize();
+    // tools/call without a name, and with arguments that are not an object.
+    raw.send(&json!({"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {}}));
+    let r = raw.response(8);
+    assert_eq!(error_of(&r), Some(-32602), "{r}");
+    raw.send(&json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+        "params": {"name": "session_list", "arguments": [1, 2]}}));
+    let r = raw.response(9);
+    assert_eq!(error_of(&r), Some(-32602), "{r}");
+    // A batch: one error per request in it, each under its own id.
+    raw.send(&json!([
+        {"jsonrpc": "2.0", "id": 10, "method": "ping"},
+        {"jsonrpc": "2.0", "id": 11, "method": "tools/list"}
+    ]));
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let m = raw.recv();
+        assert!(m["error"].is_object(), "{m}");
+        assert!(!m["id"].is_null(), "an error under id null: {m}");
+        ids.push(m["id"].as_i64().expect("numeric id"));
+    }
+    ids.sort();
+    assert_eq!(ids, vec![10, 11]);
+    // Still serving on the same connection.
+    raw.send(&json!({"jsonrpc": "2.0", "id": 12, "method": "ping"}));
+    let r = raw.response(12);
+    assert!(r["result"].is_object(), "{r}");
+}
