@@ -173,17 +173,21 @@ async fn inputs_covering_job_dirs_are_refused_while_another_call_stages_output()
             json!({"session": "a", "out": "a.txt",
                 "script": format!("printf {secret} > \"$1\" && exec sleep {blocker}")}),
         );
+        // The script's own text names the blocker, so the process shows before printf has
+        // run: wait for the staged secret itself.
+        let staged_secret = |d: &Daemon| -> Vec<PathBuf> {
+            d.job_dirs()
+                .iter()
+                .flat_map(|j| walk_files(&d.workspace.join(j)))
+                .filter(|p| std::fs::read_to_string(p).is_ok_and(|t| t == secret))
+                .collect()
+        };
         wait_for_process(&blocker).await;
-        let staged: Vec<PathBuf> = d
-            .job_dirs()
-            .iter()
-            .flat_map(|j| walk_files(&d.workspace.join(j)))
-            .filter(|p| std::fs::read_to_string(p).is_ok_and(|t| t == secret))
-            .collect();
-        assert!(
-            !staged.is_empty(),
-            "the blocked call has not staged its output (the test would prove nothing)"
-        );
+        wait_until(
+            "the blocked call to stage its output (the test would prove nothing)",
+            || !staged_secret(&d).is_empty(),
+        )
+        .await;
         // Job dirs aside: the running call's journal moves on its own.
         let outside_jobs = |d: &Daemon| {
             let mut s = snapshot(&d.workspace);
@@ -750,8 +754,10 @@ async fn outliving(profile: &str, nobody: bool, tool: &str, death: Death) {
     let mut raw = d.raw();
     raw.initialize();
     raw.call(1, tool, args);
-    wait_for_process(&marker).await;
-    wait_for_process(&leader).await;
+    // The shell's own command line names both: wait for the two sleeps themselves (the
+    // background one forked, the leader exec'd), or a kill could come before the fork.
+    wait_for_exact(&format!("sleep {marker}")).await;
+    wait_for_exact(&format!("sleep {leader}")).await;
     let ctx = format!("[{profile}, nobody={nobody}, {tool}, {death:?}]");
     match death {
         Death::Kill9 => {
@@ -1061,4 +1067,23 @@ async fn a_workspace_workers_cannot_reach_refuses_to_start() {
     .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("o.txt").as_deref(), Some("ok\n"));
+}
+
+/// Waits until a process whose whole command line is `cmd` (arguments joined by spaces)
+/// runs: unlike `wait_for_process`, a shell whose script merely mentions `cmd` does not count.
+async fn wait_for_exact(cmd: &str) {
+    let found = || {
+        std::fs::read_dir("/proc")
+            .expect("/proc")
+            .flatten()
+            .any(|e| {
+                std::fs::read(e.path().join("cmdline")).is_ok_and(|c| {
+                    String::from_utf8_lossy(&c)
+                        .trim_end_matches('\0')
+                        .replace('\0', " ")
+                        == cmd
+                })
+            })
+    };
+    wait_until(&format!("a process running exactly {cmd:?}"), found).await;
 }
