@@ -329,19 +329,23 @@ pub async fn audit(client: &Client) -> Vec<Value> {
 
 /// Pids of processes whose command line contains `needle`.
 pub fn processes_with(needle: &str) -> Vec<i32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if cmd.contains(needle) {
-                out.push(pid);
-            }
-        }
-    }
-    out
+    command_lines()
+        .filter(|(_, cmd)| cmd.contains(needle))
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// Every process's pid and command line, its arguments joined by spaces.
+fn command_lines() -> impl Iterator<Item = (i32, String)> {
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_string_lossy().parse::<i32>().ok()?;
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd);
+            Some((pid, cmd.trim_end_matches('\0').replace('\0', " ")))
+        })
 }
 
 /// Every file under `root` (but job dirs) with its content, for byte-for-byte comparisons.
@@ -469,6 +473,15 @@ pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 pub async fn wait_for_process(needle: &str) {
     wait_until(&format!("a process running {needle:?}"), || {
         !processes_with(needle).is_empty()
+    })
+    .await;
+}
+
+/// Waits until a process whose whole command line is `cmd` (arguments joined by spaces)
+/// runs: unlike `wait_for_process`, a shell whose script merely mentions `cmd` does not count.
+pub async fn wait_for_exact(cmd: &str) {
+    wait_until(&format!("a process running exactly {cmd:?}"), || {
+        command_lines().any(|(_, c)| c == cmd)
     })
     .await;
 }

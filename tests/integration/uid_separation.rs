@@ -1068,22 +1068,3 @@ async fn a_workspace_workers_cannot_reach_refuses_to_start() {
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("o.txt").as_deref(), Some("ok\n"));
 }
-
-/// Waits until a process whose whole command line is `cmd` (arguments joined by spaces)
-/// runs: unlike `wait_for_process`, a shell whose script merely mentions `cmd` does not count.
-async fn wait_for_exact(cmd: &str) {
-    let found = || {
-        std::fs::read_dir("/proc")
-            .expect("/proc")
-            .flatten()
-            .any(|e| {
-                std::fs::read(e.path().join("cmdline")).is_ok_and(|c| {
-                    String::from_utf8_lossy(&c)
-                        .trim_end_matches('\0')
-                        .replace('\0', " ")
-                        == cmd
-                })
-            })
-    };
-    wait_until(&format!("a process running exactly {cmd:?}"), found).await;
-}
