@@ -76,6 +76,7 @@ fn launch(argv: &[&str], staging: &Path) -> Launch {
         job_id: format!("smoke-{}", std::process::id()),
         identity: None,
         registry: None,
+        progress: None,
     }
 }
 

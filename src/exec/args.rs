@@ -538,6 +538,7 @@ mod tests {
             },
         );
         Tool {
+            title: None,
             name: "t".into(),
             description: String::new(),
             capability: Capability::Write,

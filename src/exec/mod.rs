@@ -3,6 +3,7 @@
 
 pub mod args;
 mod locks;
+pub mod progress;
 #[cfg(test)]
 mod proptests;
 pub mod response;
@@ -87,6 +88,8 @@ pub struct CallRequest {
     pub principal: Principal,
     /// Cancelled by `notifications/cancelled` or the client's disconnect.
     pub cancel: CancellationToken,
+    /// Where the call reports its phases and its worker's progress, if the client asked.
+    pub progress: Option<progress::Progress>,
 }
 
 /// The terminal result of a call.
@@ -267,6 +270,10 @@ impl Executor {
         // point of no return in `run_write` sees every cancel that came before it.
         let cancel = req.cancel.child_token();
         let _link = link(&self.shutdown, &cancel);
+        let progress = req.progress.as_ref();
+        if let Some(p) = progress {
+            p.phase(progress::Phase::Queued);
+        }
 
         // 1. Authorize. Every local peer is allowed until grants exist.
         self.audit.record(
@@ -279,12 +286,12 @@ impl Executor {
             Ok(values) => match (tool.builtin, &tool.exec, tool.capability) {
                 (Some(b), _, _) => self.builtin(&call, b, &req.args, &cancel).await,
                 (None, Some(ext), Capability::Read) => {
-                    self.run_read(&policy, &call, tool, ext, values, &cancel)
+                    self.run_read(&policy, &call, tool, ext, values, &cancel, progress)
                         .await
                 }
                 (None, Some(ext), Capability::Write) => {
                     let id = session.unwrap_or_default();
-                    self.run_write(&policy, &call, tool, ext, &id, values, &cancel)
+                    self.run_write(&policy, &call, tool, ext, &id, values, &cancel, progress)
                         .await
                 }
                 (None, None, _) => Err(ToolReply::fault(
@@ -430,6 +437,7 @@ impl Executor {
         Ok(out)
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn run_read(
         &self,
         policy: &Policy,
@@ -438,6 +446,7 @@ impl Executor {
         ext: &ExternalTool,
         values: Map<String, Value>,
         cancel: &CancellationToken,
+        progress: Option<&progress::Progress>,
     ) -> Result<ToolReply, Stop> {
         let paths = self.resolve_paths(tool, &values)?;
         let root = self.workspace.root().to_path_buf();
@@ -461,7 +470,7 @@ impl Executor {
             self.lease()?,
         )?;
         let outcome = self
-            .spawn_and_wait(call, launch, ext.timeout, cancel, None)
+            .spawn_and_wait(call, launch, ext.timeout, cancel, None, progress)
             .await?;
         let (reply, _state) = self.interpret(tool, &outcome)?;
         Ok(reply)
@@ -477,6 +486,7 @@ impl Executor {
         session: &str,
         values: Map<String, Value>,
         cancel: &CancellationToken,
+        progress: Option<&progress::Progress>,
     ) -> Result<ToolReply, Stop> {
         // Everything that can be rejected without touching anything is rejected first.
         let paths = self.resolve_paths(tool, &values)?;
@@ -555,7 +565,7 @@ impl Executor {
                 identity,
             )?;
             let outcome = self
-                .spawn_and_wait(call, launch, ext.timeout, cancel, Some(&mut job))
+                .spawn_and_wait(call, launch, ext.timeout, cancel, Some(&mut job), progress)
                 .await?;
             self.interpret(tool, &outcome)
         }
@@ -579,6 +589,9 @@ impl Executor {
         if cancel.is_cancelled() {
             discard(job).await;
             return Err(Stop::Cancelled);
+        }
+        if let Some(p) = progress {
+            p.phase(progress::Phase::Publishing);
         }
 
         // 7. Publish the outputs, then commit the state: the commit point.
@@ -689,6 +702,7 @@ impl Executor {
             job_id: job_id.to_string(),
             identity,
             registry: Some(self.registry.clone()),
+            progress: None,
         })
     }
 
@@ -699,10 +713,18 @@ impl Executor {
         timeout: std::time::Duration,
         cancel: &CancellationToken,
         job: Option<&mut Job>,
+        progress: Option<&progress::Progress>,
     ) -> Result<Outcome, Stop> {
+        let launch = Launch {
+            progress: progress.map(progress::Progress::worker),
+            ..launch
+        };
         let worker = Worker::spawn(launch)
             .await
             .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
+        if let Some(p) = progress {
+            p.phase(progress::Phase::Running);
+        }
         if let Some(job) = job {
             if let Err(e) = job.record_worker(worker.pid()) {
                 tracing::warn!(call = %call.call, "cannot journal the worker pid: {e}");

@@ -14,7 +14,63 @@ use serde_json::{json, Value};
 
 use super::cancel::Calls;
 use crate::audit::Principal;
+use crate::exec::progress::{self, ProgressFeed};
 use crate::exec::{CallRequest, Executor, Reply};
+
+/// The least time between two notifications that carry a worker's report; what the worker
+/// reports meanwhile is coalesced to its latest. Phases are never delayed.
+const WORKER_PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Sends a call's progress as `notifications/progress` under the client's token until the
+/// call ends. `progress` counts the notifications (1, 2, 3...: it increases at each one, as
+/// the spec requires, whatever the worker reports); `message` says what happens:
+/// `queued`, `running`, `running: <worker's progress>[/<total>] [<message>]`, `publishing`.
+async fn forward_progress(
+    peer: rmcp::Peer<RoleServer>,
+    token: rmcp::model::ProgressToken,
+    mut feed: ProgressFeed,
+) {
+    let (mut phases_open, mut worker_open) = (true, true);
+    let mut step = 0u32;
+    while phases_open || worker_open {
+        let (message, from_worker) = tokio::select! {
+            biased;
+            p = feed.phases.recv(), if phases_open => match p {
+                Some(p) => {
+                    // The worker is done once publication starts: no stale report after it.
+                    if p == progress::Phase::Publishing {
+                        worker_open = false;
+                    }
+                    (p.as_str().to_string(), false)
+                }
+                None => {
+                    phases_open = false;
+                    continue;
+                }
+            },
+            r = feed.worker.changed(), if worker_open => {
+                if r.is_err() {
+                    worker_open = false;
+                    continue;
+                }
+                let latest = feed.worker.borrow_and_update().clone();
+                match latest {
+                    Some(w) => (format!("running: {w}"), true),
+                    None => continue,
+                }
+            }
+        };
+        step += 1;
+        let n = rmcp::model::ProgressNotificationParam::new(token.clone(), f64::from(step))
+            .with_message(message);
+        if peer.notify_progress(n).await.is_err() {
+            return;
+        }
+        if from_worker {
+            tokio::time::sleep(WORKER_PROGRESS_INTERVAL).await;
+        }
+    }
+}
 
 /// The one resource: every call's lifecycle events.
 pub const AUDIT_URI: &str = "airlock://audit/events";
@@ -45,6 +101,23 @@ fn wire<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, McpError> {
         .map_err(|e| McpError::internal_error(format!("cannot build a response: {e}"), None))
 }
 
+/// The result's content blocks, ending with a text block that holds the serialized
+/// structured result (the MCP spec's SHOULD, for clients that read only `content`), unless
+/// a text block already holds exactly that.
+pub fn with_structured_text(mut content: Vec<Value>, structured: Option<&Value>) -> Vec<Value> {
+    let Some(s) = structured else {
+        return content;
+    };
+    let text = s.to_string();
+    let present = content
+        .iter()
+        .any(|b| b["type"] == "text" && b["text"].as_str() == Some(text.as_str()));
+    if !present {
+        content.push(json!({"type": "text", "text": text}));
+    }
+    content
+}
+
 impl ServerHandler for Handler {
     fn get_info(&self) -> ServerConfig {
         let caps = ServerCapabilities::builder()
@@ -69,7 +142,7 @@ impl ServerHandler for Handler {
             .tools
             .values()
             .map(|t| {
-                json!({
+                let mut v = json!({
                     "name": t.name,
                     "description": t.description,
                     "inputSchema": t.input_schema(),
@@ -79,7 +152,15 @@ impl ServerHandler for Handler {
                         "idempotentHint": t.annotations.idempotent,
                         "openWorldHint": false,
                     },
-                })
+                });
+                if let Some(title) = &t.title {
+                    v["title"] = json!(title);
+                    v["annotations"]["title"] = json!(title);
+                }
+                if let Some(schema) = t.output_schema() {
+                    v["outputSchema"] = Value::Object(schema);
+                }
+                v
             })
             .collect();
         wire(json!({ "tools": tools }))
@@ -101,16 +182,38 @@ impl ServerHandler for Handler {
             Some(id) => self.calls.register(id, &cx.ct),
             None => cx.ct.clone(),
         };
+        // Progress only for a client that asked for it, under its token.
+        let (progress, forwarder) = match cx.meta.get_progress_token() {
+            Some(token) => {
+                let (tx, feed) = progress::channel();
+                (
+                    Some(tx),
+                    Some(forward_progress(cx.peer.clone(), token, feed)),
+                )
+            }
+            None => (None, None),
+        };
         let req = CallRequest {
             tool: request.name.to_string(),
             args: request.arguments.unwrap_or_default(),
             principal,
             cancel,
+            progress,
         };
-        match self.exec.call(req).await {
+        // The call drops its end of the progress channels when it ends; the forwarder then
+        // sends what is left and ends, so every notification goes out before the result.
+        let forwarding = async {
+            if let Some(f) = forwarder {
+                f.await;
+            }
+        };
+        let (reply, ()) = tokio::join!(self.exec.call(req), forwarding);
+        match reply {
             Reply::Result(r) => {
-                let mut v = json!({ "content": r.content, "isError": r.is_error });
-                if let Some(s) = r.structured.filter(|s| !s.is_null()) {
+                let structured = r.structured.filter(|s| !s.is_null());
+                let content = with_structured_text(r.content, structured.as_ref());
+                let mut v = json!({ "content": content, "isError": r.is_error });
+                if let Some(s) = structured {
                     v["structuredContent"] = s;
                 }
                 let result: CallToolResult = wire(v)?;

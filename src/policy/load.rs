@@ -686,6 +686,7 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
 #[serde(deny_unknown_fields)]
 struct RawTool {
     name: Spanned<String>,
+    title: Option<Spanned<String>>,
     description: Option<String>,
     capability: Capability,
     command: Spanned<Vec<Spanned<String>>>,
@@ -715,6 +716,9 @@ struct RawAnnotations {
     destructive: Option<bool>,
     idempotent: Option<bool>,
 }
+
+/// The longest `title` a tool may declare.
+pub const MAX_TITLE_CHARS: usize = 100;
 
 /// The longest timeout a tool may declare.
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
@@ -846,6 +850,27 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
             }
         },
     };
+    // A title is one short line for a UI: no control characters, at most 100 characters.
+    let title = match &raw.title {
+        None => None,
+        Some(t) => {
+            let v = t.get_ref();
+            if v.trim().is_empty()
+                || v.chars().count() > MAX_TITLE_CHARS
+                || v.chars().any(char::is_control)
+            {
+                cx.at(
+                    path,
+                    &text,
+                    t.span(),
+                    format!(
+                        "title must be one non-empty line of at most {MAX_TITLE_CHARS} characters"
+                    ),
+                );
+            }
+            Some(v.clone())
+        }
+    };
     let profile = match &raw.profile {
         None => "default".to_string(),
         Some(p) => p.get_ref().clone(),
@@ -873,6 +898,7 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
     };
     let tool = Tool {
         name,
+        title,
         description: raw.description.unwrap_or_default(),
         capability: raw.capability,
         exec: Some(ExternalTool {

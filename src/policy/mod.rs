@@ -29,10 +29,16 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         path: None,
         mode: None,
     };
-    let mk = |name: &str, description: &str, builtin, capability, params: Vec<(&str, Param)>| {
+    let mk = |name: &str,
+              title: &str,
+              description: &str,
+              builtin,
+              capability,
+              params: Vec<(&str, Param)>| {
         let read = capability == Capability::Read;
         Tool {
             name: name.to_string(),
+            title: Some(title.to_string()),
             description: description.to_string(),
             capability,
             exec: None,
@@ -52,6 +58,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
     let tools = [
         mk(
             "session_create",
+            "Create session",
             "Create a session: a JSON state object with a version that increments at each commit",
             Builtin::SessionCreate,
             Capability::Write,
@@ -68,6 +75,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         ),
         mk(
             "session_destroy",
+            "Destroy session",
             "Destroy a session; calls queued behind it fail with SessionDestroyed",
             Builtin::SessionDestroy,
             Capability::Write,
@@ -75,6 +83,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         ),
         mk(
             "session_get",
+            "Get session",
             "Read a session's state and version",
             Builtin::SessionGet,
             Capability::Read,
@@ -82,6 +91,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         ),
         mk(
             "session_list",
+            "List sessions",
             "List the sessions with their versions",
             Builtin::SessionList,
             Capability::Read,
@@ -136,6 +146,53 @@ impl Tool {
         schema.insert("required".into(), Value::Array(required));
         schema.insert("additionalProperties".into(), false.into());
         schema
+    }
+
+    /// The JSON Schema of the `structuredContent` of the tool's successful results, where
+    /// the daemon knows it: the built-ins' and every external write tool's (the daemon builds
+    /// those results itself). External read tools return only content blocks: `None`.
+    pub fn output_schema(&self) -> Option<serde_json::Map<String, serde_json::Value>> {
+        use serde_json::json;
+        let object = |props: serde_json::Value, required: &[&str]| json!({"type": "object", "properties": props, "required": required});
+        let snapshot = object(
+            json!({
+                "id": {"type": "string", "description": "Session id"},
+                "version": {"type": "integer", "minimum": 0, "description": "Incremented at each commit"},
+                "state": {"type": "object", "description": "The session's JSON state"},
+            }),
+            &["id", "version", "state"],
+        );
+        let schema = match (self.builtin, self.capability) {
+            (Some(Builtin::SessionCreate | Builtin::SessionGet), _) => snapshot,
+            (Some(Builtin::SessionDestroy), _) => object(
+                json!({"id": {"type": "string"}, "destroyed": {"type": "boolean", "const": true}}),
+                &["id", "destroyed"],
+            ),
+            (Some(Builtin::SessionList), _) => object(
+                json!({"sessions": {"type": "array", "items": object(
+                    json!({"id": {"type": "string"}, "version": {"type": "integer", "minimum": 0}}),
+                    &["id", "version"],
+                )}}),
+                &["sessions"],
+            ),
+            (None, Capability::Write) => object(
+                json!({
+                    "session": {"type": "string", "description": "The session the call committed to"},
+                    "version": {"type": "integer", "minimum": 0, "description": "The session's version after the commit"},
+                    "outputs": {
+                        "type": "array",
+                        "description": "Each output parameter and the workspace path it was published to",
+                        "items": object(
+                            json!({"param": {"type": "string"}, "path": {"type": "string"}}),
+                            &["param", "path"],
+                        ),
+                    },
+                }),
+                &["session", "version", "outputs"],
+            ),
+            (None, Capability::Read) => return None,
+        };
+        schema.as_object().cloned()
     }
 
     /// Parameters whose value is an output path, in name order.

@@ -256,6 +256,8 @@ pub enum Builtin {
 #[derive(Debug, Clone)]
 pub struct Tool {
     pub name: String,
+    /// A short human-readable name for `tools/list` (`title` in the tool file).
+    pub title: Option<String>,
     pub description: String,
     pub capability: Capability,
     /// `None` for built-in tools.

@@ -136,6 +136,10 @@ impl Plan {
             vars.retain(|(n, _)| n != OsStr::new(name));
             vars.push((OsString::from(name), OsString::from(value)));
         }
+        if let Some(fd) = spec.progress_fd {
+            vars.retain(|(n, _)| n != OsStr::new(super::PROGRESS_FD_ENV));
+            vars.push((super::PROGRESS_FD_ENV.into(), fd.to_string().into()));
+        }
         let mut env = Vec::with_capacity(vars.len());
         for (name, value) in vars {
             if name.is_empty() || name.as_bytes().contains(&b'=') {
@@ -223,13 +227,22 @@ impl Plan {
         sys::default_sigpipe().map_err(|e| Failure::io("signals", "SIGPIPE", e))?;
         sys::unblock_all_signals().map_err(|e| Failure::io("signals", "sigprocmask", e))?;
 
-        // 5. Close every inherited descriptor but stdio and the channel, before anything else
-        //    is opened, so that nothing of the daemon's leaks into the tool.
-        let fd = self.channel_fd as u32;
-        if fd > 3 {
-            sys::close_range(3, fd - 1).map_err(|e| Failure::io("close_fds", "close_range", e))?;
+        // 5. Close every inherited descriptor but stdio, the channel and the progress pipe
+        //    (when the caller asked for progress: the tool's one extra descriptor, named by
+        //    `$AIRLOCK_PROGRESS_FD`), before anything else is opened, so that nothing else
+        //    of the daemon's leaks into the tool.
+        let mut keep = vec![self.channel_fd as u32];
+        keep.extend(self.spec.progress_fd.map(|fd| fd as u32));
+        keep.sort_unstable();
+        let mut first = 3u32;
+        for fd in keep.into_iter().filter(|fd| *fd >= 3) {
+            if fd > first {
+                sys::close_range(first, fd - 1)
+                    .map_err(|e| Failure::io("close_fds", "close_range", e))?;
+            }
+            first = first.max(fd + 1);
         }
-        sys::close_range(fd + 1, u32::MAX)
+        sys::close_range(first, u32::MAX)
             .map_err(|e| Failure::io("close_fds", "close_range", e))?;
 
         // 6. Resource limits, while /proc is still readable (RLIMIT_NPROC needs a count of

@@ -26,12 +26,13 @@ mod landlock;
 mod launcher;
 mod leftovers;
 mod process;
+mod progress;
 mod seccomp;
 mod sys;
 mod syscall_table;
 mod wire;
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -48,6 +49,7 @@ pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
 pub use launcher::launcher_main;
 pub use leftovers::{sweep_cgroups, Registry};
 pub use process::{in_live_worker_group, CgroupError};
+pub use progress::{ProgressSender, WorkerProgress, PROGRESS_FD_ENV};
 pub use seccomp::SeccompError;
 
 /// `argv[1]` that makes `main` run [`launcher_main`] instead of the CLI.
@@ -80,6 +82,9 @@ pub struct Launch {
     /// Where the live worker is recorded, so that a restart can kill what a dead daemon's
     /// workers left.
     pub registry: Option<Registry>,
+    /// Where the worker's progress reports go; `Some` gives the worker a pipe to write them
+    /// to, named by `$AIRLOCK_PROGRESS_FD` ([`progress`] has the protocol and its bounds).
+    pub progress: Option<ProgressSender>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -170,6 +175,8 @@ struct Live {
     output_cap: usize,
     grace: Duration,
     cgroup: Option<PathBuf>,
+    /// The progress pipe's read end and where its reports go.
+    progress: Option<(pipe::Receiver, ProgressSender)>,
     enforcement: Enforcement,
     /// Released (dropped) only once the group is confirmed gone.
     held: Held,
@@ -223,6 +230,7 @@ impl Worker {
             job_id,
             identity,
             registry,
+            progress,
         } = launch;
         match argv.first() {
             None => return Err(SandboxError::Invalid("empty argv".into())),
@@ -263,6 +271,7 @@ impl Worker {
                 readable,
             },
             seccomp: seccomp.iter().map(seccomp::encode).collect(),
+            progress_fd: None,
         };
         // Serialize before creating anything that would need cleaning up.
         let probe = serde_json::to_vec(&spec)
@@ -289,6 +298,7 @@ impl Worker {
             cgroup.clone(),
             cgroup_limits,
             (identity, registry),
+            progress,
         )
         .await;
         if started.is_err() {
@@ -307,16 +317,30 @@ impl Worker {
         cgroup: Option<PathBuf>,
         cgroup_limits: Vec<String>,
         (lease, registry): (Option<Lease>, Option<Registry>),
+        progress: Option<ProgressSender>,
     ) -> Result<Worker, SandboxError> {
+        let exe = launcher_exe();
+        let spawn_error = |source| SandboxError::Spawn {
+            exe: exe.clone(),
+            source,
+        };
+        // The progress pipe, close-on-exec until the spawner hands its write end on.
+        let (progress_rx, progress_fd) = match &progress {
+            Some(_) => {
+                let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                    .map_err(|e| spawn_error(e.into()))?;
+                (Some(r), Some(w))
+            }
+            None => (None, None),
+        };
+        let spec = wire::Spec {
+            progress_fd: progress_fd.as_ref().map(|w| w.as_raw_fd()),
+            ..spec
+        };
         let bytes = serde_json::to_vec(&spec)
             .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
-        let exe = launcher_exe();
-        let (ours, theirs) =
-            std::os::unix::net::UnixStream::pair().map_err(|source| SandboxError::Spawn {
-                exe: exe.clone(),
-                source,
-            })?;
-        let spawned = process::spawn_launcher(exe.clone(), OwnedFd::from(theirs))
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
+        let spawned = process::spawn_launcher(exe.clone(), OwnedFd::from(theirs), progress_fd)
             .await
             .map_err(|source| SandboxError::Spawn {
                 exe: exe.clone(),
@@ -367,6 +391,13 @@ impl Worker {
                 output_cap,
                 grace,
                 cgroup,
+                progress: match (progress_rx, progress) {
+                    (Some(r), Some(tx)) => Some((
+                        pipe::Receiver::from_owned_fd(r).map_err(io("watch the progress pipe"))?,
+                        tx,
+                    )),
+                    _ => None,
+                },
                 enforcement: Enforcement {
                     landlock: String::new(),
                     landlock_abi: 0,
@@ -474,6 +505,7 @@ impl Worker {
             output_cap,
             grace,
             cgroup,
+            progress,
             enforcement,
             held,
         } = live;
@@ -486,8 +518,16 @@ impl Worker {
             let read_out = capture(&mut stdout, output_cap, &mut out);
             let read_err = capture(&mut stderr, output_cap, &mut err);
             let control = control(pgid, &pidfd, timeout, cancel, grace, cgroup.as_deref());
-            tokio::pin!(feed, read_out, read_err, control);
+            // Read while the worker runs, never waited for: dropped with this block.
+            let reports = async {
+                match progress {
+                    Some((rx, tx)) => progress::pump(rx, tx).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(feed, read_out, read_err, control, reports);
             let (mut fed, mut out_done, mut err_done) = (false, false, false);
+            let mut reports_done = false;
             let mut end = None;
             let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
             let mut drain_until = far;
@@ -500,6 +540,7 @@ impl Worker {
                     _ = &mut read_out, if !out_done => out_done = true,
                     _ = &mut read_err, if !err_done => err_done = true,
                     _ = &mut feed, if !fed => fed = true,
+                    _ = &mut reports, if !reports_done => reports_done = true,
                     _ = tokio::time::sleep_until(drain_until), if end.is_some() => {
                         tracing::warn!(pid, "worker output still open after its group is gone; output may be cut");
                         break;

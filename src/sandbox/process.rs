@@ -48,6 +48,8 @@ pub(crate) struct Spawned {
 struct SpawnRequest {
     exe: PathBuf,
     channel: OwnedFd,
+    /// A further descriptor the launcher inherits at its number (the progress pipe).
+    extra: Option<OwnedFd>,
     reply: tokio::sync::oneshot::Sender<io::Result<Spawned>>,
 }
 
@@ -65,7 +67,7 @@ fn spawner() -> io::Result<mpsc::Sender<SpawnRequest>> {
         .name("airlock-spawner".into())
         .spawn(move || {
             for req in rx {
-                let result = spawn_now(&req.exe, req.channel);
+                let result = spawn_now(&req.exe, req.channel, req.extra);
                 if let Err(Ok(orphan)) = req.reply.send(result) {
                     // The caller went away: the launcher must not outlive the request.
                     abandon(orphan);
@@ -77,12 +79,17 @@ fn spawner() -> io::Result<mpsc::Sender<SpawnRequest>> {
 }
 
 /// Starts `exe` in launcher mode with `channel` as its inherited channel descriptor.
-pub(crate) async fn spawn_launcher(exe: PathBuf, channel: OwnedFd) -> io::Result<Spawned> {
+pub(crate) async fn spawn_launcher(
+    exe: PathBuf,
+    channel: OwnedFd,
+    extra: Option<OwnedFd>,
+) -> io::Result<Spawned> {
     let (reply, answer) = tokio::sync::oneshot::channel();
     spawner()?
         .send(SpawnRequest {
             exe,
             channel,
+            extra,
             reply,
         })
         .map_err(|_| io::Error::other("the spawner thread is gone"))?;
@@ -91,11 +98,14 @@ pub(crate) async fn spawn_launcher(exe: PathBuf, channel: OwnedFd) -> io::Result
         .map_err(|_| io::Error::other("the spawner thread dropped the request"))?
 }
 
-fn spawn_now(exe: &Path, channel: OwnedFd) -> io::Result<Spawned> {
+fn spawn_now(exe: &Path, channel: OwnedFd, extra: Option<OwnedFd>) -> io::Result<Spawned> {
     let mut leaders = leaders();
-    // The channel becomes inheritable only now, under the spawn lock, on the only thread of
-    // ours that forks; our copy is closed right after the fork.
+    // The channel (and the extra descriptor) become inheritable only now, under the spawn
+    // lock, on the only thread of ours that forks; our copies are closed right after the fork.
     rustix::io::fcntl_setfd(&channel, rustix::io::FdFlags::empty())?;
+    if let Some(fd) = &extra {
+        rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?;
+    }
     let spawned = Command::new(exe)
         .arg(LAUNCHER_ARG)
         .arg(channel.as_raw_fd().to_string())
@@ -105,6 +115,7 @@ fn spawn_now(exe: &Path, channel: OwnedFd) -> io::Result<Spawned> {
         .stderr(Stdio::piped())
         .spawn();
     drop(channel);
+    drop(extra);
     let mut child = spawned?;
     let pid = child.id() as i32;
     let (Some(stdin), Some(stdout), Some(stderr)) =

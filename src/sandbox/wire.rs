@@ -35,6 +35,10 @@ pub(crate) struct Spec {
     pub landlock: LandlockSpec,
     /// Classic BPF programs `(code, jt, jf, k)`, in installation order.
     pub seccomp: Vec<Vec<(u16, u8, u8, u32)>>,
+    /// The inherited write end of the progress pipe, kept open for the tool and named in
+    /// its environment (`AIRLOCK_PROGRESS_FD`); `None`: the caller wants no progress.
+    #[serde(default)]
+    pub progress_fd: Option<i32>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]

@@ -282,12 +282,16 @@ pub fn is_error(r: &Value) -> bool {
     r["isError"].as_bool().unwrap_or(false)
 }
 
+/// The text of a result's content blocks, without the block that repeats the serialized
+/// `structuredContent` (the tool's own words only).
 pub fn text(r: &Value) -> String {
+    let structured = r.get("structuredContent").map(Value::to_string);
     r["content"]
         .as_array()
         .map(|a| {
             a.iter()
                 .filter_map(|c| c["text"].as_str())
+                .filter(|t| Some(*t) != structured.as_deref())
                 .collect::<Vec<_>>()
                 .join("\n")
         })
