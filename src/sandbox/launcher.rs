@@ -92,6 +92,8 @@ struct Plan {
     env: Vec<CString>,
     seccomp: Vec<seccompiler::BpfProgram>,
     channel_fd: RawFd,
+    /// Where the tool finds the progress pipe (3, or 4 if the channel is 3).
+    progress_fd: Option<RawFd>,
 }
 
 impl Plan {
@@ -136,7 +138,10 @@ impl Plan {
             vars.retain(|(n, _)| n != OsStr::new(name));
             vars.push((OsString::from(name), OsString::from(value)));
         }
-        if let Some(fd) = spec.progress_fd {
+        let progress_fd = spec
+            .progress_fd
+            .map(|_| if channel.as_raw_fd() == 3 { 4 } else { 3 });
+        if let Some(fd) = progress_fd {
             vars.retain(|(n, _)| n != OsStr::new(super::PROGRESS_FD_ENV));
             vars.push((super::PROGRESS_FD_ENV.into(), fd.to_string().into()));
         }
@@ -174,6 +179,7 @@ impl Plan {
             env,
             seccomp,
             channel_fd: channel.as_raw_fd(),
+            progress_fd,
         })
     }
 
@@ -231,8 +237,25 @@ impl Plan {
         //    (when the caller asked for progress: the tool's one extra descriptor, named by
         //    `$AIRLOCK_PROGRESS_FD`), before anything else is opened, so that nothing else
         //    of the daemon's leaks into the tool.
+        //    The progress pipe moves to the lowest number past stdio the channel does not
+        //    hold (3, or 4), so that any shell can name it (dash takes one digit only).
         let mut keep = vec![self.channel_fd as u32];
-        keep.extend(self.spec.progress_fd.map(|fd| fd as u32));
+        if let (Some(from), Some(to)) = (self.spec.progress_fd, self.progress_fd) {
+            if from != to {
+                // SAFETY: dup2 takes two integers and touches no memory of ours; `to` is
+                // not the channel, and whatever it held is closed like every other
+                // inherited descriptor; nothing in this process owns it.
+                let rc = unsafe { libc::dup2(from, to) };
+                if rc < 0 {
+                    return Err(Failure::io(
+                        "close_fds",
+                        "dup2 of the progress pipe",
+                        std::io::Error::last_os_error(),
+                    ));
+                }
+            }
+            keep.push(to as u32);
+        }
         keep.sort_unstable();
         let mut first = 3u32;
         for fd in keep.into_iter().filter(|fd| *fd >= 3) {
