@@ -8,5 +8,5 @@ fn main() {
     {
         airlock::sandbox::launcher_main();
     }
-    std::process::exit(airlock::cli::main());
+    std::process::exit(airlock::cli::main().code());
 }

@@ -297,8 +297,7 @@ impl Worker {
             limits.grace,
             cgroup.clone(),
             cgroup_limits,
-            (identity, registry),
-            progress,
+            (identity, registry, progress),
         )
         .await;
         if started.is_err() {
@@ -316,8 +315,7 @@ impl Worker {
         grace: Duration,
         cgroup: Option<PathBuf>,
         cgroup_limits: Vec<String>,
-        (lease, registry): (Option<Lease>, Option<Registry>),
-        progress: Option<ProgressSender>,
+        (lease, registry, progress): (Option<Lease>, Option<Registry>, Option<ProgressSender>),
     ) -> Result<Worker, SandboxError> {
         let exe = launcher_exe();
         let spawn_error = |source| SandboxError::Spawn {

@@ -1,0 +1,104 @@
+//! The command line: `serve`, `recover` (the daemon's side, [`serve`]), `connect`, `call`
+//! (the client's side, [`client`]), `policy check|explain` ([`policy`]). Exit codes are
+//! one enum, [`Exit`].
+
+mod args;
+mod client;
+mod exit;
+mod policy;
+mod serve;
+
+use std::path::Path;
+use std::time::Duration;
+
+use clap::Parser;
+
+use args::{Cli, Command, LogFormat, PolicyCommand};
+pub use exit::Exit;
+
+/// Parses argv, runs the command, returns the exit code.
+pub fn main() -> Exit {
+    let cli = Cli::parse();
+    // The daemon tells what it does; a one-shot client speaks only of trouble.
+    let default_filter = match cli.command {
+        Command::Serve(_) | Command::Recover(_) => "info,rmcp=warn",
+        _ => "warn",
+    };
+    init_logging(cli.log_format, default_filter);
+    match cli.command {
+        Command::Policy(PolicyCommand::Check { policies }) => policy::check(&policies),
+        Command::Policy(PolicyCommand::Explain { tool, policies }) => {
+            policy::explain(&policies, &tool)
+        }
+        Command::Recover(a) => serve::recover(a),
+        Command::GenerateAssets { out } => generate_assets(&out),
+        Command::Serve(a) => runtime().map_or(Exit::Error, |rt| {
+            let code = rt.block_on(serve::serve(a));
+            // A blocking task still running (a cleanup after `shutdown_timeout`) must not
+            // hold the exit: recovery at the next start finishes its work.
+            rt.shutdown_timeout(Duration::from_secs(1));
+            code
+        }),
+        Command::Connect { socket } => runtime().map_or(Exit::Error, |rt| {
+            let code = rt.block_on(client::connect(&socket.socket));
+            // A read of stdin still blocked in its thread must not hold the exit.
+            rt.shutdown_background();
+            code
+        }),
+        Command::Call(a) => runtime().map_or(Exit::Error, |rt| rt.block_on(client::call(a))),
+    }
+}
+
+/// Man pages (from the clap definitions) in `out/man`, completions for bash, zsh and fish
+/// in `out/completions`.
+fn generate_assets(out: &Path) -> Exit {
+    use clap::CommandFactory;
+    let run = || -> std::io::Result<()> {
+        let (man, comp) = (out.join("man"), out.join("completions"));
+        std::fs::create_dir_all(&man)?;
+        std::fs::create_dir_all(&comp)?;
+        clap_mangen::generate_to(Cli::command(), &man)?;
+        for shell in [
+            clap_complete::Shell::Bash,
+            clap_complete::Shell::Zsh,
+            clap_complete::Shell::Fish,
+        ] {
+            clap_complete::generate_to(shell, &mut Cli::command(), "airlock", &comp)?;
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => Exit::Ok,
+        Err(e) => {
+            eprintln!("airlock: {}: cannot write the assets: {e}", out.display());
+            Exit::Error
+        }
+    }
+}
+
+fn runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            eprintln!("airlock: cannot start the async runtime: {e}");
+            None
+        }
+    }
+}
+
+/// Logs to stderr; `AIRLOCK_LOG` (a tracing filter such as `debug`) overrides the default.
+fn init_logging(format: LogFormat, default_filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Human => b.try_init(),
+        LogFormat::Json => b.json().try_init(),
+    };
+}

@@ -1,0 +1,125 @@
+//! `policy check` and `policy explain`, and the policy load the daemon commands share.
+
+use std::path::Path;
+
+use super::Exit;
+use crate::policy::{self, Policy};
+
+pub(super) fn load_policy(dir: &Path) -> Result<Policy, Exit> {
+    policy::load(dir).map_err(|e| {
+        for d in &e.0 {
+            eprintln!("airlock: {d}");
+        }
+        eprintln!(
+            "airlock: {}: {} error(s); nothing was started",
+            dir.display(),
+            e.0.len()
+        );
+        Exit::Error
+    })
+}
+
+pub(super) fn check(dir: &Path) -> Exit {
+    let policy = match policy::load(dir) {
+        Ok(p) => p,
+        Err(e) => {
+            for d in &e.0 {
+                println!("{d}");
+            }
+            println!("{} error(s)", e.0.len());
+            return Exit::Failed;
+        }
+    };
+    println!(
+        "{:<22} {:<10} {:<8} {:<10} {:>8}  PATH PARAMS",
+        "TOOL", "CAPABILITY", "PROTOCOL", "PROFILE", "TIMEOUT"
+    );
+    for t in policy.tools.values() {
+        let (protocol, profile, timeout) = match &t.exec {
+            Some(e) => (
+                e.protocol.as_str(),
+                e.profile.as_str(),
+                format!("{:?}", e.timeout),
+            ),
+            None => ("builtin", "-", "-".to_string()),
+        };
+        let paths: Vec<String> = t
+            .params
+            .iter()
+            .filter_map(|(n, p)| {
+                p.path.map(|r| {
+                    format!(
+                        "{n}({})",
+                        if r == policy::PathRole::Input {
+                            "in"
+                        } else {
+                            "out"
+                        }
+                    )
+                })
+            })
+            .collect();
+        println!(
+            "{:<22} {:<10} {:<8} {:<10} {:>8}  {}",
+            t.name,
+            t.capability.as_str(),
+            protocol,
+            profile,
+            timeout,
+            if paths.is_empty() {
+                "-".to_string()
+            } else {
+                paths.join(" ")
+            }
+        );
+    }
+    println!(
+        "ok: {} tools, {} profiles",
+        policy.tools.len(),
+        policy.profiles.len()
+    );
+    Exit::Ok
+}
+
+pub(super) fn explain(dir: &Path, name: &str) -> Exit {
+    let policy = match load_policy(dir) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let Some(tool) = policy.tools.get(name) else {
+        eprintln!("airlock: no tool {name:?} in {}", dir.display());
+        return Exit::Error;
+    };
+    println!(
+        "tool {} ({}, {})",
+        tool.name,
+        tool.capability.as_str(),
+        tool.source
+            .as_ref()
+            .map_or("built-in".into(), |p| p.display().to_string())
+    );
+    let Some(ext) = &tool.exec else {
+        println!("  runs inside the daemon: no worker, no sandbox");
+        return Exit::Ok;
+    };
+    println!("  command:  {}", ext.command.join(" "));
+    println!("  protocol: {}", ext.protocol.as_str());
+    println!(
+        "  timeout:  {:?} (then SIGTERM to the group, the grace, SIGKILL)",
+        ext.timeout
+    );
+    for (n, p) in &tool.params {
+        match p.path {
+            Some(policy::PathRole::Input) => println!("  param {n}: workspace path, readable by the worker"),
+            Some(policy::PathRole::Output) => println!("  param {n}: workspace path, written to a private staging dir, published on success"),
+            None => println!("  param {n}: {} value", p.ty.as_str()),
+        }
+    }
+    match policy.profiles.get(&ext.profile) {
+        Some(profile) => {
+            print!("{}", crate::sandbox::explain(profile));
+        }
+        None => println!("profile {}: missing", ext.profile),
+    }
+    Exit::Ok
+}

@@ -1,0 +1,358 @@
+//! The daemon's commands: `serve` (socket, signals, SIGHUP reload, systemd notifications)
+//! and `recover`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::args::{Dirs, ServeArgs};
+use super::policy::load_policy;
+use super::Exit;
+use crate::policy::{self, Policy};
+
+fn apply_overrides(p: &mut Policy, workspace: Option<PathBuf>, state_dir: Option<PathBuf>) {
+    if let Some(w) = workspace {
+        p.daemon.workspace = w;
+    }
+    if let Some(s) = state_dir {
+        p.daemon.state_dir = s;
+    }
+}
+
+pub(super) fn recover(a: Dirs) -> Exit {
+    let mut policy = match policy::load(&a.policies) {
+        Ok(p) => p,
+        // Recovery needs no tool, only where the workspace and state are: with both given,
+        // a broken policy is reported and the [daemon] defaults (worker_uids among them)
+        // stand in for the rest.
+        Err(e) if a.workspace.is_some() && a.state_dir.is_some() => {
+            for d in &e.0 {
+                eprintln!("airlock: {d}");
+            }
+            eprintln!(
+                "airlock: {}: {} error(s); recovering with the default [daemon] settings and the given --workspace and --state-dir",
+                a.policies.display(),
+                e.0.len()
+            );
+            Policy {
+                dir: a.policies.clone(),
+                daemon: Default::default(),
+                profiles: Default::default(),
+                tools: Default::default(),
+            }
+        }
+        Err(e) => {
+            eprintln!("airlock: {e}");
+            eprintln!(
+                "airlock: recover: fix the policy, or give both --workspace and --state-dir to recover without it"
+            );
+            return Exit::Error;
+        }
+    };
+    apply_overrides(&mut policy, a.workspace, a.state_dir);
+    let d = &policy.daemon;
+    let result = crate::exec::check_layout(&d.workspace, &d.state_dir, None)
+        .and_then(|()| crate::exec::lock_workspace(&d.workspace))
+        .and_then(|lock| Ok((lock, crate::exec::lock_state_dir(&d.state_dir)?)))
+        .map_err(|e| e.to_string())
+        .and_then(|locks| {
+            Ok((
+                locks,
+                crate::publish::Workspace::open(&d.workspace).map_err(|e| e.to_string())?,
+            ))
+        })
+        .and_then(|(_locks, ws)| {
+            let sessions =
+                crate::session::SessionStore::open(&d.state_dir).map_err(|e| e.to_string())?;
+            // As at startup: nothing a dead daemon's workers left may run while job dirs are
+            // settled (logged at warn, one line per process killed).
+            let uids = crate::sandbox::Identities::detect(d.worker_user, d.worker_uids, 1)
+                .ok()
+                .and_then(|i| i.range());
+            crate::exec::sweep_leftovers(d, uids).map_err(|e| e.to_string())?;
+            crate::exec::recover(&ws, &sessions).map_err(|e| e.to_string())
+        });
+    match result {
+        Ok(done) => {
+            for r in &done {
+                println!("{}: {}", r.job, r.action);
+            }
+            let quarantined: Vec<_> = done.iter().filter_map(|r| r.quarantined.as_ref()).collect();
+            println!("recovered {} job(s)", done.len() - quarantined.len());
+            if !quarantined.is_empty() {
+                println!(
+                    "{} job dir(s) could not be removed and are quarantined (their targets are settled; tools cannot reach them); remove them by hand:",
+                    quarantined.len()
+                );
+                for q in quarantined {
+                    println!("  {}", q.display());
+                }
+            }
+            Exit::Ok
+        }
+        Err(e) => {
+            eprintln!("airlock: recover: {e}");
+            Exit::Error
+        }
+    }
+}
+
+pub(super) async fn serve(a: ServeArgs) -> Exit {
+    let notify = Arc::new(crate::systemd::Notifier::from_env());
+    let (workspace, state_dir, socket) = (a.dirs.workspace, a.dirs.state_dir, a.socket);
+    let policies = a.dirs.policies;
+    let mut policy = match load_policy(&policies) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    apply_overrides(&mut policy, workspace.clone(), state_dir.clone());
+    if let Some(s) = &socket {
+        policy.daemon.socket = s.clone();
+    }
+    if let Err(e) = crate::sandbox::init_daemon() {
+        eprintln!("airlock: {e}");
+        return Exit::Error;
+    }
+    let policy = Arc::new(policy);
+    let shutdown = CancellationToken::new();
+    let exec = match crate::exec::Executor::start(policy.clone(), shutdown.clone()) {
+        Ok(e) => Arc::new(e),
+        Err(e) => {
+            eprintln!("airlock: {e}");
+            return Exit::Error;
+        }
+    };
+    let d = &policy.daemon;
+    // Socket-activated: systemd owns the socket file (mode, group, removal); otherwise the
+    // daemon binds it and removes it at exit.
+    let (listener, activated) = match crate::systemd::take_listener() {
+        Ok(Some(l)) => match tokio::net::UnixListener::from_std(l) {
+            Ok(l) => (l, true),
+            Err(e) => {
+                eprintln!("airlock: socket activation: cannot use the passed listener: {e}");
+                return Exit::Error;
+            }
+        },
+        Ok(None) => match crate::mcp::bind(&d.socket, d.socket_mode, d.socket_group.as_deref()) {
+            Ok(l) => (l, false),
+            Err(e) => {
+                eprintln!("airlock: {e}");
+                return Exit::Error;
+            }
+        },
+        Err(e) => {
+            eprintln!("airlock: {e}");
+            return Exit::Error;
+        }
+    };
+    tracing::info!(
+        socket = %d.socket.display(),
+        socket_activated = activated,
+        workspace = %d.workspace.display(),
+        tools = policy.tools.len(),
+        "airlock serving"
+    );
+    // Installed before the first client can connect, so no signal finds the default action.
+    let signals = match Signals::install() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("airlock: cannot install signal handlers: {e}");
+            return Exit::Error;
+        }
+    };
+    // Policies loaded, recovery done, the socket listening: ready.
+    notify.ready(&status_line(&exec));
+    let reload = Reload {
+        dir: policies,
+        workspace,
+        state_dir,
+        socket,
+        exec: exec.clone(),
+        notify: notify.clone(),
+    };
+    let stop = shutdown.clone();
+    let shutdown_timeout = d.shutdown_timeout;
+    let stopping = notify.clone();
+    tokio::spawn(async move {
+        signals.wait_for_stop(&reload).await;
+        stopping.stopping();
+        tracing::info!(
+            "shutting down: cancelling running calls (exit within {shutdown_timeout:?} and a second)"
+        );
+        stop.cancel();
+    });
+    if notify.enabled() {
+        tokio::spawn(keep_systemd_informed(
+            notify.clone(),
+            exec.clone(),
+            shutdown.clone(),
+        ));
+    }
+    crate::mcp::run(listener, exec, shutdown).await;
+    if !activated {
+        let _ = std::fs::remove_file(&d.socket);
+    }
+    tracing::info!("stopped");
+    Exit::Ok
+}
+
+fn status_line(exec: &crate::exec::Executor) -> String {
+    let p = exec.policy();
+    format!(
+        "serving {} tools; {} call(s) in flight",
+        p.tools.len(),
+        exec.calls_in_flight()
+    )
+}
+
+/// `STATUS=` when it changes (checked every second) and `WATCHDOG=1` at half of
+/// `WatchdogSec`, until shutdown.
+async fn keep_systemd_informed(
+    notify: Arc<crate::systemd::Notifier>,
+    exec: Arc<crate::exec::Executor>,
+    shutdown: CancellationToken,
+) {
+    let tick = notify
+        .watchdog_interval()
+        .map_or(Duration::from_secs(1), |w| w.min(Duration::from_secs(1)));
+    let watchdog = notify.watchdog_interval();
+    let mut last_status = String::new();
+    let mut last_watchdog = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let status = status_line(&exec);
+        if status != last_status {
+            notify.status(&status);
+            last_status = status;
+        }
+        if let Some(w) = watchdog {
+            if last_watchdog.elapsed() >= w {
+                notify.watchdog();
+                last_watchdog = tokio::time::Instant::now();
+            }
+        }
+    }
+}
+
+/// What SIGHUP needs: the policy directory and the command line's overrides.
+struct Reload {
+    dir: PathBuf,
+    workspace: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
+    socket: Option<PathBuf>,
+    exec: Arc<crate::exec::Executor>,
+    notify: Arc<crate::systemd::Notifier>,
+}
+
+impl Reload {
+    /// Re-reads the policy directory. A valid one serves every call that starts from now
+    /// on (tools, profiles); the daemon settings keep the values the daemon started with,
+    /// and a changed one is logged as needing a restart. An invalid one changes nothing;
+    /// each of its errors is logged as `file:line:col: message`, as `policy check` prints.
+    fn run(&self) {
+        self.notify.reloading();
+        let old = self.exec.policy();
+        match policy::load(&self.dir) {
+            Err(e) => {
+                for d in &e.0 {
+                    tracing::error!("reload: {d}");
+                }
+                tracing::error!(
+                    "reload: {}: {} error(s); still serving the policy loaded before ({} tools)",
+                    self.dir.display(),
+                    e.0.len(),
+                    old.tools.len()
+                );
+            }
+            Ok(mut new) => {
+                apply_overrides(&mut new, self.workspace.clone(), self.state_dir.clone());
+                if let Some(s) = &self.socket {
+                    new.daemon.socket = s.clone();
+                }
+                for field in changed_settings(&old.daemon, &new.daemon) {
+                    tracing::warn!(
+                        "reload: [daemon] {field} changed in airlock.toml; it needs a restart and keeps its old value until then"
+                    );
+                }
+                new.daemon = old.daemon.clone();
+                let (tools, profiles) = (new.tools.len(), new.profiles.len());
+                self.exec.replace_policy(Arc::new(new));
+                tracing::info!(
+                    "reload: {}: now serving {tools} tools, {profiles} profiles (calls in flight finish on the policy they started with)",
+                    self.dir.display()
+                );
+            }
+        }
+        self.notify.ready(&status_line(&self.exec));
+    }
+}
+
+/// The `[daemon]` settings that differ, by name (one `name: value` line each in the
+/// pretty debug form, so a new setting is covered without a list to keep).
+fn changed_settings(
+    old: &crate::policy::DaemonConfig,
+    new: &crate::policy::DaemonConfig,
+) -> Vec<String> {
+    let (a, b) = (format!("{old:#?}"), format!("{new:#?}"));
+    let top = |s: &str| -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for line in s.lines().skip(1) {
+            match line.strip_prefix("    ").filter(|l| !l.starts_with(' ')) {
+                Some(l) => out.push((l.split(':').next().unwrap_or(l).to_string(), l.to_string())),
+                None => {
+                    if let Some(last) = out.last_mut() {
+                        last.1.push_str(line);
+                    }
+                }
+            }
+        }
+        out
+    };
+    let (a, b) = (top(&a), top(&b));
+    b.iter()
+        .filter(|(k, v)| {
+            a.iter()
+                .find(|(k2, _)| k2 == k)
+                .is_none_or(|(_, v2)| v2 != v)
+        })
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
+/// The daemon's signals: SIGTERM and SIGINT stop it; SIGHUP reloads the policies.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// Returns at SIGTERM or SIGINT; reloads the policies at each SIGHUP (the load runs off
+    /// the async threads).
+    async fn wait_for_stop(mut self, reload: &Reload) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = self.int.recv() => return,
+                _ = self.hup.recv() => {
+                    tracing::info!("SIGHUP: reloading the policies from {}", reload.dir.display());
+                    tokio::task::block_in_place(|| reload.run());
+                }
+            }
+        }
+    }
+}
