@@ -278,3 +278,81 @@ fn connect_names_what_is_wrong_with_the_socket_path() {
         assert!(err.contains("permission denied"), "{err}");
     }
 }
+
+/// A server that completes the MCP handshake, then reads only the first bytes of the next
+/// request and nothing more (a daemon stuck, or a peer that stopped reading).
+/// `started` gets a message once the first bytes of that request came.
+fn stuck_server(
+    socket: &std::path::Path,
+    started: std::sync::mpsc::Sender<()>,
+) -> std::thread::JoinHandle<()> {
+    use std::io::{BufRead, BufReader};
+    let listener = std::os::unix::net::UnixListener::bind(socket).expect("bind");
+    std::thread::spawn(move || {
+        let (stream, _) = listener.accept().expect("accept");
+        let mut w = stream.try_clone().expect("clone");
+        let mut r = BufReader::new(stream);
+        let mut line = String::new();
+        r.read_line(&mut line).expect("initialize");
+        let init: Value = serde_json::from_str(&line).expect("json");
+        let reply = json!({"jsonrpc": "2.0", "id": init["id"], "result": {
+            "protocolVersion": init["params"]["protocolVersion"],
+            "capabilities": {"tools": {}},
+            "serverInfo": {"name": "stuck", "version": "0"}}});
+        writeln!(w, "{reply}").expect("reply");
+        line.clear();
+        r.read_line(&mut line).expect("initialized");
+        line.clear();
+        r.read_line(&mut line).expect("tools/list");
+        let list: Value = serde_json::from_str(&line).expect("json");
+        writeln!(
+            w,
+            "{}",
+            json!({"jsonrpc": "2.0", "id": list["id"], "result": {"tools": []}})
+        )
+        .expect("reply");
+        let mut first = [0u8; 64];
+        let _ = r.read(&mut first);
+        let _ = started.send(());
+        // Hold the connection, reading nothing, until the client is gone.
+        std::thread::sleep(Duration::from_secs(10));
+    })
+}
+
+#[test]
+fn call_second_ctrl_c_exits_at_once_while_the_cancel_is_still_going_out() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("stuck.sock");
+    let (started, writing) = std::sync::mpsc::channel();
+    let _server = stuck_server(&socket, started);
+    // A call of 1.7 MB: its write fills the socket and waits for a reader that never comes,
+    // so the first Ctrl-C's goodbye (the cancel, then the close) waits out its bounds.
+    let args: Vec<String> = (0..14)
+        .map(|i| format!("a{i}={}", "x".repeat(120 * 1024)))
+        .collect();
+    let mut child = Command::new(BIN)
+        .args(["call", "slow_write", "--socket"])
+        .arg(&socket)
+        .args(args.iter().flat_map(|a| ["--arg", a.as_str()]))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn airlock call");
+    // The call is being written; its write soon fills the socket and waits.
+    writing
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the call never came");
+    std::thread::sleep(Duration::from_millis(300));
+    sigint(&child);
+    std::thread::sleep(Duration::from_millis(150));
+    let t = Instant::now();
+    sigint(&child);
+    let status = exit_within(&mut child, Duration::from_secs(2));
+    let after_second = t.elapsed();
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(130), "stderr: {err}");
+    assert!(
+        err.contains("interrupted again; exiting at once"),
+        "the second Ctrl-C did not cut the goodbye short ({after_second:?}): {err}"
+    );
+}
