@@ -1019,6 +1019,49 @@ mod tests {
         load(dir.path())
     }
 
+    /// The shipped policies with `tools/extra.toml` added.
+    fn with_tool(extra: &str) -> Result<Policy, PolicyErrors> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+        for sub in ["", "profiles", "tools"] {
+            std::fs::create_dir_all(dir.path().join(sub)).expect("mkdir");
+            for e in std::fs::read_dir(shipped.join(sub))
+                .expect("read_dir")
+                .flatten()
+            {
+                if e.path().is_file() {
+                    std::fs::copy(e.path(), dir.path().join(sub).join(e.file_name()))
+                        .expect("copy");
+                }
+            }
+        }
+        std::fs::write(dir.path().join("tools/extra.toml"), extra).expect("write");
+        load(dir.path())
+    }
+
+    #[test]
+    fn titles_are_one_short_line() {
+        let tool = |title: &str| {
+            format!(
+                "name = \"extra\"\ntitle = {title}\ncapability = \"read\"\ncommand = [\"/bin/true\"]\n"
+            )
+        };
+        let p = with_tool(&tool("\"Extra tool\"")).expect("valid");
+        assert_eq!(p.tools["extra"].title.as_deref(), Some("Extra tool"));
+        assert_eq!(p.tools["session_get"].title.as_deref(), Some("Get session"));
+        for bad in [
+            "\"\"",
+            "\"two\\nlines\"",
+            &format!("\"{}\"", "x".repeat(101)),
+        ] {
+            let e = with_tool(&tool(bad)).expect_err(bad).to_string();
+            assert!(
+                e.contains("extra.toml:2:") && e.contains("title must be"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
     #[test]
     fn profiles_need_landlock_abi_6_for_the_scopes() {
         let e = with_profile("[landlock]\nabi = 5\n").expect_err("abi 5 accepted");
