@@ -455,7 +455,16 @@ async fn an_invalid_json_response_publishes_nothing_and_keeps_the_version() {
         .as_array()
         .map(|a| a.iter().filter_map(|b| b["type"].as_str()).collect())
         .unwrap_or_default();
-    assert_eq!(kinds, ["text", "image", "resource_link", "resource"]);
+    // The tool's blocks, then the daemon's text block repeating `structuredContent`.
+    assert_eq!(
+        kinds,
+        ["text", "image", "resource_link", "resource", "text"]
+    );
+    assert_eq!(
+        r["content"][4]["text"].as_str(),
+        Some(r["structuredContent"].to_string().as_str()),
+        "{r}"
+    );
     assert_eq!(r["content"][3]["resource"]["blob"], "AAEC");
     assert_eq!(d.read("note.txt").as_deref(), Some("written\n"));
     assert_eq!(version(&c, "j").await, 1);

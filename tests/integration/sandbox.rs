@@ -388,9 +388,14 @@ async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
     ] {
         assert!(out.contains(want), "missing {want:?} in {out}");
     }
-    // Nothing inherited but stdin, stdout and stderr (3 is ls's own directory fd).
-    let r = sh(&c, "ls /proc/self/fd | tr '\\n' ' '").await;
-    assert_eq!(text(&r).trim(), "0 1 2 3", "{r}");
+    // Nothing inherited but stdin, stdout, stderr and the progress pipe (3: rmcp's client
+    // sends a progressToken with every request); 4 is ls's own directory fd.
+    let r = sh(
+        &c,
+        "ls /proc/self/fd | tr '\\n' ' '; echo \"|$AIRLOCK_PROGRESS_FD|$(readlink /proc/self/fd/3 | cut -c1-5)\"",
+    )
+    .await;
+    assert_eq!(text(&r).trim(), "0 1 2 3 4 |3|pipe:", "{r}");
     // From outside, on a running worker found through the audit's pid.
     let c = std::sync::Arc::new(c);
     let spawned = |events: &[Value]| {
