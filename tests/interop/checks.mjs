@@ -2,6 +2,7 @@
 // workspace, the worker processes, the audit, and the step report. Settings come from the
 // environment `run` gives: AIRLOCK_BIN, AIRLOCK_SOCKET, AIRLOCK_WORKSPACE, AIRLOCK_DAEMON_PID.
 import fs from "node:fs";
+import net from "node:net";
 import path from "node:path";
 
 export class Failed extends Error {}
@@ -87,6 +88,34 @@ export function notPublished(kinds, outRel) {
     `the audit does not say the call was stopped: ${kinds}`,
   );
   check(workspaceFile(outRel) === null, `${outRel} was published by a cancelled call`);
+}
+
+/** The audit as the daemon serves it, read over a connection of the check's own (raw
+ * JSON-RPC, 2025 era): for checking what a CLI client did without more runs of it. */
+export function daemonAudit() {
+  return new Promise((resolve, reject) => {
+    const sock = net.connect(process.env.AIRLOCK_SOCKET);
+    let buf = "";
+    const send = (m) => sock.write(JSON.stringify({ jsonrpc: "2.0", ...m }) + "\n");
+    sock.on("error", reject);
+    sock.on("data", (d) => {
+      buf += d;
+      let i;
+      while ((i = buf.indexOf("\n")) >= 0) {
+        const m = JSON.parse(buf.slice(0, i));
+        buf = buf.slice(i + 1);
+        if (m.id === 1) {
+          send({ method: "notifications/initialized" });
+          send({ id: 2, method: "resources/read", params: { uri: "airlock://audit/events" } });
+        } else if (m.id === 2) {
+          sock.end();
+          if (m.error) reject(new Failed(`audit read: ${JSON.stringify(m.error)}`));
+          else resolve(m.result.contents[0].text);
+        }
+      }
+    });
+    send({ id: 1, method: "initialize", params: { protocolVersion: "2025-11-25", capabilities: {}, clientInfo: { name: "interop-check", version: "0" } } });
+  });
 }
 
 /** Runs `scenario(report)`, printing one JSON line per step, and exits non-zero on failure. */
