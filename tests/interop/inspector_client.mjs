@@ -93,7 +93,7 @@ async function settled() {
 async function stopped(slot, sid, out, signal) {
   const secs = uniqueSeconds(slot);
   const run = start("tools/call", ["--tool-name", "slow_write", ...toolArgs({ session: sid, seconds: secs, out })]);
-  await waitSpawned(secs, 20000);
+  await waitSpawned(secs, 60000);
   process.kill(-run.child.pid, signal);
   const r = await run.done;
   const { pid } = lastCall(await daemonAudit(), "slow_write");
@@ -172,7 +172,7 @@ async function scenario(report) {
 
   const secs = uniqueSeconds(4);
   const doomed = start("tools/call", ["--tool-name", "slow_write", ...toolArgs({ session: sid, seconds: secs, out: `${tag}-d.txt` })]);
-  await waitSpawned(secs, 20000);
+  await waitSpawned(secs, 60000);
   const killedAt = Date.now();
   process.kill(Number(process.env.AIRLOCK_DAEMON_PID), "SIGKILL");
   const res = await Promise.race([doomed.done, sleep(10000).then(() => null)]);

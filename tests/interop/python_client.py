@@ -219,7 +219,8 @@ async def scenario(mode, report):
         [sys.executable, __file__, "victim", mode, str(secs), out, sid],
         stdout=subprocess.DEVNULL,
     )
-    await wait_spawned(secs)
+    # The victim is a new Python process that imports the SDK: slow on a loaded machine.
+    await wait_spawned(secs, timeout=60.0)
     victim.kill()
     victim.wait()
     async with connect(mode) as c:

@@ -138,7 +138,7 @@ async function scenario(report) {
   const victim = spawn(process.execPath, [new URL(import.meta.url).pathname, "victim", String(secs), out, sid], {
     stdio: ["ignore", "ignore", "inherit"],
   });
-  await waitSpawned(secs);
+  await waitSpawned(secs, 60000); // a new Node process: slow on a loaded machine
   victim.kill("SIGKILL");
   c = await connect();
   ({ pid } = lastCall(await auditText(c), "slow_write"));
