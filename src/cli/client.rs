@@ -136,6 +136,7 @@ pub(super) async fn connect(socket: &Path) -> Exit {
     let end = tokio::select! {
         e = up => Err(e),
         d = down => Ok(d),
+        e = stdout_hangup() => Ok(DownEnd::StdoutGone(e)),
     };
     let p = pending.lock().unwrap_or_else(|p| p.into_inner());
     match end {
@@ -156,6 +157,42 @@ pub(super) async fn connect(socket: &Path) -> Exit {
             );
             Exit::Failed
         }
+    }
+}
+
+/// Resolves when whoever reads the bridge's stdout is gone (a pipe with no reader left, a
+/// socket whose peer closed), noticed without writing: a client killed mid-call then
+/// disconnects at once, and the daemon cancels its calls, instead of the bridge holding the
+/// connection until the reply it can no longer deliver. Never resolves for stdout that
+/// cannot hang up (a file, /dev/null).
+async fn stdout_hangup() -> std::io::Error {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    // A plain thread, not spawn_blocking: the runtime does not wait for it at exit.
+    std::thread::spawn(move || {
+        let mut fds = [libc::pollfd {
+            fd: libc::STDOUT_FILENO,
+            events: 0,
+            revents: 0,
+        }];
+        loop {
+            // SAFETY: `fds` is one valid pollfd for the duration of the call; events 0
+            // asks for nothing but the hangup and error conditions poll always reports.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, -1) };
+            if n > 0 && fds[0].revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+                let _ = tx.send(());
+                return;
+            }
+            if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                return;
+            }
+            if n > 0 && fds[0].revents & libc::POLLNVAL != 0 {
+                return;
+            }
+        }
+    });
+    match rx.await {
+        Ok(()) => std::io::Error::new(std::io::ErrorKind::BrokenPipe, "its reader hung up"),
+        Err(_) => std::future::pending().await,
     }
 }
 

@@ -673,6 +673,20 @@ impl OutQueue {
     }
 }
 
+/// The bytes of one line a wire log shows.
+const WIRE_LOG_BYTES: usize = 2048;
+
+/// Logs one line as it crossed the socket (`in` from the client, `out` to it), at trace level
+/// under the target `airlock::wire` (`AIRLOCK_LOG=airlock::wire=trace`), cut to
+/// [`WIRE_LOG_BYTES`]: what the interop tests print when a client fails.
+fn wire_log(dir: &'static str, line: &[u8]) {
+    if tracing::enabled!(target: "airlock::wire", tracing::Level::TRACE) {
+        let text = String::from_utf8_lossy(line);
+        let text = truncate(text.trim_end(), WIRE_LOG_BYTES);
+        tracing::trace!(target: "airlock::wire", dir, "{text}");
+    }
+}
+
 /// Copies lines from the socket to rmcp's input, answering bad ones on `replies`.
 pub async fn pump_in<R, W>(
     mut reader: LineReader<R>,
@@ -696,6 +710,7 @@ where
         };
         let action = match frame {
             Frame::Line(line) => {
+                wire_log("in", &line);
                 // At an in-flight cap (count or bytes), a request waits here, unread further,
                 // until a reply frees room: the client's pipeline stalls instead of the daemon's memory
                 // growing. (A cancellation behind it waits too.)
@@ -806,6 +821,7 @@ pub async fn write_lines<W: AsyncWrite + Unpin>(
                 None => break,
             },
         };
+        wire_log("out", &line);
         let write = async {
             w.write_all(&line).await?;
             w.flush().await

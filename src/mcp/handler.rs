@@ -96,6 +96,10 @@ impl Handler {
     }
 }
 
+/// Builds an rmcp result from JSON. Every result says `"resultType": "complete"`, which the
+/// 2026-07-28 revision requires; rmcp strips it for a peer that negotiated an older one (and
+/// adds the caching hints `ttlMs`/`cacheScope` for a 2026-07-28 peer). Without it the
+/// deserialized result has no `resultType` at all, whatever the era.
 fn wire<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, McpError> {
     serde_json::from_value(v)
         .map_err(|e| McpError::internal_error(format!("cannot build a response: {e}"), None))
@@ -163,7 +167,7 @@ impl ServerHandler for Handler {
                 v
             })
             .collect();
-        wire(json!({ "tools": tools }))
+        wire(json!({ "resultType": "complete", "tools": tools }))
     }
 
     async fn call_tool(
@@ -172,7 +176,8 @@ impl ServerHandler for Handler {
         cx: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         let mut principal = self.peer.clone();
-        principal.client = cx.peer.peer_info().map(|i| i.client_info.name.clone());
+        // From the handshake (2025 era) or the request's own `_meta` (2026-07-28).
+        principal.client = cx.client_info().map(|i| i.name);
         // The framing gives every request a numeric id of the daemon's own.
         let id = match &cx.id {
             rmcp::model::NumberOrString::Number(n) => u64::try_from(*n).ok(),
@@ -212,7 +217,11 @@ impl ServerHandler for Handler {
             Reply::Result(r) => {
                 let structured = r.structured.filter(|s| !s.is_null());
                 let content = with_structured_text(r.content, structured.as_ref());
-                let mut v = json!({ "content": content, "isError": r.is_error });
+                let mut v = json!({
+                    "resultType": "complete",
+                    "content": content,
+                    "isError": r.is_error,
+                });
                 if let Some(s) = structured {
                     v["structuredContent"] = s;
                 }
@@ -242,6 +251,7 @@ impl ServerHandler for Handler {
         _cx: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
         wire(json!({
+            "resultType": "complete",
             "resources": [{
                 "uri": AUDIT_URI,
                 "name": "audit-events",
@@ -271,6 +281,7 @@ impl ServerHandler for Handler {
             .audit
             .newest_json(audit_read_budget(d.audit_ring_bytes, d.max_queued_bytes));
         let result: ReadResourceResult = wire(json!({
+            "resultType": "complete",
             "contents": [{ "uri": AUDIT_URI, "mimeType": "application/json", "text": text }]
         }))?;
         Ok(ReadResourceResponse::Complete(result))

@@ -356,3 +356,33 @@ fn call_second_ctrl_c_exits_at_once_while_the_cancel_is_still_going_out() {
         "the second Ctrl-C did not cut the goodbye short ({after_second:?}): {err}"
     );
 }
+
+#[tokio::test]
+async fn connect_whose_reader_is_gone_disconnects_at_once_and_the_call_rolls_back() {
+    // A client killed mid-call: whoever reads the bridge's stdout is gone. The bridge must
+    // notice without writing (no reply is due yet) and without end of stdin, and disconnect,
+    // so the daemon cancels the call; it must not hold the connection until the reply it
+    // can no longer deliver, letting the write publish.
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "k").await;
+    let mut child = bridge(&d.socket);
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(INIT.as_bytes()).expect("write");
+    stdin
+        .write_all(
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"slow_write","arguments":{"session":"k","seconds":30.24,"out":"o.txt"}}}
+"#,
+        )
+        .expect("write");
+    wait_for_process("sleep 30.24").await;
+    // Close the only read end of the bridge's stdout pipe; stdin stays open.
+    drop(child.stdout.take());
+    let status = exit_within(&mut child, Duration::from_secs(2));
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(1), "stderr: {err}");
+    assert!(err.contains("stdout is closed"), "{err}");
+    assert_rolled_back(&d, &c, "sleep 30.24").await;
+    drop(stdin);
+}

@@ -6,6 +6,7 @@ mod client_cli;
 mod containment;
 mod crash;
 mod daemon;
+mod eras;
 mod features;
 mod harness;
 mod race;
