@@ -488,17 +488,29 @@ async fn the_shipped_units_restrictions_keep_the_sandbox_working() {
     let f = status_fields(
         pid,
         &[
-            "Uid:", "CapEff:", "CapPrm:", "CapAmb:", "Seccomp:", "NoNewPrivs:",
+            "Uid:",
+            "CapEff:",
+            "CapPrm:",
+            "CapAmb:",
+            "Seccomp:",
+            "NoNewPrivs:",
         ],
     );
     assert!(f[0].starts_with("65534"), "{f:?}");
     assert_eq!(
         &f[1..],
-        ["0000000000000000", "0000000000000000", "0000000000000000", "2", "1"],
+        [
+            "0000000000000000",
+            "0000000000000000",
+            "0000000000000000",
+            "2",
+            "1"
+        ],
         "the daemon runs without capabilities, under the unit's filter"
     );
     assert!(
-        d.log_text().contains("workers run under the daemon's own uid"),
+        d.log_text()
+            .contains("workers run under the daemon's own uid"),
         "{}",
         d.log_text()
     );
@@ -542,9 +554,15 @@ async fn the_shipped_units_restrictions_keep_the_sandbox_working() {
     )
     .await;
     assert!(text(&r).contains("denied 1"), "{r}");
-    assert!(listener.accept().is_err(), "the worker reached the abstract socket");
+    assert!(
+        listener.accept().is_err(),
+        "the worker reached the abstract socket"
+    );
     // Metadata of what the daemon owns: the shared-uid seccomp tier denies it.
-    let sock_mode = std::fs::metadata(&d.socket).expect("socket").permissions().mode();
+    let sock_mode = std::fs::metadata(&d.socket)
+        .expect("socket")
+        .permissions()
+        .mode();
     let published = d.workspace.join("u/unit.txt");
     let r = sh(format!(
         "chmod 777 '{}' 2>&1; chmod 666 '{}' 2>&1; echo end",
@@ -558,14 +576,84 @@ async fn the_shipped_units_restrictions_keep_the_sandbox_working() {
         "{r}"
     );
     assert_eq!(
-        std::fs::metadata(&d.socket).expect("socket").permissions().mode(),
+        std::fs::metadata(&d.socket)
+            .expect("socket")
+            .permissions()
+            .mode(),
         sock_mode
     );
     assert_eq!(
-        std::fs::metadata(&published).expect("published").permissions().mode() & 0o7777,
+        std::fs::metadata(&published)
+            .expect("published")
+            .permissions()
+            .mode()
+            & 0o7777,
         0o644
     );
-    assert!(d.child.as_mut().expect("child").try_wait().expect("wait").is_none());
+    assert!(d
+        .child
+        .as_mut()
+        .expect("child")
+        .try_wait()
+        .expect("wait")
+        .is_none());
     assert_eq!(d.read("u/unit.txt").as_deref(), Some("under the unit"));
     assert!(!d.log_text().contains("panicked"), "{}", d.log_text());
+}
+
+/// The opt-in drop-in `airlock.service.d/uid-separation.conf` on top of the unit: the six
+/// ambient capabilities it grants and the filter it sets again (capset, setresuid, chown
+/// allowed) let the daemon run each worker under a uid of its own; the worker keeps no
+/// capability and its output is published as the daemon's.
+#[tokio::test]
+async fn the_uid_separation_drop_in_gives_workers_their_own_uid() {
+    use std::os::unix::fs::MetadataExt;
+    require_root();
+    let mut d = crate::sandbox::hostile_daemon();
+    crate::sandbox::give_to_nobody(&d);
+    d.user = Some((65534, 65534));
+    d.ambient_caps = Some("setuid,setgid,chown,fowner,dac_override,kill".into());
+    crate::uid_separation::daemon_setting(
+        &d,
+        "worker_user = \"separate\"\nworker_uids = \"62700-62763\"",
+    );
+    let systemd = repo().join("systemd");
+    d.wrap = vec![
+        systemd.join("unit-filter").display().to_string(),
+        systemd.join("airlock.service").display().to_string(),
+        systemd
+            .join("airlock.service.d/uid-separation.conf")
+            .display()
+            .to_string(),
+        "--".to_string(),
+    ];
+    d.start();
+    let f = status_fields(d.pid(), &["Seccomp:", "CapEff:"]);
+    assert_eq!(f[0], "2", "the daemon runs under the unit's filter");
+    assert_ne!(f[1], "0000000000000000", "the drop-in's capabilities");
+    let c = d.client().await;
+    session(&c, "h").await;
+    let r = call(
+        &c,
+        "run_sh",
+        json!({"session": "h", "out": "who.txt",
+               "script": "grep -E '^(Uid|CapEff):' /proc/self/status > \"$1\""}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}\n{}", d.log_text());
+    let who = d.read("who.txt").expect("who.txt");
+    let uid: u32 = who
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{who}"));
+    assert!((62700..=62763).contains(&uid), "the worker ran as {uid}");
+    assert!(who.contains("CapEff:\t0000000000000000"), "{who}");
+    let meta = std::fs::metadata(d.workspace.join("who.txt")).expect("who.txt");
+    assert_eq!(
+        (meta.uid(), meta.gid()),
+        (65534, 65534),
+        "published as the daemon's"
+    );
 }
