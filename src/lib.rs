@@ -13,4 +13,5 @@ pub mod policy;
 pub mod publish;
 pub mod sandbox;
 pub mod session;
+pub mod syscalls;
 pub mod systemd;

@@ -488,14 +488,6 @@ struct RawEnv {
     set: BTreeMap<String, String>,
 }
 
-/// The errno names a profile may use for filtered syscalls.
-pub const ERRNOS: &[(&str, i32)] = &[
-    ("EPERM", libc::EPERM),
-    ("EACCES", libc::EACCES),
-    ("ENOSYS", libc::ENOSYS),
-    ("EINVAL", libc::EINVAL),
-];
-
 fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
     let name = path.file_stem()?.to_string_lossy().into_owned();
     let text = cx.read(path)?;
@@ -545,7 +537,7 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
     let seccomp = match raw.seccomp {
         Some(s) => {
             let errno = s.errno.map(|e| {
-                if !ERRNOS.iter().any(|(n, _)| n == e.get_ref()) {
+                if crate::syscalls::errno_number(e.get_ref()).is_none() {
                     cx.at(
                         path,
                         &text,
@@ -576,7 +568,7 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
                 }
             }
             for sc in &names {
-                if crate::sandbox::syscall_known(sc.get_ref()).is_none() {
+                if crate::syscalls::syscall_number(sc.get_ref()).is_none() {
                     cx.at(
                         path,
                         &text,

@@ -6,7 +6,7 @@
 mod load;
 mod model;
 
-pub use load::{load, parse_duration, parse_size, placeholders, Diagnostic, PolicyErrors, ERRNOS};
+pub use load::{load, parse_duration, parse_size, placeholders, Diagnostic, PolicyErrors};
 pub use model::*;
 
 use std::collections::BTreeMap;

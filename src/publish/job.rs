@@ -415,7 +415,9 @@ impl Job {
                 .get(i)
                 .copied()
                 .unwrap_or(crate::policy::DEFAULT_OUTPUT_MODE);
-            mutate("publish.seal_output", &staged, || seal(pfd.as_fd(), &st, mode))?;
+            mutate("publish.seal_output", &staged, || {
+                seal(pfd.as_fd(), &st, mode)
+            })?;
             let fd = open_beneath(slot_fd.as_fd(), name, OFlags::RDONLY | OFlags::NONBLOCK)
                 .map_err(|e| io("open staged output", &staged, e))?;
             let st2 =

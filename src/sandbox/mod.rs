@@ -28,7 +28,6 @@ mod leftovers;
 mod process;
 mod seccomp;
 mod sys;
-mod syscall_table;
 mod wire;
 
 use std::os::fd::OwnedFd;
@@ -652,9 +651,4 @@ async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
 pub fn init_daemon() -> Result<(), SandboxError> {
     process::start_reaper()
         .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))
-}
-
-/// The syscall number of `name` on this architecture, if it has one.
-pub fn syscall_known(name: &str) -> Option<i64> {
-    seccomp::syscall_number(name)
 }
