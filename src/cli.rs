@@ -239,13 +239,13 @@ fn policy_check(dir: &Path) -> i32 {
         "TOOL", "CAPABILITY", "PROTOCOL", "PROFILE", "TIMEOUT"
     );
     for t in policy.tools.values() {
-        let (protocol, profile, timeout) = match &t.exec {
-            Some(e) => (
+        let (protocol, profile, timeout) = match &t.kind {
+            policy::ToolKind::External(e) => (
                 e.protocol.as_str(),
                 e.profile.as_str(),
                 format!("{:?}", e.timeout),
             ),
-            None => ("builtin", "-", "-".to_string()),
+            policy::ToolKind::Builtin(_) => ("builtin", "-", "-".to_string()),
         };
         let paths: Vec<String> = t
             .params
@@ -302,7 +302,7 @@ fn policy_explain(dir: &Path, name: &str) -> i32 {
             .as_ref()
             .map_or("built-in".into(), |p| p.display().to_string())
     );
-    let Some(ext) = &tool.exec else {
+    let policy::ToolKind::External(ext) = &tool.kind else {
         println!("  runs inside the daemon: no worker, no sandbox");
         return 0;
     };

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::audit::{Audit, CallRef, Principal};
 use crate::policy::{
-    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Tool,
+    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Tool, ToolKind,
 };
 use crate::publish::{self, Job, JobSpec, Workspace};
 use crate::sandbox::{End, Identities, Launch, Outcome, Registry, Worker};
@@ -276,22 +276,17 @@ impl Executor {
         );
         let outcome = match args::validate(tool, &req.args) {
             Err(msg) => Err(ToolReply::fault("INVALID_ARGUMENT", msg).into()),
-            Ok(values) => match (tool.builtin, &tool.exec, tool.capability) {
-                (Some(b), _, _) => self.builtin(&call, b, &req.args, &cancel).await,
-                (None, Some(ext), Capability::Read) => {
+            Ok(values) => match (&tool.kind, tool.capability) {
+                (ToolKind::Builtin(b), _) => self.builtin(&call, *b, &req.args, &cancel).await,
+                (ToolKind::External(ext), Capability::Read) => {
                     self.run_read(&policy, &call, tool, ext, values, &cancel)
                         .await
                 }
-                (None, Some(ext), Capability::Write) => {
+                (ToolKind::External(ext), Capability::Write) => {
                     let id = session.unwrap_or_default();
                     self.run_write(&policy, &call, tool, ext, &id, values, &cancel)
                         .await
                 }
-                (None, None, _) => Err(ToolReply::fault(
-                    "INTERNAL",
-                    "a tool with neither a command nor a built-in",
-                )
-                .into()),
             },
         };
         // A cancel the call did not act on (it came past the point of no return, or the
@@ -789,7 +784,10 @@ impl Executor {
         tool: &Tool,
         o: &Outcome,
     ) -> Result<(ToolReply, Option<Map<String, Value>>), Stop> {
-        let protocol = tool.exec.as_ref().map_or(Protocol::Argv, |e| e.protocol);
+        let protocol = match &tool.kind {
+            ToolKind::External(e) => e.protocol,
+            ToolKind::Builtin(_) => Protocol::Argv,
+        };
         let stderr_tail = tail(&o.stderr.bytes, 2000);
         match o.end {
             End::Exited(0) => {}

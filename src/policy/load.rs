@@ -867,13 +867,12 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
         name,
         description: raw.description.unwrap_or_default(),
         capability: raw.capability,
-        exec: Some(ExternalTool {
+        kind: ToolKind::External(ExternalTool {
             command,
             protocol: raw.protocol.unwrap_or(Protocol::Argv),
             timeout,
             profile,
         }),
-        builtin: None,
         params,
         annotations,
         source: Some(path.to_path_buf()),

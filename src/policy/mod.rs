@@ -35,8 +35,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
             name: name.to_string(),
             description: description.to_string(),
             capability,
-            exec: None,
-            builtin: Some(builtin),
+            kind: ToolKind::Builtin(builtin),
             params: params
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
@@ -95,7 +94,8 @@ impl Tool {
     /// Whether the call takes the implicit `session` argument (every write tool but
     /// `session_create`, which names its new session with `id`).
     pub fn takes_session(&self) -> bool {
-        self.capability == Capability::Write && self.builtin != Some(Builtin::SessionCreate)
+        self.capability == Capability::Write
+            && !matches!(self.kind, ToolKind::Builtin(Builtin::SessionCreate))
     }
 
     /// The JSON Schema of the tool's arguments, as `tools/list` shows it.

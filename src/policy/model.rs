@@ -258,13 +258,19 @@ pub struct Tool {
     pub name: String,
     pub description: String,
     pub capability: Capability,
-    /// `None` for built-in tools.
-    pub exec: Option<ExternalTool>,
-    pub builtin: Option<Builtin>,
+    /// Where the work happens: in the daemon or in a sandboxed worker.
+    pub kind: ToolKind,
     pub params: BTreeMap<String, Param>,
     pub annotations: Annotations,
     /// The file it was declared in (None for built-ins).
     pub source: Option<PathBuf>,
+}
+
+/// A tool is exactly one of these: a built-in has no command, an external tool no built-in.
+#[derive(Debug, Clone)]
+pub enum ToolKind {
+    Builtin(Builtin),
+    External(ExternalTool),
 }
 
 #[derive(Debug, Clone)]
