@@ -545,7 +545,25 @@ mod tests {
                 command: vec!["/bin/true".into()],
                 protocol: crate::policy::Protocol::Argv,
                 timeout: std::time::Duration::from_secs(1),
-                profile: "default".into(),
+                profile: std::sync::Arc::new(crate::policy::Profile {
+                    name: "test".into(),
+                    landlock: crate::policy::LandlockProfile {
+                        abi: 6,
+                        best_effort: false,
+                        read: vec![],
+                        exec: vec![],
+                        write: vec![],
+                    },
+                    seccomp: crate::policy::SeccompProfile {
+                        mode: crate::policy::SeccompMode::Deny,
+                        syscalls: vec![],
+                        errno: "EPERM".into(),
+                    },
+                    network: false,
+                    unix_sockets: vec![],
+                    limits: Default::default(),
+                    env: Default::default(),
+                }),
             }),
             params,
             annotations: Annotations {

@@ -497,7 +497,7 @@ impl Executor {
                 return Err(stop);
             }
         };
-        if let Err(stop) = self.check_staging(policy, ext, &job) {
+        if let Err(stop) = self.check_staging(ext, &job) {
             discard(job).await;
             return Err(stop);
         }
@@ -566,11 +566,8 @@ impl Executor {
     }
 
     /// Fails the call if the worker left more in staging than its profile allows.
-    fn check_staging(&self, policy: &Policy, ext: &ExternalTool, job: &Job) -> Result<(), Stop> {
-        let Some(profile) = policy.profiles.get(&ext.profile) else {
-            return Ok(());
-        };
-        let l = &profile.limits;
+    fn check_staging(&self, ext: &ExternalTool, job: &Job) -> Result<(), Stop> {
+        let l = &ext.profile.limits;
         tokio::task::block_in_place(|| job.check_staging(l.staging_files, l.staging_bytes))
             .map(drop)
             .map_err(|e| {
@@ -605,16 +602,13 @@ impl Executor {
         job_id: &str,
         identity: Option<crate::sandbox::Lease>,
     ) -> Result<Launch, Stop> {
-        let profile = policy.profiles.get(&ext.profile).ok_or_else(|| {
-            ToolReply::fault("INTERNAL", format!("unknown profile {}", ext.profile))
-        })?;
         Ok(Launch {
             argv: args::substitute(&ext.command, subst),
             cwd,
             stdin,
             writable,
             readable,
-            profile: profile.clone(),
+            profile: ext.profile.clone(),
             cgroup_parent: policy.daemon.cgroup.clone(),
             job_id: job_id.to_string(),
             identity,
@@ -683,10 +677,7 @@ impl Executor {
         session: Option<&Snapshot>,
     ) -> Result<(), Stop> {
         let invalid = |e: args::ArgError| Stop::from(ToolReply::fault("INVALID_ARGUMENT", e));
-        let env = policy
-            .profiles
-            .get(&ext.profile)
-            .map_or(0, |p| worker_env_bytes(&p.env));
+        let env = worker_env_bytes(&ext.profile.env);
         let stack = rustix::process::getrlimit(rustix::process::Resource::Stack).current;
         args::check_command(
             &tool.name,

@@ -57,7 +57,7 @@ pub fn load(dir: &Path) -> Result<Policy, PolicyErrors> {
     let mut profiles = BTreeMap::new();
     for path in toml_files(&mut cx, &dir.join("profiles")) {
         if let Some(p) = load_profile(&mut cx, &path) {
-            profiles.insert(p.name.clone(), p);
+            profiles.insert(p.name.clone(), std::sync::Arc::new(p));
         }
     }
     let mut tools = super::builtins();
@@ -713,7 +713,11 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 type LoadedTool = (Tool, std::ops::Range<usize>, String);
 
-fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> Option<LoadedTool> {
+fn load_tool(
+    cx: &mut Cx,
+    path: &Path,
+    profiles: &BTreeMap<String, std::sync::Arc<Profile>>,
+) -> Option<LoadedTool> {
     let text = cx.read(path)?;
     let raw: RawTool = cx.parse(path, &text)?;
     let before = cx.diags.len();
@@ -842,7 +846,8 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
         None => "default".to_string(),
         Some(p) => p.get_ref().clone(),
     };
-    if !profiles.contains_key(&profile) {
+    let resolved = profiles.get(&profile).cloned();
+    if resolved.is_none() {
         let span = raw.profile.as_ref().map_or(raw.name.span(), |p| p.span());
         let known: Vec<&str> = profiles.keys().map(String::as_str).collect();
         cx.at(
@@ -871,7 +876,7 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
             command,
             protocol: raw.protocol.unwrap_or(Protocol::Argv),
             timeout,
-            profile,
+            profile: resolved?,
         }),
         params,
         annotations,

@@ -68,7 +68,7 @@ pub struct Launch {
     pub writable: Vec<PathBuf>,
     /// Files and directories of this call the worker may read (its `input` parameters).
     pub readable: Vec<PathBuf>,
-    pub profile: Profile,
+    pub profile: std::sync::Arc<Profile>,
     /// A delegated cgroup v2 directory; the worker gets its own child cgroup in it.
     pub cgroup_parent: Option<PathBuf>,
     /// Names the worker's cgroup and log lines.
