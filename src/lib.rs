@@ -13,4 +13,6 @@ pub mod policy;
 pub mod publish;
 pub mod sandbox;
 pub mod session;
+pub mod startup;
+pub mod syscalls;
 pub mod systemd;

@@ -59,7 +59,7 @@ fn require_root() {
 fn profile() -> Profile {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
     let policy = airlock::policy::load(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let mut p = policy.profiles["default"].clone();
+    let mut p = (*policy.profiles["default"]).clone();
     p.limits.grace = Duration::from_millis(500);
     p
 }
@@ -71,7 +71,7 @@ fn launch(argv: &[&str], staging: &Path) -> Launch {
         stdin: Vec::new(),
         writable: vec![staging.to_path_buf()],
         readable: Vec::new(),
-        profile: profile(),
+        profile: profile().into(),
         cgroup_parent: None,
         job_id: format!("smoke-{}", std::process::id()),
         identity: None,
@@ -385,7 +385,7 @@ fn sigterm_heeding_tool_ends_without_waiting_the_grace() {
     rt().block_on(async {
         let dir = tempdir();
         let mut l = sh("/bin/sleep 1000", dir.path());
-        l.profile.limits.grace = Duration::from_secs(5);
+        std::sync::Arc::make_mut(&mut l.profile).limits.grace = Duration::from_secs(5);
         let started = Instant::now();
         let o = run(l, Duration::from_millis(200)).await;
         assert_eq!(o.end, End::TimedOut);
@@ -461,7 +461,7 @@ fn landlock_fails_closed_above_the_kernel_abi() {
     rt().block_on(async {
         let dir = tempdir();
         let mut l = sh("true", dir.path());
-        l.profile.landlock.abi = 99;
+        std::sync::Arc::make_mut(&mut l.profile).landlock.abi = 99;
         match Worker::spawn(l).await {
             Err(SandboxError::Setup { step, message, .. }) => {
                 assert_eq!(step, "landlock");

@@ -35,13 +35,13 @@ pub(super) fn check(dir: &Path) -> Exit {
         "TOOL", "CAPABILITY", "PROTOCOL", "PROFILE", "TIMEOUT"
     );
     for t in policy.tools.values() {
-        let (protocol, profile, timeout) = match &t.exec {
-            Some(e) => (
+        let (protocol, profile, timeout) = match &t.kind {
+            policy::ToolKind::External(e) => (
                 e.protocol.as_str(),
-                e.profile.as_str(),
+                e.profile.name.as_str(),
                 format!("{:?}", e.timeout),
             ),
-            None => ("builtin", "-", "-".to_string()),
+            policy::ToolKind::Builtin(_) => ("builtin", "-", "-".to_string()),
         };
         let paths: Vec<String> = t
             .params
@@ -98,7 +98,7 @@ pub(super) fn explain(dir: &Path, name: &str) -> Exit {
             .as_ref()
             .map_or("built-in".into(), |p| p.display().to_string())
     );
-    let Some(ext) = &tool.exec else {
+    let policy::ToolKind::External(ext) = &tool.kind else {
         println!("  runs inside the daemon: no worker, no sandbox");
         return Exit::Ok;
     };
@@ -115,11 +115,6 @@ pub(super) fn explain(dir: &Path, name: &str) -> Exit {
             None => println!("  param {n}: {} value", p.ty.as_str()),
         }
     }
-    match policy.profiles.get(&ext.profile) {
-        Some(profile) => {
-            print!("{}", crate::sandbox::explain(profile));
-        }
-        None => println!("profile {}: missing", ext.profile),
-    }
+    print!("{}", crate::sandbox::explain(&ext.profile));
     Exit::Ok
 }

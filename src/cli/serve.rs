@@ -52,28 +52,8 @@ pub(super) fn recover(a: Dirs) -> Exit {
         }
     };
     apply_overrides(&mut policy, a.workspace, a.state_dir);
-    let d = &policy.daemon;
-    let result = crate::exec::check_layout(&d.workspace, &d.state_dir, None)
-        .and_then(|()| crate::exec::lock_workspace(&d.workspace))
-        .and_then(|lock| Ok((lock, crate::exec::lock_state_dir(&d.state_dir)?)))
-        .map_err(|e| e.to_string())
-        .and_then(|locks| {
-            Ok((
-                locks,
-                crate::publish::Workspace::open(&d.workspace).map_err(|e| e.to_string())?,
-            ))
-        })
-        .and_then(|(_locks, ws)| {
-            let sessions =
-                crate::session::SessionStore::open(&d.state_dir).map_err(|e| e.to_string())?;
-            // As at startup: nothing a dead daemon's workers left may run while job dirs are
-            // settled (logged at warn, one line per process killed).
-            let uids = crate::sandbox::Identities::detect(d.worker_user, d.worker_uids, 1)
-                .ok()
-                .and_then(|i| i.range());
-            crate::exec::sweep_leftovers(d, uids).map_err(|e| e.to_string())?;
-            crate::exec::recover(&ws, &sessions).map_err(|e| e.to_string())
-        });
+    let result = crate::startup::open(&policy.daemon, crate::startup::Purpose::Recover)
+        .map(|opened| opened.recovered);
     match result {
         Ok(done) => {
             for r in &done {
@@ -117,8 +97,15 @@ pub(super) async fn serve(a: ServeArgs) -> Exit {
     }
     let policy = Arc::new(policy);
     let shutdown = CancellationToken::new();
-    let exec = match crate::exec::Executor::start(policy.clone(), shutdown.clone()) {
-        Ok(e) => Arc::new(e),
+    let purpose = crate::startup::Purpose::Serve {
+        socket: &policy.daemon.socket,
+    };
+    let exec = match crate::startup::open(&policy.daemon, purpose) {
+        Ok(opened) => Arc::new(crate::exec::Executor::start(
+            policy.clone(),
+            opened,
+            shutdown.clone(),
+        )),
         Err(e) => {
             eprintln!("airlock: {e}");
             return Exit::Error;

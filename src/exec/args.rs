@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::policy::{Builtin, ParamType, PathRole, Tool};
+use crate::policy::{Builtin, ParamType, PathRole, Tool, ToolKind};
 use crate::session::IdError;
 
 /// Largest string argument a client may pass (a path argument has the tighter
@@ -112,10 +112,10 @@ pub fn shown(s: &str) -> String {
 
 /// Whether argument `name` of `tool` names a session (and must be a valid session id).
 fn names_session(tool: &Tool, name: &str) -> bool {
-    match tool.builtin {
-        Some(Builtin::SessionCreate) => name == "id",
-        Some(_) => name == "session",
-        None => name == "session" && tool.takes_session(),
+    match tool.kind {
+        ToolKind::Builtin(Builtin::SessionCreate) => name == "id",
+        ToolKind::Builtin(_) => name == "session",
+        ToolKind::External(_) => name == "session" && tool.takes_session(),
     }
 }
 
@@ -542,8 +542,30 @@ mod tests {
             name: "t".into(),
             description: String::new(),
             capability: Capability::Write,
-            exec: None,
-            builtin: None,
+            kind: ToolKind::External(crate::policy::ExternalTool {
+                command: vec!["/bin/true".into()],
+                protocol: crate::policy::Protocol::Argv,
+                timeout: std::time::Duration::from_secs(1),
+                profile: std::sync::Arc::new(crate::policy::Profile {
+                    name: "test".into(),
+                    landlock: crate::policy::LandlockProfile {
+                        abi: 6,
+                        best_effort: false,
+                        read: vec![],
+                        exec: vec![],
+                        write: vec![],
+                    },
+                    seccomp: crate::policy::SeccompProfile {
+                        mode: crate::policy::SeccompMode::Deny,
+                        syscalls: vec![],
+                        errno: "EPERM".into(),
+                    },
+                    network: false,
+                    unix_sockets: vec![],
+                    limits: Default::default(),
+                    env: Default::default(),
+                }),
+            }),
             params,
             annotations: Annotations {
                 read_only: false,

@@ -20,66 +20,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::audit::{Audit, CallRef, Principal};
 use crate::policy::{
-    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Tool,
+    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Tool, ToolKind,
 };
 use crate::publish::{self, Job, JobSpec, Workspace};
 use crate::sandbox::{End, Identities, Launch, Outcome, Registry, Worker};
 use crate::session::{SessionError, SessionStore, Snapshot};
-
-#[derive(Debug, thiserror::Error)]
-pub enum StartupError {
-    #[error("cannot create the workspace {path}: {source}")]
-    Workspace {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("cannot open the workspace: {0}")]
-    OpenWorkspace(#[from] publish::PublishError),
-    #[error("cannot open the session store: {0}")]
-    Sessions(#[from] SessionError),
-    #[error("startup recovery failed: {0}")]
-    Recovery(String),
-    #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
-    Busy { what: &'static str, path: PathBuf },
-    #[error("{path}: cannot lock the {what}: {source}")]
-    Lock {
-        what: &'static str,
-        path: PathBuf,
-        source: crate::fsutil::LockError,
-    },
-    #[error("cannot create the state dir {path}: {source}")]
-    StateDir {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error(
-        "workers run under uids of their own and cannot reach the workspace {workspace}: \
-         {dir} is not searchable by other users (mode {mode:04o}); make it searchable \
-         (chmod o+x), move the workspace, or set worker_user = \"daemon\""
-    )]
-    Unreachable {
-        workspace: PathBuf,
-        dir: PathBuf,
-        mode: u32,
-    },
-    #[error("worker identities: {0}")]
-    Identity(#[from] crate::sandbox::IdentityError),
-    #[error("cannot open the worker registry: {0}")]
-    Registry(std::io::Error),
-    #[error("cannot resolve {path}: {source}")]
-    Resolve {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    /// The state dir or the socket is inside the workspace, where a tool could publish over
-    /// it (a forged session file, say).
-    #[error("the {what} {path} is inside {workspace}; keep the workspace, the state dir and the socket apart (workspace, state_dir and socket in airlock.toml, or --workspace / --state-dir / --socket)")]
-    InsideWorkspace {
-        what: &'static str,
-        path: PathBuf,
-        workspace: PathBuf,
-    },
-}
+use crate::startup::Opened;
 
 /// One `tools/call`, as the MCP layer hands it over.
 pub struct CallRequest {
@@ -177,34 +123,23 @@ pub struct Executor {
 }
 
 impl Executor {
-    /// Opens the workspace and the session store, and recovers every leftover job before
-    /// the first call can run.
-    pub fn start(
-        policy: Arc<Policy>,
-        shutdown: CancellationToken,
-    ) -> Result<Executor, StartupError> {
+    /// Serves from what [`crate::startup::open`] created, locked, swept and recovered.
+    pub fn start(policy: Arc<Policy>, opened: Opened, shutdown: CancellationToken) -> Executor {
         let d = &policy.daemon;
-        std::fs::create_dir_all(&d.workspace).map_err(|source| StartupError::Workspace {
-            path: d.workspace.clone(),
-            source,
-        })?;
-        check_layout(&d.workspace, &d.state_dir, Some(&d.socket))?;
-        let lock = lock_workspace(&d.workspace)?;
-        let state_lock = lock_state_dir(&d.state_dir)?;
-        let workspace = Workspace::open(&d.workspace)?;
-        let sessions = SessionStore::open(&d.state_dir)?;
-        let identities = Identities::detect(d.worker_user, d.worker_uids, d.max_concurrent_calls)?;
-        tracing::info!("workers run as {}", identities.describe());
-        if identities.range().is_some() {
-            check_reachable_by_workers(&d.workspace)?;
-        }
-        // Before recovery touches a job dir, nothing a dead daemon's workers left may run.
-        let registry = sweep_leftovers(d, identities.range())?;
-        recover(&workspace, &sessions)?;
-        Ok(Executor {
+        let Opened {
+            workspace_lock,
+            state_lock,
+            workspace,
+            sessions,
             identities,
             registry,
-            _lock: lock,
+            recovered: _,
+        } = opened;
+        tracing::info!("workers run as {}", identities.describe());
+        Executor {
+            identities,
+            registry,
+            _lock: workspace_lock,
             _state_lock: state_lock,
             audit: Audit::new(d.audit_ring, d.audit_ring_bytes),
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
@@ -215,7 +150,7 @@ impl Executor {
             targets: locks::TargetLocks::default(),
             shutdown,
             counter: AtomicU64::new(0),
-        })
+        }
     }
 
     fn new_call_id(&self) -> String {
@@ -283,22 +218,17 @@ impl Executor {
         );
         let outcome = match args::validate(tool, &req.args) {
             Err(msg) => Err(ToolReply::fault("INVALID_ARGUMENT", msg).into()),
-            Ok(values) => match (tool.builtin, &tool.exec, tool.capability) {
-                (Some(b), _, _) => self.builtin(&call, b, &req.args, &cancel).await,
-                (None, Some(ext), Capability::Read) => {
+            Ok(values) => match (&tool.kind, tool.capability) {
+                (ToolKind::Builtin(b), _) => self.builtin(&call, *b, &req.args, &cancel).await,
+                (ToolKind::External(ext), Capability::Read) => {
                     self.run_read(&policy, &call, tool, ext, values, &cancel, progress)
                         .await
                 }
-                (None, Some(ext), Capability::Write) => {
+                (ToolKind::External(ext), Capability::Write) => {
                     let id = session.unwrap_or_default();
                     self.run_write(&policy, &call, tool, ext, &id, values, &cancel, progress)
                         .await
                 }
-                (None, None, _) => Err(ToolReply::fault(
-                    "INTERNAL",
-                    "a tool with neither a command nor a built-in",
-                )
-                .into()),
             },
         };
         // A cancel the call did not act on (it came past the point of no return, or the
@@ -577,7 +507,7 @@ impl Executor {
                 return Err(stop);
             }
         };
-        if let Err(stop) = self.check_staging(policy, ext, &job) {
+        if let Err(stop) = self.check_staging(ext, &job) {
             discard(job).await;
             return Err(stop);
         }
@@ -649,11 +579,8 @@ impl Executor {
     }
 
     /// Fails the call if the worker left more in staging than its profile allows.
-    fn check_staging(&self, policy: &Policy, ext: &ExternalTool, job: &Job) -> Result<(), Stop> {
-        let Some(profile) = policy.profiles.get(&ext.profile) else {
-            return Ok(());
-        };
-        let l = &profile.limits;
+    fn check_staging(&self, ext: &ExternalTool, job: &Job) -> Result<(), Stop> {
+        let l = &ext.profile.limits;
         tokio::task::block_in_place(|| job.check_staging(l.staging_files, l.staging_bytes))
             .map(drop)
             .map_err(|e| {
@@ -688,16 +615,13 @@ impl Executor {
         job_id: &str,
         identity: Option<crate::sandbox::Lease>,
     ) -> Result<Launch, Stop> {
-        let profile = policy.profiles.get(&ext.profile).ok_or_else(|| {
-            ToolReply::fault("INTERNAL", format!("unknown profile {}", ext.profile))
-        })?;
         Ok(Launch {
             argv: args::substitute(&ext.command, subst),
             cwd,
             stdin,
             writable,
             readable,
-            profile: profile.clone(),
+            profile: ext.profile.clone(),
             cgroup_parent: policy.daemon.cgroup.clone(),
             job_id: job_id.to_string(),
             identity,
@@ -775,10 +699,7 @@ impl Executor {
         session: Option<&Snapshot>,
     ) -> Result<(), Stop> {
         let invalid = |e: args::ArgError| Stop::from(ToolReply::fault("INVALID_ARGUMENT", e));
-        let env = policy
-            .profiles
-            .get(&ext.profile)
-            .map_or(0, |p| worker_env_bytes(&p.env));
+        let env = worker_env_bytes(&ext.profile.env);
         let stack = rustix::process::getrlimit(rustix::process::Resource::Stack).current;
         args::check_command(
             &tool.name,
@@ -811,7 +732,10 @@ impl Executor {
         tool: &Tool,
         o: &Outcome,
     ) -> Result<(ToolReply, Option<Map<String, Value>>), Stop> {
-        let protocol = tool.exec.as_ref().map_or(Protocol::Argv, |e| e.protocol);
+        let protocol = match &tool.kind {
+            ToolKind::External(e) => e.protocol,
+            ToolKind::Builtin(_) => Protocol::Argv,
+        };
         let stderr_tail = tail(&o.stderr.bytes, 2000);
         match o.end {
             End::Exited(0) => {}
@@ -970,139 +894,6 @@ fn link(from: &CancellationToken, to: &CancellationToken) -> tokio_util::sync::D
         }
     });
     stop.drop_guard()
-}
-
-/// Locks the workspace for this process: recovery treats every job dir in it as its own.
-pub fn lock_workspace(path: &std::path::Path) -> Result<std::fs::File, StartupError> {
-    lock(path, "workspace")
-}
-
-/// Creates (0700) and locks the state dir for this process: two daemons sharing one would
-/// lose each other's session commits.
-pub fn lock_state_dir(path: &std::path::Path) -> Result<std::fs::File, StartupError> {
-    crate::fsutil::create_private_dir(path).map_err(|source| StartupError::StateDir {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    lock(path, "state dir")
-}
-
-fn lock(path: &std::path::Path, what: &'static str) -> Result<std::fs::File, StartupError> {
-    use crate::fsutil::LockError;
-    crate::fsutil::lock_dir(path).map_err(|e| match e {
-        LockError::Held => StartupError::Busy {
-            what,
-            path: path.to_path_buf(),
-        },
-        source => StartupError::Lock {
-            what,
-            path: path.to_path_buf(),
-            source,
-        },
-    })
-}
-
-/// With worker uids, every directory from `/` to the workspace root must be searchable by
-/// other users: a worker reaches its staging dir and its inputs by absolute path.
-fn check_reachable_by_workers(workspace: &std::path::Path) -> Result<(), StartupError> {
-    use std::os::unix::fs::PermissionsExt;
-    let abs = std::fs::canonicalize(workspace).map_err(|source| StartupError::Workspace {
-        path: workspace.to_path_buf(),
-        source,
-    })?;
-    for dir in abs.ancestors() {
-        let mode = std::fs::metadata(dir)
-            .map_err(|source| StartupError::Workspace {
-                path: dir.to_path_buf(),
-                source,
-            })?
-            .permissions()
-            .mode();
-        if mode & 0o001 == 0 {
-            return Err(StartupError::Unreachable {
-                workspace: abs.clone(),
-                dir: dir.to_path_buf(),
-                mode: mode & 0o7777,
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Kills every process the workers of a previous run left (registry records, the reserved
-/// uid range when workers had their own uids, leftover worker cgroups), then returns the
-/// registry for this run.
-pub fn sweep_leftovers(
-    d: &crate::policy::DaemonConfig,
-    uids: Option<(u32, u32)>,
-) -> Result<Registry, StartupError> {
-    let registry = Registry::open(&d.state_dir.join("workers")).map_err(StartupError::Registry)?;
-    let mut lines = registry.sweep(uids);
-    if let Some(cg) = &d.cgroup {
-        lines.extend(crate::sandbox::sweep_cgroups(cg));
-    }
-    for line in &lines {
-        tracing::warn!("startup: {line}");
-    }
-    Ok(registry)
-}
-
-/// Refuses a state dir or a socket inside the workspace (symlinks resolved, whether they
-/// exist yet or not): a tool could publish over them.
-pub fn check_layout(
-    workspace: &std::path::Path,
-    state_dir: &std::path::Path,
-    socket: Option<&std::path::Path>,
-) -> Result<(), StartupError> {
-    let resolve = |p: &std::path::Path| {
-        crate::fsutil::resolve_lenient(p).map_err(|source| StartupError::Resolve {
-            path: p.to_path_buf(),
-            source,
-        })
-    };
-    let ws = resolve(workspace)?;
-    let state = resolve(state_dir)?;
-    if ws.starts_with(&state) {
-        return Err(StartupError::InsideWorkspace {
-            what: "workspace",
-            path: ws,
-            workspace: state,
-        });
-    }
-    let mut others = vec![("state dir", state_dir)];
-    if let Some(s) = socket {
-        others.push(("socket", s));
-    }
-    for (what, p) in others {
-        let r = resolve(p)?;
-        if r.starts_with(&ws) {
-            return Err(StartupError::InsideWorkspace {
-                what,
-                path: if r.as_path() == p {
-                    r
-                } else {
-                    PathBuf::from(format!("{} (resolved: {})", p.display(), r.display()))
-                },
-                workspace: ws,
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Brings every leftover job dir to all-old or all-new before serving.
-pub fn recover(
-    workspace: &Workspace,
-    sessions: &SessionStore,
-) -> Result<Vec<publish::Recovered>, StartupError> {
-    let done = publish::recover(workspace.root(), &|s, j| {
-        sessions.committed(s, j).map_err(|e| e.to_string())
-    })
-    .map_err(|e| StartupError::Recovery(e.to_string()))?;
-    for r in &done {
-        tracing::info!(job = %r.job, "recovery: {}", r.action);
-    }
-    Ok(done)
 }
 
 /// Counts a call out of `in_flight` however it ends (cancellation drops the future).

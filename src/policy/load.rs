@@ -57,7 +57,7 @@ pub fn load(dir: &Path) -> Result<Policy, PolicyErrors> {
     let mut profiles = BTreeMap::new();
     for path in toml_files(&mut cx, &dir.join("profiles")) {
         if let Some(p) = load_profile(&mut cx, &path) {
-            profiles.insert(p.name.clone(), p);
+            profiles.insert(p.name.clone(), std::sync::Arc::new(p));
         }
     }
     let mut tools = super::builtins();
@@ -488,14 +488,6 @@ struct RawEnv {
     set: BTreeMap<String, String>,
 }
 
-/// The errno names a profile may use for filtered syscalls.
-pub const ERRNOS: &[(&str, i32)] = &[
-    ("EPERM", libc::EPERM),
-    ("EACCES", libc::EACCES),
-    ("ENOSYS", libc::ENOSYS),
-    ("EINVAL", libc::EINVAL),
-];
-
 fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
     let name = path.file_stem()?.to_string_lossy().into_owned();
     let text = cx.read(path)?;
@@ -545,7 +537,7 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
     let seccomp = match raw.seccomp {
         Some(s) => {
             let errno = s.errno.map(|e| {
-                if !ERRNOS.iter().any(|(n, _)| n == e.get_ref()) {
+                if crate::syscalls::errno_number(e.get_ref()).is_none() {
                     cx.at(
                         path,
                         &text,
@@ -576,7 +568,7 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
                 }
             }
             for sc in &names {
-                if crate::sandbox::syscall_known(sc.get_ref()).is_none() {
+                if crate::syscalls::syscall_number(sc.get_ref()).is_none() {
                     cx.at(
                         path,
                         &text,
@@ -725,7 +717,11 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 type LoadedTool = (Tool, std::ops::Range<usize>, String);
 
-fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> Option<LoadedTool> {
+fn load_tool(
+    cx: &mut Cx,
+    path: &Path,
+    profiles: &BTreeMap<String, std::sync::Arc<Profile>>,
+) -> Option<LoadedTool> {
     let text = cx.read(path)?;
     let raw: RawTool = cx.parse(path, &text)?;
     let before = cx.diags.len();
@@ -875,7 +871,8 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
         None => "default".to_string(),
         Some(p) => p.get_ref().clone(),
     };
-    if !profiles.contains_key(&profile) {
+    let resolved = profiles.get(&profile).cloned();
+    if resolved.is_none() {
         let span = raw.profile.as_ref().map_or(raw.name.span(), |p| p.span());
         let known: Vec<&str> = profiles.keys().map(String::as_str).collect();
         cx.at(
@@ -901,13 +898,12 @@ fn load_tool(cx: &mut Cx, path: &Path, profiles: &BTreeMap<String, Profile>) -> 
         title,
         description: raw.description.unwrap_or_default(),
         capability: raw.capability,
-        exec: Some(ExternalTool {
+        kind: ToolKind::External(ExternalTool {
             command,
             protocol: raw.protocol.unwrap_or(Protocol::Argv),
             timeout,
-            profile,
+            profile: resolved?,
         }),
-        builtin: None,
         params,
         annotations,
         source: Some(path.to_path_buf()),

@@ -6,7 +6,7 @@
 mod load;
 mod model;
 
-pub use load::{load, parse_duration, parse_size, placeholders, Diagnostic, PolicyErrors, ERRNOS};
+pub use load::{load, parse_duration, parse_size, placeholders, Diagnostic, PolicyErrors};
 pub use model::*;
 
 use std::collections::BTreeMap;
@@ -41,8 +41,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
             title: Some(title.to_string()),
             description: description.to_string(),
             capability,
-            exec: None,
-            builtin: Some(builtin),
+            kind: ToolKind::Builtin(builtin),
             params: params
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
@@ -105,7 +104,8 @@ impl Tool {
     /// Whether the call takes the implicit `session` argument (every write tool but
     /// `session_create`, which names its new session with `id`).
     pub fn takes_session(&self) -> bool {
-        self.capability == Capability::Write && self.builtin != Some(Builtin::SessionCreate)
+        self.capability == Capability::Write
+            && !matches!(self.kind, ToolKind::Builtin(Builtin::SessionCreate))
     }
 
     /// The JSON Schema of the tool's arguments, as `tools/list` shows it.
@@ -162,7 +162,11 @@ impl Tool {
             }),
             &["id", "version", "state"],
         );
-        let schema = match (self.builtin, self.capability) {
+        let builtin = match &self.kind {
+            ToolKind::Builtin(b) => Some(*b),
+            ToolKind::External(_) => None,
+        };
+        let schema = match (builtin, self.capability) {
             (Some(Builtin::SessionCreate | Builtin::SessionGet), _) => snapshot,
             (Some(Builtin::SessionDestroy), _) => object(
                 json!({"id": {"type": "string"}, "destroyed": {"type": "boolean", "const": true}}),

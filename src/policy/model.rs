@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Everything the policy directory declares, validated.
@@ -9,7 +10,8 @@ use std::time::Duration;
 pub struct Policy {
     pub dir: PathBuf,
     pub daemon: DaemonConfig,
-    pub profiles: BTreeMap<String, Profile>,
+    /// Shared with the tools that use them: a tool holds its profile, not its name.
+    pub profiles: BTreeMap<String, Arc<Profile>>,
     pub tools: BTreeMap<String, Tool>,
 }
 
@@ -260,13 +262,19 @@ pub struct Tool {
     pub title: Option<String>,
     pub description: String,
     pub capability: Capability,
-    /// `None` for built-in tools.
-    pub exec: Option<ExternalTool>,
-    pub builtin: Option<Builtin>,
+    /// Where the work happens: in the daemon or in a sandboxed worker.
+    pub kind: ToolKind,
     pub params: BTreeMap<String, Param>,
     pub annotations: Annotations,
     /// The file it was declared in (None for built-ins).
     pub source: Option<PathBuf>,
+}
+
+/// A tool is exactly one of these: a built-in has no command, an external tool no built-in.
+#[derive(Debug, Clone)]
+pub enum ToolKind {
+    Builtin(Builtin),
+    External(ExternalTool),
 }
 
 #[derive(Debug, Clone)]
@@ -274,7 +282,9 @@ pub struct ExternalTool {
     pub command: Vec<String>,
     pub protocol: Protocol,
     pub timeout: Duration,
-    pub profile: String,
+    /// The profile, resolved at load: a tool cannot name a profile the policy lacks, and a
+    /// call needs no lookup by name.
+    pub profile: Arc<Profile>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -86,18 +86,17 @@ fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
     Ok(())
 }
 
-/// Gives the (O_PATH) file `fd` to the daemon's euid and egid, then `mode`. chmod goes
-/// through `/proc/self/fd`, since fchmod refuses O_PATH descriptors and the file may not be
-/// openable as it is (mode 0000 under an unprivileged daemon).
-fn seal(fd: BorrowedFd<'_>, mode: u32) -> Result<(), Errno> {
+/// Gives the (O_PATH) file `fd`, whose stat is `st`, to the daemon's euid and egid, then
+/// `mode`. chmod goes through `/proc/self/fd`, since fchmod refuses O_PATH descriptors and
+/// the file may not be openable as it is (mode 0000 under an unprivileged daemon). A file
+/// the daemon already owns (a worker under the daemon's uid) is not chowned: the shipped
+/// unit denies chown altogether (`SystemCallFilter=~@privileged`).
+fn seal(fd: BorrowedFd<'_>, st: &rustix::fs::Stat, mode: u32) -> Result<(), Errno> {
     use std::os::fd::AsRawFd;
-    rustix::fs::chownat(
-        fd,
-        "",
-        Some(rustix::process::geteuid()),
-        Some(rustix::process::getegid()),
-        AtFlags::EMPTY_PATH,
-    )?;
+    let (euid, egid) = (rustix::process::geteuid(), rustix::process::getegid());
+    if (st.st_uid, st.st_gid) != (euid.as_raw(), egid.as_raw()) {
+        rustix::fs::chownat(fd, "", Some(euid), Some(egid), AtFlags::EMPTY_PATH)?;
+    }
     rustix::fs::chmod(
         format!("/proc/self/fd/{}", fd.as_raw_fd()),
         Mode::from_raw_mode(mode & 0o755),
@@ -416,7 +415,9 @@ impl Job {
                 .get(i)
                 .copied()
                 .unwrap_or(crate::policy::DEFAULT_OUTPUT_MODE);
-            mutate("publish.seal_output", &staged, || seal(pfd.as_fd(), mode))?;
+            mutate("publish.seal_output", &staged, || {
+                seal(pfd.as_fd(), &st, mode)
+            })?;
             let fd = open_beneath(slot_fd.as_fd(), name, OFlags::RDONLY | OFlags::NONBLOCK)
                 .map_err(|e| io("open staged output", &staged, e))?;
             let st2 =

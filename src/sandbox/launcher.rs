@@ -513,7 +513,14 @@ fn drop_capabilities() -> Result<(), Failure> {
     let step = "capabilities";
     let setpcap = has_setpcap()?;
     sys::ambient_clear().map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_CLEAR_ALL", e))?;
-    sys::capset_empty().map_err(|e| Failure::io(step, "capset", e))?;
+    // A daemon that holds no capabilities (the shipped unit: none, and capset denied by its
+    // SystemCallFilter=~@privileged) has nothing to drop: capset is skipped, and the sets
+    // are still read back below.
+    let (effective, permitted, inheritable) =
+        sys::capget().map_err(|e| Failure::io(step, "capget", e))?;
+    if effective | permitted | inheritable != 0 {
+        sys::capset_empty().map_err(|e| Failure::io(step, "capset", e))?;
+    }
 
     let (effective, permitted, inheritable) =
         sys::capget().map_err(|e| Failure::io(step, "capget", e))?;

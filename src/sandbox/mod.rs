@@ -29,7 +29,6 @@ mod process;
 mod progress;
 mod seccomp;
 mod sys;
-mod syscall_table;
 mod wire;
 
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -71,7 +70,7 @@ pub struct Launch {
     pub writable: Vec<PathBuf>,
     /// Files and directories of this call the worker may read (its `input` parameters).
     pub readable: Vec<PathBuf>,
-    pub profile: Profile,
+    pub profile: std::sync::Arc<Profile>,
     /// A delegated cgroup v2 directory; the worker gets its own child cgroup in it.
     pub cgroup_parent: Option<PathBuf>,
     /// Names the worker's cgroup and log lines.
@@ -691,9 +690,4 @@ async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
 pub fn init_daemon() -> Result<(), SandboxError> {
     process::start_reaper()
         .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))
-}
-
-/// The syscall number of `name` on this architecture, if it has one.
-pub fn syscall_known(name: &str) -> Option<i64> {
-    seccomp::syscall_number(name)
 }

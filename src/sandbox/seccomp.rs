@@ -31,9 +31,8 @@ use seccompiler::{
     SeccompFilter, SeccompRule, TargetArch,
 };
 
-use crate::policy::{Profile, SeccompMode, ERRNOS};
-
-use super::syscall_table::SYSCALLS;
+use crate::policy::{Profile, SeccompMode};
+pub(crate) use crate::syscalls::{errno_number, syscall_number};
 
 /// Why the filters could not be built from a profile.
 #[derive(Debug, thiserror::Error)]
@@ -56,22 +55,9 @@ pub enum SeccompError {
     },
 }
 
-/// The syscall number of `name` on the architecture this binary is built for.
-pub fn syscall_number(name: &str) -> Option<i64> {
-    SYSCALLS
-        .iter()
-        .find(|(n, _)| n.strip_prefix("SYS_") == Some(name))
-        .map(|&(_, nr)| nr)
-}
-
 fn target_arch() -> Result<TargetArch, SeccompError> {
     TargetArch::try_from(std::env::consts::ARCH)
         .map_err(|_| SeccompError::UnsupportedArch(std::env::consts::ARCH))
-}
-
-/// The errno number of an `E...` name the policy accepts.
-pub(crate) fn errno_number(name: &str) -> Option<i32> {
-    ERRNOS.iter().find(|(n, _)| *n == name).map(|&(_, e)| e)
 }
 
 /// Always EPERM: leaving the process group (or session) would take a process out of reach
@@ -501,6 +487,7 @@ pub(crate) fn decode(program: &[(u16, u8, u8, u32)]) -> BpfProgram {
 mod tests {
     use super::*;
     use crate::policy::{EnvProfile, LandlockProfile, Limits, SeccompProfile};
+    use crate::syscalls::SYSCALLS;
 
     pub(crate) fn profile(mode: SeccompMode, syscalls: &[&str], network: bool) -> Profile {
         Profile {

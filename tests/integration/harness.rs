@@ -37,6 +37,9 @@ pub struct Daemon {
     /// With `user`: capabilities (setpriv names, e.g. "setuid,kill") the daemon keeps as
     /// ambient ones, as systemd's `AmbientCapabilities=` would give them.
     pub ambient_caps: Option<String>,
+    /// A command the daemon runs under (e.g. `systemd/unit-filter UNIT --`): it comes
+    /// right before the binary, after the uid switch when `user` is set.
+    pub wrap: Vec<String>,
 }
 
 pub type Client = RunningService<RoleClient, ()>;
@@ -73,6 +76,7 @@ impl Daemon {
             env: Vec::new(),
             user: None,
             ambient_caps: None,
+            wrap: Vec::new(),
         }
     }
 
@@ -120,11 +124,18 @@ impl Daemon {
                     caps[0].clone(),
                     caps[1].clone(),
                     "--".to_string(),
-                    BIN.to_string(),
                 ]);
+                c.args(&self.wrap).arg(BIN);
                 c
             }
-            None => Command::new(BIN),
+            None => match self.wrap.split_first() {
+                Some((first, rest)) => {
+                    let mut c = Command::new(first);
+                    c.args(rest).arg(BIN);
+                    c
+                }
+                None => Command::new(BIN),
+            },
         };
         cmd.arg("serve")
             .arg("--policies")

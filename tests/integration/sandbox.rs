@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use crate::harness::*;
 
 /// A daemon with `run_sh` and `run_py`: write tools whose script is an argument.
-fn hostile_daemon() -> Daemon {
+pub fn hostile_daemon() -> Daemon {
     let d = Daemon::new();
     d.add_tool(
         "run_sh",

@@ -446,3 +446,214 @@ async fn recover_with_a_broken_policy_says_so_instead_of_going_on_silently() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The fields of `/proc/<pid>/status` named `keys`, e.g. `Uid:` or `CapEff:`.
+fn status_fields(pid: u32, keys: &[&str]) -> Vec<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    keys.iter()
+        .map(|k| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .unwrap_or_else(|| panic!("no {k} in /proc/{pid}/status"))
+                .trim()
+                .to_string()
+        })
+        .collect()
+}
+
+/// What `airlock.service` imposes that can be reproduced without systemd as PID 1: a user of
+/// its own with no capabilities at all, and the unit's SystemCallFilter= (with
+/// `~@privileged`: no capset, setuid, chown) and RestrictAddressFamilies=AF_UNIX, installed by
+/// `systemd/unit-filter` with libseccomp from the unit file itself. Under them the daemon
+/// picks the shared-uid tier, a write call publishes its file, and a hostile worker under the
+/// daemon's uid can neither signal the daemon, nor reach an abstract socket, nor change the
+/// metadata of what the daemon owns. (PrivateUsers= is not reproduced: no newuidmap here.)
+#[tokio::test]
+async fn the_shipped_units_restrictions_keep_the_sandbox_working() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::fs::PermissionsExt;
+    require_root();
+    let mut d = crate::sandbox::hostile_daemon();
+    crate::sandbox::give_to_nobody(&d);
+    d.user = Some((65534, 65534));
+    let systemd = repo().join("systemd");
+    d.wrap = vec![
+        systemd.join("unit-filter").display().to_string(),
+        systemd.join("airlock.service").display().to_string(),
+        "--".to_string(),
+    ];
+    d.start();
+    let pid = d.pid();
+    let f = status_fields(
+        pid,
+        &[
+            "Uid:",
+            "CapEff:",
+            "CapPrm:",
+            "CapAmb:",
+            "Seccomp:",
+            "NoNewPrivs:",
+        ],
+    );
+    assert!(f[0].starts_with("65534"), "{f:?}");
+    assert_eq!(
+        &f[1..],
+        [
+            "0000000000000000",
+            "0000000000000000",
+            "0000000000000000",
+            "2",
+            "1"
+        ],
+        "the daemon runs without capabilities, under the unit's filter"
+    );
+    assert!(
+        d.log_text()
+            .contains("workers run under the daemon's own uid"),
+        "{}",
+        d.log_text()
+    );
+    let c = d.client().await;
+    session(&c, "h").await;
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "h", "text": "under the unit", "out": "u/unit.txt"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}\n{}", d.log_text());
+    assert_eq!(d.read("u/unit.txt").as_deref(), Some("under the unit"));
+    assert_eq!(version(&c, "h").await, 1);
+
+    // Hostile worker, same uid as the daemon: Landlock's signal scope stops kill.
+    let sh = |script: String| {
+        let c = &c;
+        async move { call(c, "run_sh", json!({"session": "h", "script": script})).await }
+    };
+    let r = sh(format!(
+        "kill -TERM {pid} 2>&1; kill -KILL {pid} 2>&1; kill -0 {pid} 2>&1; echo end"
+    ))
+    .await;
+    assert_eq!(
+        text(&r).matches("Operation not permitted").count(),
+        3,
+        "{r}"
+    );
+    // Landlock's abstract-socket scope: a listener outside the worker's domain is unreachable.
+    let name = format!("airlock-unit-test-{}", std::process::id());
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).expect("name");
+    let listener = UnixListener::bind_addr(&addr).expect("bind abstract");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let r = call(
+        &c,
+        "run_py",
+        json!({"session": "h", "code": format!(
+            "import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect('\\0{name}')\n    print('CONNECTED')\nexcept OSError as e:\n    print('denied', e.errno)\n"
+        )}),
+    )
+    .await;
+    assert!(text(&r).contains("denied 1"), "{r}");
+    assert!(
+        listener.accept().is_err(),
+        "the worker reached the abstract socket"
+    );
+    // Metadata of what the daemon owns: the shared-uid seccomp tier denies it.
+    let sock_mode = std::fs::metadata(&d.socket)
+        .expect("socket")
+        .permissions()
+        .mode();
+    let published = d.workspace.join("u/unit.txt");
+    let r = sh(format!(
+        "chmod 777 '{}' 2>&1; chmod 666 '{}' 2>&1; echo end",
+        d.socket.display(),
+        published.display()
+    ))
+    .await;
+    assert_eq!(
+        text(&r).matches("Operation not permitted").count(),
+        2,
+        "{r}"
+    );
+    assert_eq!(
+        std::fs::metadata(&d.socket)
+            .expect("socket")
+            .permissions()
+            .mode(),
+        sock_mode
+    );
+    assert_eq!(
+        std::fs::metadata(&published)
+            .expect("published")
+            .permissions()
+            .mode()
+            & 0o7777,
+        0o644
+    );
+    assert!(d
+        .child
+        .as_mut()
+        .expect("child")
+        .try_wait()
+        .expect("wait")
+        .is_none());
+    assert_eq!(d.read("u/unit.txt").as_deref(), Some("under the unit"));
+    assert!(!d.log_text().contains("panicked"), "{}", d.log_text());
+}
+
+/// The opt-in drop-in `airlock.service.d/uid-separation.conf` on top of the unit: the six
+/// ambient capabilities it grants and the filter it sets again (capset, setresuid, chown
+/// allowed) let the daemon run each worker under a uid of its own; the worker keeps no
+/// capability and its output is published as the daemon's.
+#[tokio::test]
+async fn the_uid_separation_drop_in_gives_workers_their_own_uid() {
+    use std::os::unix::fs::MetadataExt;
+    require_root();
+    let mut d = crate::sandbox::hostile_daemon();
+    crate::sandbox::give_to_nobody(&d);
+    d.user = Some((65534, 65534));
+    d.ambient_caps = Some("setuid,setgid,chown,fowner,dac_override,kill".into());
+    crate::uid_separation::daemon_setting(
+        &d,
+        "worker_user = \"separate\"\nworker_uids = \"62700-62763\"",
+    );
+    let systemd = repo().join("systemd");
+    d.wrap = vec![
+        systemd.join("unit-filter").display().to_string(),
+        systemd.join("airlock.service").display().to_string(),
+        systemd
+            .join("airlock.service.d/uid-separation.conf")
+            .display()
+            .to_string(),
+        "--".to_string(),
+    ];
+    d.start();
+    let f = status_fields(d.pid(), &["Seccomp:", "CapEff:"]);
+    assert_eq!(f[0], "2", "the daemon runs under the unit's filter");
+    assert_ne!(f[1], "0000000000000000", "the drop-in's capabilities");
+    let c = d.client().await;
+    session(&c, "h").await;
+    let r = call(
+        &c,
+        "run_sh",
+        json!({"session": "h", "out": "who.txt",
+               "script": "grep -E '^(Uid|CapEff):' /proc/self/status > \"$1\""}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}\n{}", d.log_text());
+    let who = d.read("who.txt").expect("who.txt");
+    let uid: u32 = who
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{who}"));
+    assert!((62700..=62763).contains(&uid), "the worker ran as {uid}");
+    assert!(who.contains("CapEff:\t0000000000000000"), "{who}");
+    let meta = std::fs::metadata(d.workspace.join("who.txt")).expect("who.txt");
+    assert_eq!(
+        (meta.uid(), meta.gid()),
+        (65534, 65534),
+        "published as the daemon's"
+    );
+}

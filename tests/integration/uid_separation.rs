@@ -85,7 +85,7 @@ required = false
 
 /// Sets `key = value` lines in `[daemon]` of the daemon's airlock.toml (its last table),
 /// replacing a key that is already set.
-fn daemon_setting(d: &Daemon, lines: &str) {
+pub fn daemon_setting(d: &Daemon, lines: &str) {
     let p = d.policies.join("airlock.toml");
     let mut t = std::fs::read_to_string(&p).expect("airlock.toml");
     for line in lines.lines() {

@@ -1,4 +1,7 @@
-//! Syscall names to numbers for the architectures the seccomp filters are built for.
+//! Kernel names a policy may use and the sandbox compiles: syscall names to numbers for the
+//! architectures the seccomp filters are built for, and the errno names a filtered syscall
+//! may return. One module that both `policy` (which checks and resolves the names at load)
+//! and `sandbox` (which builds the filters) import, so neither depends on the other for it.
 //!
 //! Most numbers come from `libc::SYS_*`, so the compiler checks each name against the C
 //! library's tables; syscalls newer than the `libc` release in use are listed with their
@@ -13,7 +16,7 @@ macro_rules! table {
 /// `("SYS_name", number)` for every syscall of x86_64, in no particular order.
 #[cfg(target_arch = "x86_64")]
 #[rustfmt::skip]
-pub(crate) static SYSCALLS: &[(&str, i64)] = table!(
+pub static SYSCALLS: &[(&str, i64)] = table!(
     [
         SYS__sysctl, SYS_accept, SYS_accept4, SYS_access, SYS_acct, SYS_add_key, SYS_adjtimex,
         SYS_afs_syscall, SYS_alarm, SYS_arch_prctl, SYS_bind, SYS_bpf, SYS_brk, SYS_capget,
@@ -94,7 +97,7 @@ pub(crate) static SYSCALLS: &[(&str, i64)] = table!(
 /// `("SYS_name", number)` for every syscall of aarch64, in no particular order.
 #[cfg(target_arch = "aarch64")]
 #[rustfmt::skip]
-pub(crate) static SYSCALLS: &[(&str, i64)] = table!(
+pub static SYSCALLS: &[(&str, i64)] = table!(
     [
         SYS_accept, SYS_accept4, SYS_acct, SYS_add_key, SYS_adjtimex, SYS_bind, SYS_bpf, SYS_brk,
         SYS_capget, SYS_capset, SYS_chdir, SYS_chroot, SYS_clock_adjtime, SYS_clock_getres,
@@ -165,4 +168,25 @@ pub(crate) static SYSCALLS: &[(&str, i64)] = table!(
 
 /// No table on other architectures: every name is unknown there.
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-pub(crate) static SYSCALLS: &[(&str, i64)] = &[];
+pub static SYSCALLS: &[(&str, i64)] = &[];
+
+/// The syscall number of `name` (without `SYS_`) on this architecture, if it has one.
+pub fn syscall_number(name: &str) -> Option<i64> {
+    SYSCALLS
+        .iter()
+        .find(|(n, _)| n.strip_prefix("SYS_") == Some(name))
+        .map(|&(_, nr)| nr)
+}
+
+/// The errno names a profile may use for filtered syscalls.
+pub const ERRNOS: &[(&str, i32)] = &[
+    ("EPERM", libc::EPERM),
+    ("EACCES", libc::EACCES),
+    ("ENOSYS", libc::ENOSYS),
+    ("EINVAL", libc::EINVAL),
+];
+
+/// The errno number of an `E...` name the policy accepts.
+pub fn errno_number(name: &str) -> Option<i32> {
+    ERRNOS.iter().find(|(n, _)| *n == name).map(|&(_, e)| e)
+}

@@ -1,0 +1,268 @@
+//! The one startup path of `airlock serve` and `airlock recover`: create the dirs, check
+//! their layout, lock the workspace and the state dir, open them, decide the worker
+//! identities, kill what a dead daemon's workers left, and bring every leftover job dir to
+//! all-old or all-new. `serve` hands the result to [`crate::exec::Executor::start`];
+//! `recover` prints what recovery did and exits.
+
+use std::path::{Path, PathBuf};
+
+use crate::policy::DaemonConfig;
+use crate::publish::{self, Workspace};
+use crate::sandbox::{Identities, Registry};
+use crate::session::{SessionError, SessionStore};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error("cannot create the workspace {path}: {source}")]
+    Workspace {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot open the workspace: {0}")]
+    OpenWorkspace(#[from] publish::PublishError),
+    #[error("cannot open the session store: {0}")]
+    Sessions(#[from] SessionError),
+    #[error("startup recovery failed: {0}")]
+    Recovery(String),
+    #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
+    Busy { what: &'static str, path: PathBuf },
+    #[error("{path}: cannot lock the {what}: {source}")]
+    Lock {
+        what: &'static str,
+        path: PathBuf,
+        source: crate::fsutil::LockError,
+    },
+    #[error("cannot create the state dir {path}: {source}")]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "workers run under uids of their own and cannot reach the workspace {workspace}: \
+         {dir} is not searchable by other users (mode {mode:04o}); make it searchable \
+         (chmod o+x), move the workspace, or set worker_user = \"daemon\""
+    )]
+    Unreachable {
+        workspace: PathBuf,
+        dir: PathBuf,
+        mode: u32,
+    },
+    #[error("worker identities: {0}")]
+    Identity(#[from] crate::sandbox::IdentityError),
+    #[error("cannot open the worker registry: {0}")]
+    Registry(std::io::Error),
+    #[error("cannot resolve {path}: {source}")]
+    Resolve {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The state dir or the socket is inside the workspace, where a tool could publish over
+    /// it (a forged session file, say).
+    #[error("the {what} {path} is inside {workspace}; keep the workspace, the state dir and the socket apart (workspace, state_dir and socket in airlock.toml, or --workspace / --state-dir / --socket)")]
+    InsideWorkspace {
+        what: &'static str,
+        path: PathBuf,
+        workspace: PathBuf,
+    },
+}
+
+/// What the startup path holds when it is done: the locks (held as long as this lives), the
+/// opened workspace and store, who workers run as, the worker registry, and what recovery did.
+pub struct Opened {
+    pub workspace_lock: std::fs::File,
+    pub state_lock: std::fs::File,
+    pub workspace: Workspace,
+    pub sessions: SessionStore,
+    pub identities: Identities,
+    pub registry: Registry,
+    pub recovered: Vec<publish::Recovered>,
+}
+
+/// Who runs the startup path; the steps are the same, these are the differences.
+#[derive(Debug, Clone, Copy)]
+pub enum Purpose<'a> {
+    /// `airlock serve`: creates a missing workspace, keeps `socket` out of it, and fails if
+    /// the worker identities cannot be had or workers could not reach the workspace.
+    Serve { socket: &'a Path },
+    /// `airlock recover`: serves no call, so worker identities only say which uid range to
+    /// sweep; if they cannot be had (no privilege), only the registry's records are swept.
+    Recover,
+}
+
+/// Runs the startup path in its fixed order (each step says why it comes where it does).
+pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupError> {
+    let socket = match purpose {
+        Purpose::Serve { socket } => {
+            std::fs::create_dir_all(&d.workspace).map_err(|source| StartupError::Workspace {
+                path: d.workspace.clone(),
+                source,
+            })?;
+            Some(socket)
+        }
+        Purpose::Recover => None,
+    };
+    // Layout before locks: a state dir inside the workspace is refused before it is made.
+    check_layout(&d.workspace, &d.state_dir, socket)?;
+    let workspace_lock = lock_workspace(&d.workspace)?;
+    let state_lock = lock_state_dir(&d.state_dir)?;
+    let workspace = Workspace::open(&d.workspace)?;
+    let sessions = SessionStore::open(&d.state_dir)?;
+    let identities = match purpose {
+        Purpose::Serve { .. } => {
+            let ids = Identities::detect(d.worker_user, d.worker_uids, d.max_concurrent_calls)?;
+            if ids.range().is_some() {
+                check_reachable_by_workers(&d.workspace)?;
+            }
+            ids
+        }
+        Purpose::Recover => match Identities::detect(d.worker_user, d.worker_uids, 1) {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!("recover: {e}; sweeping the registry's records only");
+                Identities::Daemon
+            }
+        },
+    };
+    // Before recovery touches a job dir, nothing a dead daemon's workers left may run.
+    let registry = sweep_leftovers(d, identities.range())?;
+    let recovered = recover(&workspace, &sessions)?;
+    Ok(Opened {
+        workspace_lock,
+        state_lock,
+        workspace,
+        sessions,
+        identities,
+        registry,
+        recovered,
+    })
+}
+
+/// Locks the workspace for this process: recovery treats every job dir in it as its own.
+fn lock_workspace(path: &Path) -> Result<std::fs::File, StartupError> {
+    lock(path, "workspace")
+}
+
+/// Creates (0700) and locks the state dir for this process: two daemons sharing one would
+/// lose each other's session commits.
+fn lock_state_dir(path: &Path) -> Result<std::fs::File, StartupError> {
+    crate::fsutil::create_private_dir(path).map_err(|source| StartupError::StateDir {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    lock(path, "state dir")
+}
+
+fn lock(path: &Path, what: &'static str) -> Result<std::fs::File, StartupError> {
+    use crate::fsutil::LockError;
+    crate::fsutil::lock_dir(path).map_err(|e| match e {
+        LockError::Held => StartupError::Busy {
+            what,
+            path: path.to_path_buf(),
+        },
+        source => StartupError::Lock {
+            what,
+            path: path.to_path_buf(),
+            source,
+        },
+    })
+}
+
+/// With worker uids, every directory from `/` to the workspace root must be searchable by
+/// other users: a worker reaches its staging dir and its inputs by absolute path.
+fn check_reachable_by_workers(workspace: &Path) -> Result<(), StartupError> {
+    use std::os::unix::fs::PermissionsExt;
+    let abs = std::fs::canonicalize(workspace).map_err(|source| StartupError::Workspace {
+        path: workspace.to_path_buf(),
+        source,
+    })?;
+    for dir in abs.ancestors() {
+        let mode = std::fs::metadata(dir)
+            .map_err(|source| StartupError::Workspace {
+                path: dir.to_path_buf(),
+                source,
+            })?
+            .permissions()
+            .mode();
+        if mode & 0o001 == 0 {
+            return Err(StartupError::Unreachable {
+                workspace: abs.clone(),
+                dir: dir.to_path_buf(),
+                mode: mode & 0o7777,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Kills every process the workers of a previous run left (registry records, the reserved
+/// uid range when workers had their own uids, leftover worker cgroups), then returns the
+/// registry for this run.
+fn sweep_leftovers(d: &DaemonConfig, uids: Option<(u32, u32)>) -> Result<Registry, StartupError> {
+    let registry = Registry::open(&d.state_dir.join("workers")).map_err(StartupError::Registry)?;
+    let mut lines = registry.sweep(uids);
+    if let Some(cg) = &d.cgroup {
+        lines.extend(crate::sandbox::sweep_cgroups(cg));
+    }
+    for line in &lines {
+        tracing::warn!("startup: {line}");
+    }
+    Ok(registry)
+}
+
+/// Refuses a state dir or a socket inside the workspace (symlinks resolved, whether they
+/// exist yet or not): a tool could publish over them.
+fn check_layout(
+    workspace: &Path,
+    state_dir: &Path,
+    socket: Option<&Path>,
+) -> Result<(), StartupError> {
+    let resolve = |p: &Path| {
+        crate::fsutil::resolve_lenient(p).map_err(|source| StartupError::Resolve {
+            path: p.to_path_buf(),
+            source,
+        })
+    };
+    let ws = resolve(workspace)?;
+    let state = resolve(state_dir)?;
+    if ws.starts_with(&state) {
+        return Err(StartupError::InsideWorkspace {
+            what: "workspace",
+            path: ws,
+            workspace: state,
+        });
+    }
+    let mut others = vec![("state dir", state_dir)];
+    if let Some(s) = socket {
+        others.push(("socket", s));
+    }
+    for (what, p) in others {
+        let r = resolve(p)?;
+        if r.starts_with(&ws) {
+            return Err(StartupError::InsideWorkspace {
+                what,
+                path: if r.as_path() == p {
+                    r
+                } else {
+                    PathBuf::from(format!("{} (resolved: {})", p.display(), r.display()))
+                },
+                workspace: ws,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Brings every leftover job dir to all-old or all-new before serving.
+fn recover(
+    workspace: &Workspace,
+    sessions: &SessionStore,
+) -> Result<Vec<publish::Recovered>, StartupError> {
+    let done = publish::recover(workspace.root(), &|s, j| {
+        sessions.committed(s, j).map_err(|e| e.to_string())
+    })
+    .map_err(|e| StartupError::Recovery(e.to_string()))?;
+    for r in &done {
+        tracing::info!(job = %r.job, "recovery: {}", r.action);
+    }
+    Ok(done)
+}
