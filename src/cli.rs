@@ -357,6 +357,7 @@ fn recover(a: Dirs) -> i32 {
                 daemon: Default::default(),
                 profiles: Default::default(),
                 tools: Default::default(),
+                grants: Vec::new(),
             }
         }
         Err(e) => {

@@ -2,6 +2,7 @@
 //! wait, publish, commit, audit, respond. Every other module is a step this one calls.
 
 pub mod args;
+mod error;
 mod locks;
 #[cfg(test)]
 mod proptests;
@@ -17,9 +18,12 @@ use serde_json::{json, Map, Value};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+pub use error::{CallError, ErrorCode};
+
 use crate::audit::{Audit, CallRef, Principal};
+use crate::policy::redact::{self, Secrets};
 use crate::policy::{
-    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Tool,
+    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Right, Subject, Tool,
 };
 use crate::publish::{self, Job, JobSpec, Workspace};
 use crate::sandbox::{End, Identities, Launch, Outcome, Registry, Worker};
@@ -37,7 +41,7 @@ pub enum StartupError {
     #[error("cannot open the session store: {0}")]
     Sessions(#[from] SessionError),
     #[error("startup recovery failed: {0}")]
-    Recovery(String),
+    Recovery(#[source] publish::PublishError),
     #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
     Busy { what: &'static str, path: PathBuf },
     #[error("{path}: cannot lock the {what}: {source}")]
@@ -116,38 +120,22 @@ impl ToolReply {
             structured: Some(structured),
         }
     }
-
-    /// A tool fault: the text starts with the stable code, so callers and models can act.
-    pub fn fault(code: &str, message: impl std::fmt::Display) -> ToolReply {
-        ToolReply {
-            is_error: true,
-            content: vec![json!({"type": "text", "text": format!("{code}: {message}")})],
-            structured: Some(json!({"error": {"code": code, "message": message.to_string()}})),
-        }
-    }
 }
 
 /// Why a call ended without a result to publish; becomes a fault reply or no reply.
 enum Stop {
-    Fault(ToolReply),
+    Fault(CallError),
     Cancelled,
 }
 
-impl From<ToolReply> for Stop {
-    fn from(r: ToolReply) -> Stop {
-        Stop::Fault(r)
+impl<E: Into<CallError>> From<E> for Stop {
+    fn from(e: E) -> Stop {
+        Stop::Fault(e.into())
     }
 }
 
 fn session_fault(e: SessionError) -> Stop {
-    let code = match e {
-        SessionError::NotFound(_) => "NO_SUCH_SESSION",
-        SessionError::Destroyed(_) => "SESSION_DESTROYED",
-        SessionError::Exists(_) => "SESSION_EXISTS",
-        SessionError::BadId(_) => "INVALID_ARGUMENT",
-        SessionError::Io { .. } | SessionError::Corrupt { .. } => "STATE_ERROR",
-    };
-    Stop::Fault(ToolReply::fault(code, e))
+    Stop::Fault(e.into())
 }
 
 pub struct Executor {
@@ -256,11 +244,13 @@ impl Executor {
             .and_then(Value::as_str)
             .filter(|s| crate::session::valid_id(s))
             .map(str::to_string);
+        let secrets = Secrets::of(tool, &req.args);
         let call = CallRef {
             call: self.new_call_id(),
             tool: tool.name.clone(),
             session: session.clone().filter(|_| tool.takes_session()),
             principal: Some(req.principal.clone()),
+            secrets: secrets.clone(),
         };
         // Cancelled by the client's request or by the daemon's shutdown.
         // The client's cancellation reaches `cancel` synchronously (a child token), so the
@@ -268,28 +258,51 @@ impl Executor {
         let cancel = req.cancel.child_token();
         let _link = link(&self.shutdown, &cancel);
 
-        // 1. Authorize. Every local peer is allowed until grants exist.
+        // 1. Authorize: the principal's grants, then the owner of the session it names.
+        let gids = req.principal.gids();
+        let who = Subject {
+            uid: req.principal.uid,
+            gids: &gids,
+        };
+        let caller = Caller {
+            uid: who.uid,
+            admin: policy.holds(who, Right::Admin),
+        };
+        let named = session
+            .as_deref()
+            .filter(|_| tool.builtin != Some(Builtin::SessionCreate));
+        if let Err(e) = self.authorize(&policy, who, caller, tool, named) {
+            let reply = e.reply(&secrets);
+            self.audit.record(
+                &call,
+                "deny",
+                json!({"code": e.code().as_str(), "message": reply.structured.as_ref().map(|s| s["error"]["message"].clone())}),
+            );
+            return Reply::Result(reply);
+        }
         self.audit.record(
             &call,
             "allow",
-            json!({"capability": tool.capability.as_str()}),
+            json!({
+                "capability": tool.capability.as_str(),
+                "arguments": redact::redact(tool, &req.args),
+            }),
         );
         let outcome = match args::validate(tool, &req.args) {
-            Err(msg) => Err(ToolReply::fault("INVALID_ARGUMENT", msg).into()),
+            Err(e) => Err(e.into()),
             Ok(values) => match (tool.builtin, &tool.exec, tool.capability) {
-                (Some(b), _, _) => self.builtin(&call, b, &req.args, &cancel).await,
+                (Some(b), _, _) => self.builtin(&call, caller, b, &req.args, &cancel).await,
                 (None, Some(ext), Capability::Read) => {
                     self.run_read(&policy, &call, tool, ext, values, &cancel)
                         .await
                 }
                 (None, Some(ext), Capability::Write) => {
                     let id = session.unwrap_or_default();
-                    self.run_write(&policy, &call, tool, ext, &id, values, &cancel)
+                    self.run_write(&policy, &call, caller, tool, ext, &id, values, &cancel)
                         .await
                 }
-                (None, None, _) => Err(ToolReply::fault(
-                    "INTERNAL",
-                    "a tool with neither a command nor a built-in",
+                (None, None, _) => Err(CallError::Internal(
+                    "a tool with neither a command nor a built-in".into(),
                 )
                 .into()),
             },
@@ -306,7 +319,8 @@ impl Executor {
                 self.audit.record(&call, "done", detail);
                 Reply::Result(reply)
             }
-            Err(Stop::Fault(reply)) => {
+            Err(Stop::Fault(e)) => {
+                let reply = e.reply(&secrets);
                 let mut detail = reply.structured.clone().unwrap_or(Value::Null);
                 if too_late {
                     if let Some(o) = detail.as_object_mut() {
@@ -323,9 +337,38 @@ impl Executor {
         }
     }
 
+    /// Step 1 of every call: a grant of the principal's lets it call `tool`, and the
+    /// session the call names (if it exists or existed) is the principal's own, or the
+    /// principal holds `admin`. A session id never created passes: the call then fails with
+    /// `NO_SUCH_SESSION`, as it would for its owner.
+    fn authorize(
+        &self,
+        policy: &Policy,
+        who: Subject<'_>,
+        caller: Caller,
+        tool: &Tool,
+        session: Option<&str>,
+    ) -> Result<(), CallError> {
+        if !policy.may_call(who, tool) {
+            return Err(CallError::ToolForbidden {
+                tool: tool.name.clone(),
+                uid: who.uid,
+                right: Right::for_capability(tool.capability).as_str(),
+            });
+        }
+        if let Some(id) = session {
+            match self.sessions.owner(id) {
+                Ok(owner) => caller.check(id, owner)?,
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+
     async fn builtin(
         &self,
         call: &CallRef,
+        caller: Caller,
         b: Builtin,
         raw: &Map<String, Value>,
         cancel: &CancellationToken,
@@ -342,7 +385,10 @@ impl Executor {
                     .and_then(Value::as_object)
                     .cloned()
                     .unwrap_or_default();
-                let snap = self.sessions.create(&id, state).map_err(session_fault)?;
+                let snap = self
+                    .sessions
+                    .create(&id, state, caller.uid)
+                    .map_err(session_fault)?;
                 self.audit.record(
                     call,
                     "commit",
@@ -359,6 +405,8 @@ impl Executor {
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let guard = self.lock_session(id, cancel).await?;
+                // Checked again under the lock: the id may have been created since step 1.
+                caller.check(id, guard.snapshot().owner)?;
                 let snap = self.sessions.destroy(guard).map_err(session_fault)?;
                 self.audit.record(
                     call,
@@ -376,17 +424,20 @@ impl Executor {
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let snap = self.sessions.snapshot(id).map_err(session_fault)?;
+                caller.check(id, snap.owner)?;
                 Ok(ToolReply::ok(
                     serde_json::to_string(&snap_json(&snap)).unwrap_or_default(),
                     snap_json(&snap),
                 ))
             }
             Builtin::SessionList => {
+                // A principal sees its own sessions; `admin` sees every one.
                 let list: Vec<Value> = self
                     .sessions
                     .list()
                     .iter()
-                    .map(|s| json!({"id": s.id, "version": s.version}))
+                    .filter(|s| caller.admin || s.owner == Some(caller.uid))
+                    .map(|s| json!({"id": s.id, "version": s.version, "owner": s.owner}))
                     .collect();
                 let v = json!({"sessions": list});
                 Ok(ToolReply::ok(v.to_string(), v))
@@ -416,7 +467,10 @@ impl Executor {
             let (Some(role), Some(raw)) = (p.path, values.get(name).and_then(Value::as_str)) else {
                 continue;
             };
-            let rejected = |e| ToolReply::fault("PATH_REJECTED", format!("argument {name:?}: {e}"));
+            let rejected = |source| CallError::Path {
+                name: name.clone(),
+                source,
+            };
             let rel = self.workspace.resolve(raw, role).map_err(rejected)?;
             // Landlock grants an input with everything beneath it: no input may cover other
             // calls' job dirs or another filesystem.
@@ -472,6 +526,7 @@ impl Executor {
         &self,
         policy: &Policy,
         call: &CallRef,
+        caller: Caller,
         tool: &Tool,
         ext: &ExternalTool,
         session: &str,
@@ -485,10 +540,12 @@ impl Executor {
             .filter(|(_, role, _)| *role == PathRole::Output)
             .map(|(n, _, p)| (n.clone(), p.clone()))
             .collect();
-        args::check_overlap(&outputs).map_err(|m| ToolReply::fault("OVERLAPPING_OUTPUTS", m))?;
+        args::check_overlap(&outputs).map_err(CallError::Overlap)?;
 
         // 2. Lock: the session, then the output targets in sorted order.
         let guard = self.lock_session(session, cancel).await?;
+        // Checked again under the lock: the id may have been created since step 1.
+        caller.check(session, guard.snapshot().owner)?;
         let mut targets: Vec<PathBuf> = outputs.iter().map(|(_, p)| p.clone()).collect();
         targets.sort();
         let _target_guards = tokio::select! {
@@ -528,8 +585,7 @@ impl Executor {
                 .collect(),
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
         };
-        let mut job = Job::create(&self.workspace, spec)
-            .map_err(|e| ToolReply::fault("PUBLISH_FAILED", e))?;
+        let mut job = Job::create(&self.workspace, spec).map_err(CallError::Job)?;
         let root = self.workspace.root().to_path_buf();
         let bound = args::bind(&values, &paths, &root, Some(session), |i| {
             job.staged_path(i)
@@ -591,19 +647,18 @@ impl Executor {
                 self.sessions
                     .commit(&guard, state, &call.call)
                     .map(|snap| committed = Some(snap))
-                    .map_err(|e| e.to_string())
+                    .map_err(Into::into)
             })
         });
         if let Err(e) = published {
             self.audit
                 .record(call, "rollback", json!({"reason": e.to_string()}));
-            let what = match e {
-                publish::PublishError::RollbackFailed { .. } => {
-                    "the targets are restored by recovery at the next start"
-                }
-                _ => "every target was restored and the state is unchanged",
-            };
-            return Err(ToolReply::fault("PUBLISH_FAILED", format!("{e}; {what}")).into());
+            let restored = !matches!(e, publish::PublishError::RollbackFailed { .. });
+            return Err(CallError::Publish {
+                source: e,
+                restored,
+            }
+            .into());
         }
         let version = committed.as_ref().map_or(before.version, |s| s.version);
         self.audit.record(
@@ -632,7 +687,7 @@ impl Executor {
     fn lease(&self) -> Result<Option<crate::sandbox::Lease>, Stop> {
         self.identities
             .lease()
-            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e).into())
+            .map_err(|e| CallError::from(e).into())
     }
 
     /// Fails the call if the worker left more in staging than its profile allows.
@@ -643,13 +698,7 @@ impl Executor {
         let l = &profile.limits;
         tokio::task::block_in_place(|| job.check_staging(l.staging_files, l.staging_bytes))
             .map(drop)
-            .map_err(|e| {
-                let code = match e {
-                    publish::PublishError::StagingLimit { .. } => "TOOL_FAILED",
-                    _ => "PUBLISH_FAILED",
-                };
-                ToolReply::fault(code, e).into()
-            })
+            .map_err(|e| CallError::Staging(e).into())
     }
 
     async fn slot(
@@ -675,9 +724,10 @@ impl Executor {
         job_id: &str,
         identity: Option<crate::sandbox::Lease>,
     ) -> Result<Launch, Stop> {
-        let profile = policy.profiles.get(&ext.profile).ok_or_else(|| {
-            ToolReply::fault("INTERNAL", format!("unknown profile {}", ext.profile))
-        })?;
+        let profile = policy
+            .profiles
+            .get(&ext.profile)
+            .ok_or_else(|| CallError::Internal(format!("unknown profile {}", ext.profile)))?;
         Ok(Launch {
             argv: args::substitute(&ext.command, subst),
             cwd,
@@ -700,9 +750,7 @@ impl Executor {
         cancel: &CancellationToken,
         job: Option<&mut Job>,
     ) -> Result<Outcome, Stop> {
-        let worker = Worker::spawn(launch)
-            .await
-            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
+        let worker = Worker::spawn(launch).await.map_err(CallError::from)?;
         if let Some(job) = job {
             if let Err(e) = job.record_worker(worker.pid()) {
                 tracing::warn!(call = %call.call, "cannot journal the worker pid: {e}");
@@ -713,7 +761,7 @@ impl Executor {
         let outcome = worker
             .finish(timeout, cancel.clone())
             .await
-            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
+            .map_err(CallError::from)?;
         self.audit.record(
             call,
             "sandbox",
@@ -726,13 +774,10 @@ impl Executor {
                     "timeout",
                     json!({"after_ms": timeout.as_millis() as u64}),
                 );
-                Err(ToolReply::fault(
-                    "TOOL_TIMEOUT",
-                    format!(
-                        "{} did not finish within {:?}; its process group was killed and nothing was published",
-                        call.tool, timeout
-                    ),
-                )
+                Err(CallError::Timeout {
+                    tool: call.tool.clone(),
+                    after: timeout,
+                }
                 .into())
             }
             End::Cancelled => Err(Stop::Cancelled),
@@ -752,7 +797,7 @@ impl Executor {
         bound: &args::Bound,
         session: Option<&Snapshot>,
     ) -> Result<(), Stop> {
-        let invalid = |e: args::ArgError| Stop::from(ToolReply::fault("INVALID_ARGUMENT", e));
+        let invalid = Stop::from;
         let env = policy
             .profiles
             .get(&ext.profile)
@@ -794,23 +839,17 @@ impl Executor {
         match o.end {
             End::Exited(0) => {}
             End::Exited(code) => {
-                return Err(ToolReply::fault(
-                    "TOOL_FAILED",
-                    format!(
+                return Err(CallError::ToolFailed(format!(
                     "{} exited with status {code}; nothing was published; stderr: {stderr_tail}",
                     tool.name
-                ),
-                )
+                ))
                 .into())
             }
             End::Signaled(sig) => {
-                return Err(ToolReply::fault(
-                    "TOOL_FAILED",
-                    format!(
+                return Err(CallError::ToolFailed(format!(
                     "{} was killed by signal {sig}; nothing was published; stderr: {stderr_tail}",
                     tool.name
-                ),
-                )
+                ))
                 .into())
             }
             End::TimedOut | End::Cancelled => return Err(Stop::Cancelled),
@@ -830,15 +869,12 @@ impl Executor {
             }
             Protocol::Json => {
                 if o.stdout.truncated {
-                    return Err(ToolReply::fault(
-                        "TOOL_FAILED",
-                        format!(
-                            "{} wrote {} bytes to stdout, more than the cap of {}",
-                            tool.name,
-                            o.stdout.total,
-                            o.stdout.bytes.len()
-                        ),
-                    )
+                    return Err(CallError::ToolFailed(format!(
+                        "{} wrote {} bytes to stdout, more than the cap of {}",
+                        tool.name,
+                        o.stdout.total,
+                        o.stdout.bytes.len()
+                    ))
                     .into());
                 }
                 parse_json_response(&tool.name, &stdout).map_err(Stop::Fault)
@@ -853,23 +889,18 @@ impl Executor {
 fn parse_json_response(
     tool: &str,
     stdout: &str,
-) -> Result<(ToolReply, Option<Map<String, Value>>), ToolReply> {
+) -> Result<(ToolReply, Option<Map<String, Value>>), CallError> {
     let r = response::parse(stdout).map_err(|e| {
-        ToolReply::fault(
-            "TOOL_FAILED",
-            format!(
-                "{tool} returned an invalid JSON response: {e}; nothing was published and the \
-                 session is unchanged"
-            ),
-        )
+        CallError::ToolFailed(format!(
+            "{tool} returned an invalid JSON response: {e}; nothing was published and the \
+             session is unchanged"
+        ))
     })?;
     if r.is_error {
-        let mut reply = ToolReply::fault(
-            "TOOL_FAILED",
-            format!("{tool} reported an error; nothing was published"),
-        );
-        reply.content.extend(r.content);
-        return Err(reply);
+        return Err(CallError::ToolReported {
+            tool: tool.to_string(),
+            content: r.content,
+        });
     }
     Ok((
         ToolReply {
@@ -1074,13 +1105,35 @@ pub fn recover(
     sessions: &SessionStore,
 ) -> Result<Vec<publish::Recovered>, StartupError> {
     let done = publish::recover(workspace.root(), &|s, j| {
-        sessions.committed(s, j).map_err(|e| e.to_string())
+        sessions.committed(s, j).map_err(Into::into)
     })
-    .map_err(|e| StartupError::Recovery(e.to_string()))?;
+    .map_err(StartupError::Recovery)?;
     for r in &done {
         tracing::info!(job = %r.job, "recovery: {}", r.action);
     }
     Ok(done)
+}
+
+/// Who makes a call, as far as sessions are concerned.
+#[derive(Debug, Clone, Copy)]
+struct Caller {
+    uid: u32,
+    /// Holds `admin`: every session is its own.
+    admin: bool,
+}
+
+impl Caller {
+    /// Whether the caller may use session `id` of `owner` (`None`: recorded before owners
+    /// were, which only `admin` reaches).
+    fn check(self, id: &str, owner: Option<u32>) -> Result<(), CallError> {
+        if self.admin || owner == Some(self.uid) {
+            Ok(())
+        } else {
+            Err(CallError::SessionForbidden {
+                session: id.to_string(),
+            })
+        }
+    }
 }
 
 /// Counts a call out of `in_flight` however it ends (cancellation drops the future).
@@ -1108,6 +1161,6 @@ mod tests {
         assert!(parse_json_response("t", "not json").is_err());
         assert!(parse_json_response("t", r#"{"state": 3}"#).is_err());
         let e = parse_json_response("t", r#"{"isError": true, "content": []}"#).unwrap_err();
-        assert!(e.is_error);
+        assert_eq!(e.code(), ErrorCode::ToolFailed);
     }
 }
