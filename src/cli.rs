@@ -197,8 +197,14 @@ fn runtime() -> Option<tokio::runtime::Runtime> {
 
 /// Logs to stderr; `AIRLOCK_LOG` (a tracing filter such as `debug`) overrides the default.
 fn init_logging(format: LogFormat, default_filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
+    let mut filter = tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    // rmcp logs every request and response whole at debug level: a `secret = true`
+    // argument would reach the log unredacted. It stays at info whatever
+    // AIRLOCK_LOG says (the daemon's own events say what happened, secrets scrubbed).
+    if let Ok(cap) = "rmcp=info".parse() {
+        filter = filter.add_directive(cap);
+    }
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -277,10 +283,33 @@ fn policy_check(dir: &Path) -> i32 {
             }
         );
     }
+    println!("GRANT{:<17} CAPABILITIES{:<10} SUBJECTS", "", "");
+    for g in &policy.grants {
+        println!(
+            "{:<22} {:<22} {}{}",
+            g.origin,
+            g.rights
+                .iter()
+                .map(|r| r.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            g.subjects.join(", "),
+            g.tools
+                .as_ref()
+                .map_or(String::new(), |t| format!(
+                    " (tools: {})",
+                    t.iter().cloned().collect::<Vec<_>>().join(", ")
+                ))
+        );
+    }
+    if policy.grants.is_empty() {
+        println!("(no [[grant]]: no principal may call anything)");
+    }
     println!(
-        "ok: {} tools, {} profiles",
+        "ok: {} tools, {} profiles, {} grants",
         policy.tools.len(),
-        policy.profiles.len()
+        policy.profiles.len(),
+        policy.grants.len()
     );
     0
 }
@@ -302,6 +331,25 @@ fn policy_explain(dir: &Path, name: &str) -> i32 {
             .as_ref()
             .map_or("built-in".into(), |p| p.display().to_string())
     );
+    let need = policy::Right::for_capability(tool.capability);
+    let who: Vec<&policy::Grant> = policy
+        .grants
+        .iter()
+        .filter(|g| {
+            g.rights.contains(&need) && g.tools.as_ref().is_none_or(|t| t.contains(&tool.name))
+        })
+        .collect();
+    if who.is_empty() {
+        println!("  who may call it: nobody (no [[grant]] gives {:?} for it)", need.as_str());
+    } else {
+        println!("  who may call it ({:?} capability):", need.as_str());
+        for g in who {
+            println!("    {} ({})", g.subjects.join(", "), g.origin);
+        }
+    }
+    if tool.takes_session() || tool.builtin == Some(policy::Builtin::SessionGet) {
+        println!("  sessions: only the session's creator, or a principal with \"admin\"");
+    }
     let Some(ext) = &tool.exec else {
         println!("  runs inside the daemon: no worker, no sandbox");
         return 0;
@@ -316,6 +364,10 @@ fn policy_explain(dir: &Path, name: &str) -> i32 {
         match p.path {
             Some(policy::PathRole::Input) => println!("  param {n}: workspace path, readable by the worker"),
             Some(policy::PathRole::Output) => println!("  param {n}: workspace path, written to a private staging dir, published on success"),
+            None if p.secret => println!(
+                "  param {n}: {} value, secret (redacted in audit events, logs and errors)",
+                p.ty.as_str()
+            ),
             None => println!("  param {n}: {} value", p.ty.as_str()),
         }
     }
