@@ -200,10 +200,16 @@ fn init_logging(format: LogFormat, default_filter: &str) {
     let mut filter = tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     // rmcp logs every request and response whole at debug level: a `secret = true`
-    // argument would reach the log unredacted. It stays at info whatever
-    // AIRLOCK_LOG says (the daemon's own events say what happened, secrets scrubbed).
-    if let Ok(cap) = "rmcp=info".parse() {
-        filter = filter.add_directive(cap);
+    // argument would reach the log unredacted. It is capped at info whatever AIRLOCK_LOG
+    // says (the daemon's own events say what happened, secrets scrubbed); a filter that
+    // logs nothing above info needs no cap, and gets none (a cap would raise rmcp to info).
+    let verbose = filter
+        .max_level_hint()
+        .is_none_or(|l| l > tracing_subscriber::filter::LevelFilter::INFO);
+    if verbose {
+        if let Ok(cap) = "rmcp=info".parse() {
+            filter = filter.add_directive(cap);
+        }
     }
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -294,12 +300,10 @@ fn policy_check(dir: &Path) -> i32 {
                 .collect::<Vec<_>>()
                 .join(","),
             g.subjects.join(", "),
-            g.tools
-                .as_ref()
-                .map_or(String::new(), |t| format!(
-                    " (tools: {})",
-                    t.iter().cloned().collect::<Vec<_>>().join(", ")
-                ))
+            g.tools.as_ref().map_or(String::new(), |t| format!(
+                " (tools: {})",
+                t.iter().cloned().collect::<Vec<_>>().join(", ")
+            ))
         );
     }
     if policy.grants.is_empty() {
@@ -340,7 +344,10 @@ fn policy_explain(dir: &Path, name: &str) -> i32 {
         })
         .collect();
     if who.is_empty() {
-        println!("  who may call it: nobody (no [[grant]] gives {:?} for it)", need.as_str());
+        println!(
+            "  who may call it: nobody (no [[grant]] gives {:?} for it)",
+            need.as_str()
+        );
     } else {
         println!("  who may call it ({:?} capability):", need.as_str());
         for g in who {
@@ -422,27 +429,21 @@ fn recover(a: Dirs) -> i32 {
     };
     apply_overrides(&mut policy, a.workspace, a.state_dir);
     let d = &policy.daemon;
-    let result = crate::exec::check_layout(&d.workspace, &d.state_dir, None)
-        .and_then(|()| crate::exec::lock_workspace(&d.workspace))
-        .and_then(|lock| Ok((lock, crate::exec::lock_state_dir(&d.state_dir)?)))
-        .map_err(|e| e.to_string())
-        .and_then(|locks| {
-            Ok((
-                locks,
-                crate::publish::Workspace::open(&d.workspace).map_err(|e| e.to_string())?,
-            ))
-        })
-        .and_then(|(_locks, ws)| {
-            let sessions =
-                crate::session::SessionStore::open(&d.state_dir).map_err(|e| e.to_string())?;
-            // As at startup: nothing a dead daemon's workers left may run while job dirs are
-            // settled (logged at warn, one line per process killed).
-            let uids = crate::sandbox::Identities::detect(d.worker_user, d.worker_uids, 1)
-                .ok()
-                .and_then(|i| i.range());
-            crate::exec::sweep_leftovers(d, uids).map_err(|e| e.to_string())?;
-            crate::exec::recover(&ws, &sessions).map_err(|e| e.to_string())
-        });
+    // The same steps as `serve`'s startup, each error typed (`StartupError`) with its cause.
+    let result = (|| -> Result<_, crate::exec::StartupError> {
+        crate::exec::check_layout(&d.workspace, &d.state_dir, None)?;
+        let _lock = crate::exec::lock_workspace(&d.workspace)?;
+        let _state_lock = crate::exec::lock_state_dir(&d.state_dir)?;
+        let ws = crate::publish::Workspace::open(&d.workspace)?;
+        let sessions = crate::session::SessionStore::open(&d.state_dir)?;
+        // As at startup: nothing a dead daemon's workers left may run while job dirs are
+        // settled (logged at warn, one line per process killed).
+        let uids = crate::sandbox::Identities::detect(d.worker_user, d.worker_uids, 1)
+            .ok()
+            .and_then(|i| i.range());
+        crate::exec::sweep_leftovers(d, uids)?;
+        crate::exec::recover(&ws, &sessions)
+    })();
     match result {
         Ok(done) => {
             for r in &done {

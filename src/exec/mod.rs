@@ -268,9 +268,17 @@ impl Executor {
             uid: who.uid,
             admin: policy.holds(who, Right::Admin),
         };
-        let named = session
-            .as_deref()
-            .filter(|_| tool.builtin != Some(Builtin::SessionCreate));
+        // The session the call names: `session`, or the id `session_create` would take (an
+        // id another principal holds or held is theirs: SESSION_FORBIDDEN, not a hint of
+        // whether it is alive).
+        let named = if tool.builtin == Some(Builtin::SessionCreate) {
+            req.args
+                .get("id")
+                .and_then(Value::as_str)
+                .filter(|s| crate::session::valid_id(s))
+        } else {
+            session.as_deref()
+        };
         if let Err(e) = self.authorize(&policy, who, caller, tool, named) {
             let reply = e.reply(&secrets);
             self.audit.record(
@@ -357,9 +365,8 @@ impl Executor {
             });
         }
         if let Some(id) = session {
-            match self.sessions.owner(id) {
-                Ok(owner) => caller.check(id, owner)?,
-                Err(_) => {}
+            if let Ok(owner) = self.sessions.owner(id) {
+                caller.check(id, owner)?;
             }
         }
         Ok(())

@@ -88,10 +88,8 @@ impl Secrets {
             return;
         }
         match v {
-            Value::String(s) => {
-                if self.0.iter().any(|x| s.contains(x.as_str())) {
-                    *s = self.scrub_str(s);
-                }
+            Value::String(s) if self.0.iter().any(|x| s.contains(x.as_str())) => {
+                *s = self.scrub_str(s);
             }
             Value::Array(a) => a.iter_mut().for_each(|x| self.scrub(x)),
             Value::Object(m) => {

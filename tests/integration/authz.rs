@@ -27,7 +27,10 @@ fn daemon(grants: &str) -> Daemon {
     let d = Daemon::new();
     let path = d.policies.join("airlock.toml");
     let text = std::fs::read_to_string(&path).expect("airlock.toml");
-    assert!(text.contains("socket_mode = \"0600\""), "shipped socket_mode moved");
+    assert!(
+        text.contains("socket_mode = \"0600\""),
+        "shipped socket_mode moved"
+    );
     let text = text.replace("socket_mode = \"0600\"", "socket_mode = \"0666\"");
     // `[[grant]]` tables go first: every table before `[daemon]`.
     std::fs::write(&path, format!("{grants}\n{text}")).expect("write airlock.toml");
@@ -115,15 +118,25 @@ async fn an_ungranted_uid_sees_no_tool_and_every_call_is_denied() {
 
     assert_eq!(tool_names(c).await, Vec::<String>::new(), "tools/list");
     assert!(
-        tool_names(&root).await.contains(&"session_create".to_string()),
+        tool_names(&root)
+            .await
+            .contains(&"session_create".to_string()),
         "root (granted by the shipped airlock.toml) lists the tools"
     );
     let r = call(c, "session_create", json!({"id": "intruder"})).await;
     assert!(is_error(&r), "{r}");
     assert_eq!(code(&r), "TOOL_FORBIDDEN", "{r}");
     assert!(text(&r).contains("uid 65534"), "{r}");
-    assert!(session_file(&d, "intruder").is_none(), "nothing was created");
-    let r = call(c, "write_text", json!({"session": "x", "text": "t", "out": "o.txt"})).await;
+    assert!(
+        session_file(&d, "intruder").is_none(),
+        "nothing was created"
+    );
+    let r = call(
+        c,
+        "write_text",
+        json!({"session": "x", "text": "t", "out": "o.txt"}),
+    )
+    .await;
     assert_eq!(code(&r), "TOOL_FORBIDDEN", "{r}");
     assert!(d.read("o.txt").is_none());
     assert!(d.job_dirs().is_empty());
@@ -194,6 +207,7 @@ async fn sessions_belong_to_their_creator_unless_admin() {
             json!({"session": "rootsess", "text": "pwned", "out": "p.txt"}),
         ),
         ("session_destroy", json!({"session": "rootsess"})),
+        ("session_create", json!({"id": "rootsess"})),
     ];
     for (tool, a) in &forbidden {
         let r = call(c, tool, a.clone()).await;
@@ -202,7 +216,11 @@ async fn sessions_belong_to_their_creator_unless_admin() {
     }
     assert!(d.read("p.txt").is_none(), "nothing published");
     assert!(d.job_dirs().is_empty());
-    assert_eq!(version(&root, "rootsess").await, 0, "root's session untouched");
+    assert_eq!(
+        version(&root, "rootsess").await,
+        0,
+        "root's session untouched"
+    );
     let file = session_file(&d, "rootsess").expect("root's session file");
     assert_eq!(file["owner"], json!(0), "{file}");
     assert_eq!(file["destroyed"], json!(false));
@@ -213,14 +231,19 @@ async fn sessions_belong_to_their_creator_unless_admin() {
         .into_iter()
         .filter(|e| e["principal"]["uid"] == json!(NOBODY) && e["kind"] == "deny")
         .collect();
-    assert_eq!(denies.len(), 3, "{denies:?}");
+    assert_eq!(denies.len(), 4, "{denies:?}");
     assert!(denies
         .iter()
         .all(|e| e["detail"]["code"] == "SESSION_FORBIDDEN"));
 
     // nobody's own session works for nobody; root, holding admin, may use it too.
     session(c, "mine").await;
-    let r = call(c, "write_text", json!({"session": "mine", "text": "hello", "out": "mine.txt"})).await;
+    let r = call(
+        c,
+        "write_text",
+        json!({"session": "mine", "text": "hello", "out": "mine.txt"}),
+    )
+    .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("mine.txt").as_deref(), Some("hello"));
     assert_eq!(version(c, "mine").await, 1);
@@ -233,7 +256,9 @@ async fn sessions_belong_to_their_creator_unless_admin() {
     assert_eq!(version(&root, "mine").await, 1, "admin override");
     let all = call(&root, "session_list", json!({})).await;
     assert_eq!(
-        all["structuredContent"]["sessions"].as_array().map(Vec::len),
+        all["structuredContent"]["sessions"]
+            .as_array()
+            .map(Vec::len),
         Some(2),
         "admin lists every session: {all}"
     );
@@ -246,6 +271,12 @@ async fn sessions_belong_to_their_creator_unless_admin() {
     assert_eq!(code(&r), "SESSION_FORBIDDEN", "{r}");
     let r = call(&root, "session_get", json!({"session": "rootsess"})).await;
     assert_eq!(code(&r), "SESSION_DESTROYED", "{r}");
+    let r = call(c, "session_create", json!({"id": "rootsess"})).await;
+    assert_eq!(
+        code(&r),
+        "SESSION_FORBIDDEN",
+        "alive or not, it is root's: {r}"
+    );
     let r = call(c, "session_get", json!({"session": "never-made"})).await;
     assert_eq!(code(&r), "NO_SUCH_SESSION", "{r}");
 
@@ -293,7 +324,8 @@ async fn admin_and_audit_capabilities() {
     assert_eq!(listed.len(), 1, "{listed:?}");
     let ev = audit(c).await;
     assert!(
-        ev.iter().any(|e| e["tool"] == "session_create" && e["kind"] == "commit"),
+        ev.iter()
+            .any(|e| e["tool"] == "session_create" && e["kind"] == "commit"),
         "{ev:?}"
     );
     let r = call(c, "session_get", json!({"session": "rs"})).await;
@@ -319,7 +351,11 @@ async fn group_grants_follow_the_peers_groups() {
     );
     session(&member.client, "by-group").await;
     let file = session_file(&d, "by-group").expect("session file");
-    assert_eq!(file["owner"], json!(NOBODY), "owned by the uid, not the group: {file}");
+    assert_eq!(
+        file["owner"],
+        json!(NOBODY),
+        "owned by the uid, not the group: {file}"
+    );
     let r = call(&plain.client, "session_create", json!({"id": "nope"})).await;
     assert_eq!(code(&r), "TOOL_FORBIDDEN", "{r}");
 }
@@ -363,7 +399,11 @@ async fn secret_params_reach_the_worker_and_nothing_else() {
     )
     .await;
     assert!(!is_error(&r), "{r}");
-    assert_eq!(d.read("t.txt").as_deref(), Some(secret), "the worker got it");
+    assert_eq!(
+        d.read("t.txt").as_deref(),
+        Some(secret),
+        "the worker got it"
+    );
 
     let r = call(
         &c,
@@ -373,22 +413,37 @@ async fn secret_params_reach_the_worker_and_nothing_else() {
     .await;
     assert_eq!(code(&r), "TOOL_FAILED", "{r}");
     let reply = r.to_string();
-    assert!(!reply.contains(secret), "the fault quotes the secret: {reply}");
+    assert!(
+        !reply.contains(secret),
+        "the fault quotes the secret: {reply}"
+    );
     assert!(reply.contains("bad token [REDACTED]"), "{reply}");
     assert!(d.read("u.txt").is_none());
 
     let events = audit(&c).await;
-    let mine: Vec<&Value> = events.iter().filter(|e| e["tool"] == "secret_write").collect();
+    let mine: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["tool"] == "secret_write")
+        .collect();
     assert!(!mine.is_empty());
     let all = serde_json::to_string(&events).expect("json");
-    assert!(!all.contains(secret), "an audit event holds the secret: {all}");
+    assert!(
+        !all.contains(secret),
+        "an audit event holds the secret: {all}"
+    );
     let allow = mine
         .iter()
         .find(|e| e["kind"] == "allow")
         .expect("allow event");
-    assert_eq!(allow["detail"]["arguments"]["token"], "[REDACTED]", "{allow}");
+    assert_eq!(
+        allow["detail"]["arguments"]["token"], "[REDACTED]",
+        "{allow}"
+    );
     assert_eq!(allow["detail"]["arguments"]["out"], "t.txt", "{allow}");
-    let failed = mine.iter().find(|e| e["kind"] == "failed").expect("failed event");
+    let failed = mine
+        .iter()
+        .find(|e| e["kind"] == "failed")
+        .expect("failed event");
     assert!(
         failed.to_string().contains("[REDACTED]"),
         "the failure is recorded, scrubbed: {failed}"
@@ -398,7 +453,10 @@ async fn secret_params_reach_the_worker_and_nothing_else() {
     d.stop();
     let log = d.log_text();
     assert!(!log.is_empty());
-    assert!(!log.contains(secret), "the daemon log holds the secret:\n{log}");
+    assert!(
+        !log.contains(secret),
+        "the daemon log holds the secret:\n{log}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -411,8 +469,8 @@ async fn bad_grants_are_refused_at_load_with_their_place() {
         .arg(&d.policies)
         .output()
         .expect("airlock policy check");
-    let err = String::from_utf8_lossy(&out.stderr).into_owned()
-        + &String::from_utf8_lossy(&out.stdout);
+    let err =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{err}");
     for want in [
         "airlock.toml:2:10: no user named \"no-such-user-h9\"",
