@@ -211,7 +211,7 @@ struct RawGrant {
     tools: Option<Vec<Spanned<String>>>,
 }
 
-/// The user name that stands for the daemon's own (effective) uid in a grant.
+/// The user (and group) name that stands for the daemon's own effective uid (gid) in a grant.
 pub const DAEMON_USER: &str = "@daemon";
 
 /// Reads the `[[grant]]` tables of `airlock.toml`: every user and group name resolved (an
@@ -276,6 +276,12 @@ fn load_grants(cx: &mut Cx, path: &Path, tools: &BTreeMap<String, Tool>) -> Vec<
         }
         for gr in &g.groups {
             let name = gr.get_ref();
+            if name == DAEMON_USER {
+                let gid = rustix::process::getegid().as_raw();
+                grant.gids.insert(gid);
+                grant.subjects.push(format!("group {name} (gid {gid})"));
+                continue;
+            }
             match nix::unistd::Group::from_name(name) {
                 Ok(Some(group)) => {
                     grant.gids.insert(group.gid.as_raw());
@@ -283,7 +289,7 @@ fn load_grants(cx: &mut Cx, path: &Path, tools: &BTreeMap<String, Tool>) -> Vec<
                         .subjects
                         .push(format!("group {name} (gid {})", group.gid.as_raw()));
                 }
-                Ok(None) => cx.at(path, &text, gr.span(), format!("no group named {name:?} on this system (groups = [...] takes group names; gids = [...] takes numbers)")),
+                Ok(None) => cx.at(path, &text, gr.span(), format!("no group named {name:?} on this system (groups = [...] takes group names, or \"{DAEMON_USER}\" for the daemon's own group; gids = [...] takes numbers)")),
                 Err(e) => cx.at(path, &text, gr.span(), format!("cannot look up group {name:?}: {e}")),
             }
         }

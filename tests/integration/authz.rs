@@ -498,7 +498,8 @@ fn policy_explain_shows_the_grants() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("uid 65534"), "{text}");
-    assert!(text.contains("user @daemon"), "{text}");
+    assert!(text.contains("user @daemon (uid 0)"), "{text}");
+    assert!(text.contains("group @daemon (gid 0)"), "{text}");
     let out = std::process::Command::new(BIN)
         .args(["policy", "explain", "session_create", "--policies"])
         .arg(&d.policies)
