@@ -293,7 +293,7 @@ impl Executor {
             "allow",
             json!({
                 "capability": tool.capability.as_str(),
-                "arguments": redact::redact(tool, &req.args),
+                "arguments": redact::summary(tool, &req.args, ARGUMENT_SHOWN),
             }),
         );
         let outcome = match args::validate(tool, &req.args) {
@@ -1120,6 +1120,10 @@ pub fn recover(
     }
     Ok(done)
 }
+
+/// The longest argument value (as JSON) the audit's `allow` event shows; a longer one is
+/// recorded by its size only.
+const ARGUMENT_SHOWN: usize = 128;
 
 /// Who makes a call, as far as sessions are concerned.
 #[derive(Debug, Clone, Copy)]

@@ -29,6 +29,22 @@ pub fn redact(tool: &Tool, args: &Map<String, Value>) -> Value {
     )
 }
 
+/// The arguments as the audit's `allow` event records them: [`redact`]ed, and every value
+/// whose JSON is longer than `max` bytes replaced by its size, so an event never echoes a
+/// client's long (or oversized, soon refused) value.
+pub fn summary(tool: &Tool, args: &Map<String, Value>, max: usize) -> Value {
+    let mut v = redact(tool, args);
+    if let Value::Object(m) = &mut v {
+        for x in m.values_mut() {
+            let len = x.to_string().len();
+            if len > max {
+                *x = Value::String(format!("[{len} bytes]"));
+            }
+        }
+    }
+    v
+}
+
 /// The secret values of one call (empty for most calls), shared by everything that records
 /// or reports on it.
 #[derive(Debug, Clone, Default)]
@@ -134,6 +150,17 @@ mod tests {
         let args = json!({"token": "hunter2", "note": "hi", "session": "s"});
         let r = redact(&tool(), args.as_object().unwrap());
         assert_eq!(r, json!({"token": REDACTED, "note": "hi", "session": "s"}));
+    }
+
+    #[test]
+    fn summary_never_echoes_a_long_value() {
+        let long = "x".repeat(1000);
+        let args = json!({"token": "hunter2", "note": long, "session": "s"});
+        let r = summary(&tool(), args.as_object().unwrap(), 128);
+        assert_eq!(
+            r,
+            json!({"token": REDACTED, "note": "[1002 bytes]", "session": "s"})
+        );
     }
 
     #[test]
