@@ -23,7 +23,7 @@ pub enum StartupError {
     #[error("cannot open the session store: {0}")]
     Sessions(#[from] SessionError),
     #[error("startup recovery failed: {0}")]
-    Recovery(String),
+    Recovery(#[source] crate::publish::PublishError),
     #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
     Busy { what: &'static str, path: PathBuf },
     #[error("{path}: cannot lock the {what}: {source}")]
@@ -258,9 +258,9 @@ fn recover(
     sessions: &SessionStore,
 ) -> Result<Vec<publish::Recovered>, StartupError> {
     let done = publish::recover(workspace.root(), &|s, j| {
-        sessions.committed(s, j).map_err(|e| e.to_string())
+        sessions.committed(s, j).map_err(Into::into)
     })
-    .map_err(|e| StartupError::Recovery(e.to_string()))?;
+    .map_err(StartupError::Recovery)?;
     for r in &done {
         tracing::info!(job = %r.job, "recovery: {}", r.action);
     }

@@ -69,6 +69,19 @@ pub struct Principal {
     pub gid: u32,
     pub pid: Option<i32>,
     pub client: Option<String>,
+    /// The peer's supplementary groups (SO_PEERGROUPS), for group grants; not recorded.
+    #[serde(skip)]
+    pub groups: Vec<u32>,
+}
+
+impl Principal {
+    /// Every group id the principal holds: its primary gid and its supplementary groups.
+    pub fn gids(&self) -> Vec<u32> {
+        let mut g = Vec::with_capacity(self.groups.len() + 1);
+        g.push(self.gid);
+        g.extend(self.groups.iter().copied().filter(|x| *x != self.gid));
+        g
+    }
 }
 
 /// One step of one call.
@@ -98,6 +111,8 @@ pub struct CallRef {
     pub tool: String,
     pub session: Option<String>,
     pub principal: Option<Principal>,
+    /// The call's secret argument values: scrubbed from every event's detail.
+    pub secrets: crate::policy::redact::Secrets,
 }
 
 /// The ring: serialized events, oldest first, and their total size.
@@ -128,6 +143,7 @@ impl Audit {
     }
 
     pub fn record(&self, call: &CallRef, kind: &'static str, mut detail: Value) {
+        call.secrets.scrub(&mut detail);
         bound_strings(&mut detail, 0);
         let bound = |s: &str| truncate(s, MAX_STRING).into_owned();
         let mut event = Event {
@@ -205,6 +221,7 @@ mod tests {
             tool: "t".into(),
             session: None,
             principal: None,
+            secrets: Default::default(),
         }
     }
 
@@ -262,7 +279,9 @@ mod tests {
                 gid: 1,
                 pid: None,
                 client: Some("é".repeat(1 << 20)),
+                groups: Vec::new(),
             }),
+            secrets: Default::default(),
         };
         a.record(
             &c,

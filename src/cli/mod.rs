@@ -91,8 +91,20 @@ fn runtime() -> Option<tokio::runtime::Runtime> {
 
 /// Logs to stderr; `AIRLOCK_LOG` (a tracing filter such as `debug`) overrides the default.
 fn init_logging(format: LogFormat, default_filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
+    let mut filter = tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    // rmcp logs every request and response whole at debug level: a `secret = true`
+    // argument would reach the log unredacted. It is capped at info whatever AIRLOCK_LOG
+    // says (the daemon's own events say what happened, secrets scrubbed); a filter that
+    // logs nothing above info needs no cap, and gets none (a cap would raise rmcp to info).
+    let verbose = filter
+        .max_level_hint()
+        .is_none_or(|l| l > tracing_subscriber::filter::LevelFilter::INFO);
+    if verbose {
+        if let Ok(cap) = "rmcp=info".parse() {
+            filter = filter.add_directive(cap);
+        }
+    }
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

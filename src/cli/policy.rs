@@ -73,10 +73,31 @@ pub(super) fn check(dir: &Path) -> Exit {
             }
         );
     }
+    println!("GRANT{:<17} CAPABILITIES{:<10} SUBJECTS", "", "");
+    for g in &policy.grants {
+        println!(
+            "{:<22} {:<22} {}{}",
+            g.origin,
+            g.rights
+                .iter()
+                .map(|r| r.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            g.subjects.join(", "),
+            g.tools.as_ref().map_or(String::new(), |t| format!(
+                " (tools: {})",
+                t.iter().cloned().collect::<Vec<_>>().join(", ")
+            ))
+        );
+    }
+    if policy.grants.is_empty() {
+        println!("(no [[grant]]: no principal may call anything)");
+    }
     println!(
-        "ok: {} tools, {} profiles",
+        "ok: {} tools, {} profiles, {} grants",
         policy.tools.len(),
-        policy.profiles.len()
+        policy.profiles.len(),
+        policy.grants.len()
     );
     Exit::Ok
 }
@@ -98,6 +119,33 @@ pub(super) fn explain(dir: &Path, name: &str) -> Exit {
             .as_ref()
             .map_or("built-in".into(), |p| p.display().to_string())
     );
+    let need = policy::Right::for_capability(tool.capability);
+    let who: Vec<&policy::Grant> = policy
+        .grants
+        .iter()
+        .filter(|g| {
+            g.rights.contains(&need) && g.tools.as_ref().is_none_or(|t| t.contains(&tool.name))
+        })
+        .collect();
+    if who.is_empty() {
+        println!(
+            "  who may call it: nobody (no [[grant]] gives {:?} for it)",
+            need.as_str()
+        );
+    } else {
+        println!("  who may call it ({:?} capability):", need.as_str());
+        for g in who {
+            println!("    {} ({})", g.subjects.join(", "), g.origin);
+        }
+    }
+    if tool.takes_session()
+        || matches!(
+            tool.kind,
+            policy::ToolKind::Builtin(policy::Builtin::SessionGet)
+        )
+    {
+        println!("  sessions: only the session's creator, or a principal with \"admin\"");
+    }
     let policy::ToolKind::External(ext) = &tool.kind else {
         println!("  runs inside the daemon: no worker, no sandbox");
         return Exit::Ok;
@@ -112,6 +160,10 @@ pub(super) fn explain(dir: &Path, name: &str) -> Exit {
         match p.path {
             Some(policy::PathRole::Input) => println!("  param {n}: workspace path, readable by the worker"),
             Some(policy::PathRole::Output) => println!("  param {n}: workspace path, written to a private staging dir, published on success"),
+            None if p.secret => println!(
+                "  param {n}: {} value, secret (redacted in audit events, logs and errors)",
+                p.ty.as_str()
+            ),
             None => println!("  param {n}: {} value", p.ty.as_str()),
         }
     }

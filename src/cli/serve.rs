@@ -41,6 +41,7 @@ pub(super) fn recover(a: Dirs) -> Exit {
                 daemon: Default::default(),
                 profiles: Default::default(),
                 tools: Default::default(),
+                grants: Vec::new(),
             }
         }
         Err(e) => {

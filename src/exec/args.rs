@@ -524,6 +524,7 @@ mod tests {
                 default: None,
                 path: Some(PathRole::Output),
                 mode: None,
+                secret: false,
             },
         );
         params.insert(
@@ -535,6 +536,7 @@ mod tests {
                 default: Some(3.into()),
                 path: None,
                 mode: None,
+                secret: false,
             },
         );
         Tool {
@@ -658,6 +660,7 @@ mod tests {
                 default: None,
                 path: None,
                 mode: None,
+                secret: false,
             },
         );
         let at = |n: usize| "x".repeat(n);

@@ -2,6 +2,7 @@
 //! wait, publish, commit, audit, respond. Every other module is a step this one calls.
 
 pub mod args;
+mod error;
 mod locks;
 pub mod progress;
 #[cfg(test)]
@@ -18,9 +19,13 @@ use serde_json::{json, Map, Value};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+pub use error::{CallError, ErrorCode};
+
 use crate::audit::{Audit, CallRef, Principal};
+use crate::policy::redact::{self, Secrets};
 use crate::policy::{
-    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Tool, ToolKind,
+    Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Right, Subject,
+    Tool, ToolKind,
 };
 use crate::publish::{self, Job, JobSpec, Workspace};
 use crate::sandbox::{End, Identities, Launch, Outcome, Registry, Worker};
@@ -65,38 +70,22 @@ impl ToolReply {
             structured: Some(structured),
         }
     }
-
-    /// A tool fault: the text starts with the stable code, so callers and models can act.
-    pub fn fault(code: &str, message: impl std::fmt::Display) -> ToolReply {
-        ToolReply {
-            is_error: true,
-            content: vec![json!({"type": "text", "text": format!("{code}: {message}")})],
-            structured: Some(json!({"error": {"code": code, "message": message.to_string()}})),
-        }
-    }
 }
 
 /// Why a call ended without a result to publish; becomes a fault reply or no reply.
 enum Stop {
-    Fault(ToolReply),
+    Fault(CallError),
     Cancelled,
 }
 
-impl From<ToolReply> for Stop {
-    fn from(r: ToolReply) -> Stop {
-        Stop::Fault(r)
+impl<E: Into<CallError>> From<E> for Stop {
+    fn from(e: E) -> Stop {
+        Stop::Fault(e.into())
     }
 }
 
 fn session_fault(e: SessionError) -> Stop {
-    let code = match e {
-        SessionError::NotFound(_) => "NO_SUCH_SESSION",
-        SessionError::Destroyed(_) => "SESSION_DESTROYED",
-        SessionError::Exists(_) => "SESSION_EXISTS",
-        SessionError::BadId(_) => "INVALID_ARGUMENT",
-        SessionError::Io { .. } | SessionError::Corrupt { .. } => "STATE_ERROR",
-    };
-    Stop::Fault(ToolReply::fault(code, e))
+    Stop::Fault(e.into())
 }
 
 pub struct Executor {
@@ -194,11 +183,13 @@ impl Executor {
             .and_then(Value::as_str)
             .filter(|s| crate::session::valid_id(s))
             .map(str::to_string);
+        let secrets = Secrets::of(tool, &req.args);
         let call = CallRef {
             call: self.new_call_id(),
             tool: tool.name.clone(),
             session: session.clone().filter(|_| tool.takes_session()),
             principal: Some(req.principal.clone()),
+            secrets: secrets.clone(),
         };
         // Cancelled by the client's request or by the daemon's shutdown.
         // The client's cancellation reaches `cancel` synchronously (a child token), so the
@@ -210,24 +201,60 @@ impl Executor {
             p.phase(progress::Phase::Queued);
         }
 
-        // 1. Authorize. Every local peer is allowed until grants exist.
+        // 1. Authorize: the principal's grants, then the owner of the session it names.
+        let gids = req.principal.gids();
+        let who = Subject {
+            uid: req.principal.uid,
+            gids: &gids,
+        };
+        let caller = Caller {
+            uid: who.uid,
+            admin: policy.holds(who, Right::Admin),
+        };
+        // The session the call names: `session`, or the id `session_create` would take (an
+        // id another principal holds or held is theirs: SESSION_FORBIDDEN, not a hint of
+        // whether it is alive).
+        let named = if matches!(tool.kind, ToolKind::Builtin(Builtin::SessionCreate)) {
+            req.args
+                .get("id")
+                .and_then(Value::as_str)
+                .filter(|s| crate::session::valid_id(s))
+        } else {
+            session.as_deref()
+        };
+        if let Err(e) = self.authorize(&policy, who, caller, tool, named) {
+            let reply = e.reply(&secrets);
+            self.audit.record(
+                &call,
+                "deny",
+                json!({"code": e.code().as_str(), "message": reply.structured.as_ref().map(|s| s["error"]["message"].clone())}),
+            );
+            return Reply::Result(reply);
+        }
         self.audit.record(
             &call,
             "allow",
-            json!({"capability": tool.capability.as_str()}),
+            json!({
+                "capability": tool.capability.as_str(),
+                "arguments": redact::summary(tool, &req.args, ARGUMENT_SHOWN),
+            }),
         );
         let outcome = match args::validate(tool, &req.args) {
-            Err(msg) => Err(ToolReply::fault("INVALID_ARGUMENT", msg).into()),
+            Err(e) => Err(e.into()),
             Ok(values) => match (&tool.kind, tool.capability) {
-                (ToolKind::Builtin(b), _) => self.builtin(&call, *b, &req.args, &cancel).await,
+                (ToolKind::Builtin(b), _) => {
+                    self.builtin(&call, caller, *b, &req.args, &cancel).await
+                }
                 (ToolKind::External(ext), Capability::Read) => {
                     self.run_read(&policy, &call, tool, ext, values, &cancel, progress)
                         .await
                 }
                 (ToolKind::External(ext), Capability::Write) => {
                     let id = session.unwrap_or_default();
-                    self.run_write(&policy, &call, tool, ext, &id, values, &cancel, progress)
-                        .await
+                    self.run_write(
+                        &policy, &call, caller, tool, ext, &id, values, &cancel, progress,
+                    )
+                    .await
                 }
             },
         };
@@ -243,7 +270,8 @@ impl Executor {
                 self.audit.record(&call, "done", detail);
                 Reply::Result(reply)
             }
-            Err(Stop::Fault(reply)) => {
+            Err(Stop::Fault(e)) => {
+                let reply = e.reply(&secrets);
                 let mut detail = reply.structured.clone().unwrap_or(Value::Null);
                 if too_late {
                     if let Some(o) = detail.as_object_mut() {
@@ -260,9 +288,37 @@ impl Executor {
         }
     }
 
+    /// Step 1 of every call: a grant of the principal's lets it call `tool`, and the
+    /// session the call names (if it exists or existed) is the principal's own, or the
+    /// principal holds `admin`. A session id never created passes: the call then fails with
+    /// `NO_SUCH_SESSION`, as it would for its owner.
+    fn authorize(
+        &self,
+        policy: &Policy,
+        who: Subject<'_>,
+        caller: Caller,
+        tool: &Tool,
+        session: Option<&str>,
+    ) -> Result<(), CallError> {
+        if !policy.may_call(who, tool) {
+            return Err(CallError::ToolForbidden {
+                tool: tool.name.clone(),
+                uid: who.uid,
+                right: Right::for_capability(tool.capability).as_str(),
+            });
+        }
+        if let Some(id) = session {
+            if let Ok(owner) = self.sessions.owner(id) {
+                caller.check(id, owner)?;
+            }
+        }
+        Ok(())
+    }
+
     async fn builtin(
         &self,
         call: &CallRef,
+        caller: Caller,
         b: Builtin,
         raw: &Map<String, Value>,
         cancel: &CancellationToken,
@@ -279,7 +335,10 @@ impl Executor {
                     .and_then(Value::as_object)
                     .cloned()
                     .unwrap_or_default();
-                let snap = self.sessions.create(&id, state).map_err(session_fault)?;
+                let snap = self
+                    .sessions
+                    .create(&id, state, caller.uid)
+                    .map_err(session_fault)?;
                 self.audit.record(
                     call,
                     "commit",
@@ -296,6 +355,8 @@ impl Executor {
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let guard = self.lock_session(id, cancel).await?;
+                // Checked again under the lock: the id may have been created since step 1.
+                caller.check(id, guard.snapshot().owner)?;
                 let snap = self.sessions.destroy(guard).map_err(session_fault)?;
                 self.audit.record(
                     call,
@@ -313,17 +374,20 @@ impl Executor {
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let snap = self.sessions.snapshot(id).map_err(session_fault)?;
+                caller.check(id, snap.owner)?;
                 Ok(ToolReply::ok(
                     serde_json::to_string(&snap_json(&snap)).unwrap_or_default(),
                     snap_json(&snap),
                 ))
             }
             Builtin::SessionList => {
+                // A principal sees its own sessions; `admin` sees every one.
                 let list: Vec<Value> = self
                     .sessions
                     .list()
                     .iter()
-                    .map(|s| json!({"id": s.id, "version": s.version}))
+                    .filter(|s| caller.admin || s.owner == Some(caller.uid))
+                    .map(|s| json!({"id": s.id, "version": s.version, "owner": s.owner}))
                     .collect();
                 let v = json!({"sessions": list});
                 Ok(ToolReply::ok(v.to_string(), v))
@@ -353,7 +417,10 @@ impl Executor {
             let (Some(role), Some(raw)) = (p.path, values.get(name).and_then(Value::as_str)) else {
                 continue;
             };
-            let rejected = |e| ToolReply::fault("PATH_REJECTED", format!("argument {name:?}: {e}"));
+            let rejected = |source| CallError::Path {
+                name: name.clone(),
+                source,
+            };
             let rel = self.workspace.resolve(raw, role).map_err(rejected)?;
             // Landlock grants an input with everything beneath it: no input may cover other
             // calls' job dirs or another filesystem.
@@ -411,6 +478,7 @@ impl Executor {
         &self,
         policy: &Policy,
         call: &CallRef,
+        caller: Caller,
         tool: &Tool,
         ext: &ExternalTool,
         session: &str,
@@ -425,10 +493,12 @@ impl Executor {
             .filter(|(_, role, _)| *role == PathRole::Output)
             .map(|(n, _, p)| (n.clone(), p.clone()))
             .collect();
-        args::check_overlap(&outputs).map_err(|m| ToolReply::fault("OVERLAPPING_OUTPUTS", m))?;
+        args::check_overlap(&outputs).map_err(CallError::Overlap)?;
 
         // 2. Lock: the session, then the output targets in sorted order.
         let guard = self.lock_session(session, cancel).await?;
+        // Checked again under the lock: the id may have been created since step 1.
+        caller.check(session, guard.snapshot().owner)?;
         let mut targets: Vec<PathBuf> = outputs.iter().map(|(_, p)| p.clone()).collect();
         targets.sort();
         let _target_guards = tokio::select! {
@@ -468,8 +538,7 @@ impl Executor {
                 .collect(),
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
         };
-        let mut job = Job::create(&self.workspace, spec)
-            .map_err(|e| ToolReply::fault("PUBLISH_FAILED", e))?;
+        let mut job = Job::create(&self.workspace, spec).map_err(CallError::Job)?;
         let root = self.workspace.root().to_path_buf();
         let bound = args::bind(&values, &paths, &root, Some(session), |i| {
             job.staged_path(i)
@@ -534,19 +603,18 @@ impl Executor {
                 self.sessions
                     .commit(&guard, state, &call.call)
                     .map(|snap| committed = Some(snap))
-                    .map_err(|e| e.to_string())
+                    .map_err(Into::into)
             })
         });
         if let Err(e) = published {
             self.audit
                 .record(call, "rollback", json!({"reason": e.to_string()}));
-            let what = match e {
-                publish::PublishError::RollbackFailed { .. } => {
-                    "the targets are restored by recovery at the next start"
-                }
-                _ => "every target was restored and the state is unchanged",
-            };
-            return Err(ToolReply::fault("PUBLISH_FAILED", format!("{e}; {what}")).into());
+            let restored = !matches!(e, publish::PublishError::RollbackFailed { .. });
+            return Err(CallError::Publish {
+                source: e,
+                restored,
+            }
+            .into());
         }
         let version = committed.as_ref().map_or(before.version, |s| s.version);
         self.audit.record(
@@ -575,7 +643,7 @@ impl Executor {
     fn lease(&self) -> Result<Option<crate::sandbox::Lease>, Stop> {
         self.identities
             .lease()
-            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e).into())
+            .map_err(|e| CallError::from(e).into())
     }
 
     /// Fails the call if the worker left more in staging than its profile allows.
@@ -583,13 +651,7 @@ impl Executor {
         let l = &ext.profile.limits;
         tokio::task::block_in_place(|| job.check_staging(l.staging_files, l.staging_bytes))
             .map(drop)
-            .map_err(|e| {
-                let code = match e {
-                    publish::PublishError::StagingLimit { .. } => "TOOL_FAILED",
-                    _ => "PUBLISH_FAILED",
-                };
-                ToolReply::fault(code, e).into()
-            })
+            .map_err(|e| CallError::Staging(e).into())
     }
 
     async fn slot(
@@ -643,9 +705,7 @@ impl Executor {
             progress: progress.map(progress::Progress::worker),
             ..launch
         };
-        let worker = Worker::spawn(launch)
-            .await
-            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
+        let worker = Worker::spawn(launch).await.map_err(CallError::from)?;
         if let Some(p) = progress {
             p.phase(progress::Phase::Running);
         }
@@ -659,7 +719,7 @@ impl Executor {
         let outcome = worker
             .finish(timeout, cancel.clone())
             .await
-            .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
+            .map_err(CallError::from)?;
         self.audit.record(
             call,
             "sandbox",
@@ -672,13 +732,10 @@ impl Executor {
                     "timeout",
                     json!({"after_ms": timeout.as_millis() as u64}),
                 );
-                Err(ToolReply::fault(
-                    "TOOL_TIMEOUT",
-                    format!(
-                        "{} did not finish within {:?}; its process group was killed and nothing was published",
-                        call.tool, timeout
-                    ),
-                )
+                Err(CallError::Timeout {
+                    tool: call.tool.clone(),
+                    after: timeout,
+                }
                 .into())
             }
             End::Cancelled => Err(Stop::Cancelled),
@@ -698,7 +755,7 @@ impl Executor {
         bound: &args::Bound,
         session: Option<&Snapshot>,
     ) -> Result<(), Stop> {
-        let invalid = |e: args::ArgError| Stop::from(ToolReply::fault("INVALID_ARGUMENT", e));
+        let invalid = Stop::from;
         let env = worker_env_bytes(&ext.profile.env);
         let stack = rustix::process::getrlimit(rustix::process::Resource::Stack).current;
         args::check_command(
@@ -740,23 +797,17 @@ impl Executor {
         match o.end {
             End::Exited(0) => {}
             End::Exited(code) => {
-                return Err(ToolReply::fault(
-                    "TOOL_FAILED",
-                    format!(
+                return Err(CallError::ToolFailed(format!(
                     "{} exited with status {code}; nothing was published; stderr: {stderr_tail}",
                     tool.name
-                ),
-                )
+                ))
                 .into())
             }
             End::Signaled(sig) => {
-                return Err(ToolReply::fault(
-                    "TOOL_FAILED",
-                    format!(
+                return Err(CallError::ToolFailed(format!(
                     "{} was killed by signal {sig}; nothing was published; stderr: {stderr_tail}",
                     tool.name
-                ),
-                )
+                ))
                 .into())
             }
             End::TimedOut | End::Cancelled => return Err(Stop::Cancelled),
@@ -776,15 +827,12 @@ impl Executor {
             }
             Protocol::Json => {
                 if o.stdout.truncated {
-                    return Err(ToolReply::fault(
-                        "TOOL_FAILED",
-                        format!(
-                            "{} wrote {} bytes to stdout, more than the cap of {}",
-                            tool.name,
-                            o.stdout.total,
-                            o.stdout.bytes.len()
-                        ),
-                    )
+                    return Err(CallError::ToolFailed(format!(
+                        "{} wrote {} bytes to stdout, more than the cap of {}",
+                        tool.name,
+                        o.stdout.total,
+                        o.stdout.bytes.len()
+                    ))
                     .into());
                 }
                 parse_json_response(&tool.name, &stdout).map_err(Stop::Fault)
@@ -799,23 +847,18 @@ impl Executor {
 fn parse_json_response(
     tool: &str,
     stdout: &str,
-) -> Result<(ToolReply, Option<Map<String, Value>>), ToolReply> {
+) -> Result<(ToolReply, Option<Map<String, Value>>), CallError> {
     let r = response::parse(stdout).map_err(|e| {
-        ToolReply::fault(
-            "TOOL_FAILED",
-            format!(
-                "{tool} returned an invalid JSON response: {e}; nothing was published and the \
-                 session is unchanged"
-            ),
-        )
+        CallError::ToolFailed(format!(
+            "{tool} returned an invalid JSON response: {e}; nothing was published and the \
+             session is unchanged"
+        ))
     })?;
     if r.is_error {
-        let mut reply = ToolReply::fault(
-            "TOOL_FAILED",
-            format!("{tool} reported an error; nothing was published"),
-        );
-        reply.content.extend(r.content);
-        return Err(reply);
+        return Err(CallError::ToolReported {
+            tool: tool.to_string(),
+            content: r.content,
+        });
     }
     Ok((
         ToolReply {
@@ -896,6 +939,32 @@ fn link(from: &CancellationToken, to: &CancellationToken) -> tokio_util::sync::D
     stop.drop_guard()
 }
 
+/// The longest argument value (as JSON) the audit's `allow` event shows; a longer one is
+/// recorded by its size only.
+const ARGUMENT_SHOWN: usize = 128;
+
+/// Who makes a call, as far as sessions are concerned.
+#[derive(Debug, Clone, Copy)]
+struct Caller {
+    uid: u32,
+    /// Holds `admin`: every session is its own.
+    admin: bool,
+}
+
+impl Caller {
+    /// Whether the caller may use session `id` of `owner` (`None`: recorded before owners
+    /// were, which only `admin` reaches).
+    fn check(self, id: &str, owner: Option<u32>) -> Result<(), CallError> {
+        if self.admin || owner == Some(self.uid) {
+            Ok(())
+        } else {
+            Err(CallError::SessionForbidden {
+                session: id.to_string(),
+            })
+        }
+    }
+}
+
 /// Counts a call out of `in_flight` however it ends (cancellation drops the future).
 struct InFlight<'a>(&'a AtomicUsize);
 
@@ -921,6 +990,6 @@ mod tests {
         assert!(parse_json_response("t", "not json").is_err());
         assert!(parse_json_response("t", r#"{"state": 3}"#).is_err());
         let e = parse_json_response("t", r#"{"isError": true, "content": []}"#).unwrap_err();
-        assert!(e.is_error);
+        assert_eq!(e.code(), ErrorCode::ToolFailed);
     }
 }

@@ -16,6 +16,7 @@ use super::cancel::Calls;
 use crate::audit::Principal;
 use crate::exec::progress::{self, ProgressFeed};
 use crate::exec::{CallRequest, Executor, Reply};
+use crate::policy::Subject;
 
 /// The least time between two notifications that carry a worker's report; what the worker
 /// reports meanwhile is coalesced to its latest. Phases are never delayed.
@@ -75,6 +76,10 @@ async fn forward_progress(
 /// The one resource: every call's lifecycle events.
 pub const AUDIT_URI: &str = "airlock://audit/events";
 
+/// The `data.code` of the JSON-RPC error a principal without `admin` or `audit` gets for a
+/// read of the audit resource (a protocol error, not a tool fault, so not an `ErrorCode`).
+pub const AUDIT_FORBIDDEN: &str = "AUDIT_FORBIDDEN";
+
 /// The bytes of events one read of the audit resource returns: a quarter of the
 /// connection's queue (the reply is the events escaped into a JSON string, at most twice as
 /// long), and never more than the ring holds.
@@ -93,6 +98,15 @@ pub struct Handler {
 impl Handler {
     pub fn new(exec: Arc<Executor>, peer: Principal, calls: Arc<Calls>) -> Handler {
         Handler { exec, peer, calls }
+    }
+
+    /// Whether the connection's principal may read the audit (`admin` or `audit`).
+    fn may_read_audit(&self, policy: &crate::policy::Policy) -> bool {
+        let gids = self.peer.gids();
+        policy.may_read_audit(Subject {
+            uid: self.peer.uid,
+            gids: &gids,
+        })
     }
 }
 
@@ -142,9 +156,16 @@ impl ServerHandler for Handler {
         _cx: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
         let policy = self.exec.policy();
+        // Only what the principal may call: no grant, no tool.
+        let gids = self.peer.gids();
+        let who = Subject {
+            uid: self.peer.uid,
+            gids: &gids,
+        };
         let tools: Vec<Value> = policy
             .tools
             .values()
+            .filter(|t| policy.may_call(who, t))
             .map(|t| {
                 let mut v = json!({
                     "name": t.name,
@@ -250,15 +271,18 @@ impl ServerHandler for Handler {
         _request: Option<PaginatedRequestParams>,
         _cx: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        wire(json!({
-            "resultType": "complete",
-            "resources": [{
+        // The audit is listed only to a principal that may read it.
+        let resources = if self.may_read_audit(&self.exec.policy()) {
+            json!([{
                 "uri": AUDIT_URI,
                 "name": "audit-events",
                 "description": "Lifecycle events of every call (allow, locked, spawned, commit, rollback, timeout, ...), oldest first; the newest that fit the read budget",
                 "mimeType": "application/json",
-            }]
-        }))
+            }])
+        } else {
+            json!([])
+        };
+        wire(json!({ "resultType": "complete", "resources": resources }))
     }
 
     async fn read_resource(
@@ -272,9 +296,29 @@ impl ServerHandler for Handler {
                 None,
             ));
         }
+        let policy = self.exec.policy();
+        if !self.may_read_audit(&policy) {
+            self.exec.audit.record(
+                &crate::audit::CallRef {
+                    call: "-".into(),
+                    tool: "resources/read".into(),
+                    session: None,
+                    principal: Some(self.peer.clone()),
+                    secrets: Default::default(),
+                },
+                "deny",
+                json!({"code": AUDIT_FORBIDDEN, "uri": AUDIT_URI}),
+            );
+            return Err(McpError::invalid_request(
+                format!(
+                    "{AUDIT_FORBIDDEN}: uid {} may not read {AUDIT_URI}; it needs the admin or audit capability in a [[grant]] of airlock.toml",
+                    self.peer.uid
+                ),
+                Some(json!({"code": AUDIT_FORBIDDEN})),
+            ));
+        }
         // The newest events that fit a reply the connection can queue (escaping at most
         // doubles the text), never a copy of the whole ring.
-        let policy = self.exec.policy();
         let d = &policy.daemon;
         let text = self
             .exec

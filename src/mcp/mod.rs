@@ -172,6 +172,7 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
                 gid: c.gid(),
                 pid: c.pid(),
                 client: None,
+                groups: peer_groups(&stream),
             },
             Err(e) => {
                 tracing::warn!("SO_PEERCRED failed, dropping the connection: {e}");
@@ -368,4 +369,39 @@ pub async fn serve_connection(
     flush.abort();
     last_flush.abort();
     tracing::debug!(uid, "connection closed");
+}
+
+/// The supplementary groups of the socket's peer as they were when it connected
+/// (SO_PEERGROUPS): grants to a group hold for its members. Empty if the kernel cannot say.
+fn peer_groups(stream: &tokio::net::UnixStream) -> Vec<u32> {
+    use std::os::fd::AsRawFd;
+    let mut groups = vec![0u32; 256];
+    loop {
+        let mut len = (groups.len() * std::mem::size_of::<u32>()) as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `groups`, which holds that many,
+        // and updates `len`; the fd is the open stream's.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let n = len as usize / std::mem::size_of::<u32>();
+        if rc == 0 {
+            groups.truncate(n);
+            return groups;
+        }
+        // ERANGE: the buffer was too small; `len` says how large it must be.
+        if std::io::Error::last_os_error().raw_os_error() == Some(libc::ERANGE)
+            && n > groups.len()
+            && n <= 65_536
+        {
+            groups.resize(n, 0);
+            continue;
+        }
+        return Vec::new();
+    }
 }

@@ -54,6 +54,7 @@ fn render(d: &[Diagnostic]) -> String {
 pub fn load(dir: &Path) -> Result<Policy, PolicyErrors> {
     let mut cx = Cx::default();
     let daemon = load_daemon(&mut cx, &dir.join("airlock.toml"));
+    let daemon_ok = daemon.is_some();
     let mut profiles = BTreeMap::new();
     for path in toml_files(&mut cx, &dir.join("profiles")) {
         if let Some(p) = load_profile(&mut cx, &path) {
@@ -79,12 +80,19 @@ pub fn load(dir: &Path) -> Result<Policy, PolicyErrors> {
             }
         }
     }
+    // Only once the file parsed: its syntax errors are reported once, by `load_daemon`.
+    let grants = if daemon_ok {
+        load_grants(&mut cx, &dir.join("airlock.toml"), &tools)
+    } else {
+        Vec::new()
+    };
     if cx.diags.is_empty() {
         Ok(Policy {
             dir: dir.to_path_buf(),
             daemon: daemon.unwrap_or_default(),
             profiles,
             tools,
+            grants,
         })
     } else {
         Err(PolicyErrors(cx.diags))
@@ -177,6 +185,172 @@ fn toml_files(cx: &mut Cx, dir: &Path) -> Vec<PathBuf> {
 #[serde(deny_unknown_fields)]
 struct RawDaemonFile {
     daemon: Option<RawDaemon>,
+    /// Read by [`load_grants`], once the tools are known.
+    #[serde(default, rename = "grant")]
+    _grant: Option<toml::Value>,
+}
+
+#[derive(Deserialize)]
+struct RawGrantsFile {
+    #[serde(default)]
+    grant: Vec<Spanned<RawGrant>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGrant {
+    #[serde(default)]
+    users: Vec<Spanned<String>>,
+    #[serde(default)]
+    uids: Vec<Spanned<u32>>,
+    #[serde(default)]
+    groups: Vec<Spanned<String>>,
+    #[serde(default)]
+    gids: Vec<Spanned<u32>>,
+    capabilities: Spanned<Vec<Spanned<String>>>,
+    tools: Option<Vec<Spanned<String>>>,
+}
+
+/// The user (and group) name that stands for the daemon's own effective uid (gid) in a grant.
+pub const DAEMON_USER: &str = "@daemon";
+
+/// Reads the `[[grant]]` tables of `airlock.toml`: every user and group name resolved (an
+/// unknown one is an error), every capability and tool known.
+fn load_grants(cx: &mut Cx, path: &Path, tools: &BTreeMap<String, Tool>) -> Vec<super::Grant> {
+    use super::Right;
+    if !path.exists() {
+        return Vec::new();
+    }
+    let Some(text) = cx.read(path) else {
+        return Vec::new();
+    };
+    let Some(raw) = cx.parse::<RawGrantsFile>(path, &text) else {
+        return Vec::new();
+    };
+    let file = path
+        .file_name()
+        .map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+    let mut out = Vec::new();
+    for g in raw.grant {
+        let (line, _) = line_col(&text, g.span().start);
+        let span = g.span();
+        let g = g.into_inner();
+        let mut grant = super::Grant {
+            uids: Default::default(),
+            gids: Default::default(),
+            subjects: Vec::new(),
+            rights: Default::default(),
+            tools: None,
+            origin: format!("{file}:{line}"),
+        };
+        for u in &g.users {
+            let name = u.get_ref();
+            let uid = if name == DAEMON_USER {
+                Some(rustix::process::geteuid().as_raw())
+            } else {
+                match nix::unistd::User::from_name(name) {
+                    Ok(Some(user)) => Some(user.uid.as_raw()),
+                    Ok(None) => {
+                        cx.at(path, &text, u.span(), format!("no user named {name:?} on this system (users = [...] takes account names, or \"{DAEMON_USER}\" for the daemon's own user; uids = [...] takes numbers)"));
+                        None
+                    }
+                    Err(e) => {
+                        cx.at(
+                            path,
+                            &text,
+                            u.span(),
+                            format!("cannot look up user {name:?}: {e}"),
+                        );
+                        None
+                    }
+                }
+            };
+            if let Some(uid) = uid {
+                grant.uids.insert(uid);
+                grant.subjects.push(format!("user {name} (uid {uid})"));
+            }
+        }
+        for u in &g.uids {
+            grant.uids.insert(*u.get_ref());
+            grant.subjects.push(format!("uid {}", u.get_ref()));
+        }
+        for gr in &g.groups {
+            let name = gr.get_ref();
+            if name == DAEMON_USER {
+                let gid = rustix::process::getegid().as_raw();
+                grant.gids.insert(gid);
+                grant.subjects.push(format!("group {name} (gid {gid})"));
+                continue;
+            }
+            match nix::unistd::Group::from_name(name) {
+                Ok(Some(group)) => {
+                    grant.gids.insert(group.gid.as_raw());
+                    grant
+                        .subjects
+                        .push(format!("group {name} (gid {})", group.gid.as_raw()));
+                }
+                Ok(None) => cx.at(path, &text, gr.span(), format!("no group named {name:?} on this system (groups = [...] takes group names, or \"{DAEMON_USER}\" for the daemon's own group; gids = [...] takes numbers)")),
+                Err(e) => cx.at(path, &text, gr.span(), format!("cannot look up group {name:?}: {e}")),
+            }
+        }
+        for gid in &g.gids {
+            grant.gids.insert(*gid.get_ref());
+            grant.subjects.push(format!("gid {}", gid.get_ref()));
+        }
+        if g.users.is_empty() && g.uids.is_empty() && g.groups.is_empty() && g.gids.is_empty() {
+            cx.at(
+                path,
+                &text,
+                span.clone(),
+                "a [[grant]] names nobody: give it users, uids, groups or gids",
+            );
+        }
+        for c in g.capabilities.get_ref() {
+            match Right::parse(c.get_ref()) {
+                Some(r) => {
+                    grant.rights.insert(r);
+                }
+                None => cx.at(
+                    path,
+                    &text,
+                    c.span(),
+                    format!(
+                        "unknown capability {:?}: use \"read\", \"write\", \"admin\" or \"audit\"",
+                        c.get_ref()
+                    ),
+                ),
+            }
+        }
+        if g.capabilities.get_ref().is_empty() {
+            cx.at(path, &text, g.capabilities.span(), "a [[grant]] with no capabilities gives nothing; name \"read\", \"write\", \"admin\" or \"audit\"");
+        }
+        if let Some(list) = &g.tools {
+            let mut set = std::collections::BTreeSet::new();
+            for t in list {
+                if tools.contains_key(t.get_ref()) {
+                    set.insert(t.get_ref().clone());
+                } else {
+                    cx.at(
+                        path,
+                        &text,
+                        t.span(),
+                        format!(
+                            "no tool named {:?} (tools/*.toml and the built-in session tools)",
+                            t.get_ref()
+                        ),
+                    );
+                }
+            }
+            for r in [Right::Admin, Right::Audit] {
+                if grant.rights.contains(&r) {
+                    cx.at(path, &text, g.capabilities.span(), format!("{:?} is not limited to tools: put it in a [[grant]] without tools = [...]", r.as_str()));
+                }
+            }
+            grant.tools = Some(set);
+        }
+        out.push(grant);
+    }
+    out
 }
 
 #[derive(Deserialize)]
@@ -700,6 +874,7 @@ struct RawParam {
     default: Option<toml::Value>,
     path: Option<PathRole>,
     mode: Option<Spanned<String>>,
+    secret: Option<Spanned<bool>>,
 }
 
 #[derive(Deserialize)]
@@ -784,6 +959,29 @@ fn load_tool(
                 }
             },
         };
+        let secret = rp.secret.as_ref().is_some_and(|s| *s.get_ref());
+        if let (true, Some(s)) = (secret, &rp.secret) {
+            // Only a string's value can be found and scrubbed in a message; a path is
+            // published and shown by name, so it cannot be a secret.
+            if rp.ty != ParamType::String || rp.path.is_some() {
+                cx.at(
+                    path,
+                    &text,
+                    s.span(),
+                    format!(
+                        "secret parameter {pname:?} must be a string that is not a path                          (type = \"string\", no path)"
+                    ),
+                );
+            }
+            if default.is_some() {
+                cx.at(
+                    path,
+                    &text,
+                    s.span(),
+                    format!("secret parameter {pname:?} cannot have a default: tools/list would show it"),
+                );
+            }
+        }
         params.insert(
             pname.clone(),
             Param {
@@ -793,6 +991,7 @@ fn load_tool(
                 default,
                 path: rp.path,
                 mode,
+                secret,
             },
         );
     }

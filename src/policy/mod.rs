@@ -3,9 +3,12 @@
 //! `load` reads the whole directory and returns every problem with `file:line:col`; the rest
 //! of the daemon only ever sees a validated [`Policy`].
 
+mod grant;
 mod load;
 mod model;
+pub mod redact;
 
+pub use grant::{Grant, Right, Subject};
 pub use load::{load, parse_duration, parse_size, placeholders, Diagnostic, PolicyErrors};
 pub use model::*;
 
@@ -20,6 +23,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         default: None,
         path: None,
         mode: None,
+        secret: false,
     };
     let object = |description: &str| Param {
         ty: ParamType::Object,
@@ -28,6 +32,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         default: None,
         path: None,
         mode: None,
+        secret: false,
     };
     let mk = |name: &str,
               title: &str,

@@ -13,6 +13,8 @@ pub struct Policy {
     /// Shared with the tools that use them: a tool holds its profile, not its name.
     pub profiles: BTreeMap<String, Arc<Profile>>,
     pub tools: BTreeMap<String, Tool>,
+    /// `[[grant]]` tables: no grant, no access.
+    pub grants: Vec<super::grant::Grant>,
 }
 
 /// `[daemon]` in `airlock.toml`. Relative paths are relative to the current directory of
@@ -337,6 +339,9 @@ pub struct Param {
     /// For an output: the mode the daemon gives the published file (default 0o644). Never
     /// setuid, setgid, sticky, group- or other-writable: the loader refuses those.
     pub mode: Option<u32>,
+    /// `secret = true`: the value is redacted in audit events, log lines and error messages
+    /// (the worker still receives it).
+    pub secret: bool,
 }
 
 /// The mode of a published output whose parameter declares none.

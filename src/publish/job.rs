@@ -241,14 +241,14 @@ impl Job {
     /// caller should treat the targets as unknown until it runs.
     pub fn publish_and_commit(
         mut self,
-        commit: impl FnOnce() -> Result<(), String>,
+        commit: impl FnOnce() -> Result<(), super::CallbackError>,
     ) -> Result<(), PublishError> {
         if let Err(e) = self.publish() {
             return Err(self.fail(e));
         }
         // The commit point: the caller persists the session state recording this job.
-        if let Err(msg) = commit() {
-            return Err(self.fail(PublishError::Commit(msg)));
+        if let Err(e) = commit() {
+            return Err(self.fail(PublishError::Commit(e)));
         }
         self.journal.phase = Phase::Committed;
         if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {

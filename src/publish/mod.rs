@@ -68,6 +68,9 @@ pub enum PathError {
     Rejected { raw: String, reason: String },
 }
 
+/// The error of a caller's callback (the commit, recovery's question), kept with its causes.
+pub type CallbackError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
     #[error("{op} {path}: {source}")]
@@ -78,8 +81,9 @@ pub enum PublishError {
     },
     #[error("staged output {path} rejected: {reason}")]
     BadOutput { path: PathBuf, reason: String },
+    /// The caller's commit (the session store's write) failed; its error is kept.
     #[error("commit failed: {0}")]
-    Commit(String),
+    Commit(#[source] CallbackError),
     /// The job spec cannot become a job dir (bad id, targets not normalized or overlapping).
     #[error("invalid job: {reason}")]
     InvalidSpec { reason: String },
@@ -102,6 +106,18 @@ pub enum PublishError {
     /// Startup recovery cannot decide what to do with a job dir.
     #[error("recovery of job {job}: {reason}")]
     Recovery { job: String, reason: String },
+    /// Startup recovery cannot tell whether a job committed: the session store's error.
+    #[error(
+        "recovery of job {job}: cannot tell whether session {session} committed: {source}. \
+         Repair or restore that session's file in the state dir and start again (recovery \
+         then completes or rolls back this job by itself); nothing was changed"
+    )]
+    Undecided {
+        job: String,
+        session: String,
+        #[source]
+        source: CallbackError,
+    },
 }
 
 /// What a job publishes.

@@ -35,7 +35,7 @@ use super::{PublishError, Recovered, Workspace, JOB_DIR_PREFIX, QUARANTINE_PREFI
 /// neither removed nor moved aside): the daemon must not serve such a workspace.
 pub fn recover(
     workspace: &Path,
-    committed: &dyn Fn(&str, &str) -> Result<bool, String>,
+    committed: &dyn Fn(&str, &str) -> Result<bool, super::CallbackError>,
 ) -> Result<Vec<Recovered>, PublishError> {
     let ws = Workspace::open(workspace)?;
     let mut jobs = Vec::new();
@@ -110,7 +110,7 @@ fn retry_quarantined(ws: &Workspace, name: &OsStr) -> Recovered {
 fn recover_one(
     ws: &Workspace,
     name: &OsStr,
-    committed: &dyn Fn(&str, &str) -> Result<bool, String>,
+    committed: &dyn Fn(&str, &str) -> Result<bool, super::CallbackError>,
 ) -> Result<Recovered, PublishError> {
     let dir = ws.root().join(name);
     let id = name.to_string_lossy()[JOB_DIR_PREFIX.len()..].to_string();
@@ -162,16 +162,11 @@ fn recover_one(
                 Phase::CommittingState => match committed(&j.session, &j.job) {
                     Ok(true) => format!("completed {total} targets (session holds the commit)"),
                     Ok(false) => roll_back(&j)?,
-                    Err(reason) => {
-                        return Err(PublishError::Recovery {
+                    Err(source) => {
+                        return Err(PublishError::Undecided {
                             job: id,
-                            reason: format!(
-                                "cannot tell whether session {} committed: {reason}. Repair or \
-                                 restore that session's file in the state dir and start again \
-                                 (recovery then completes or rolls back this job by itself); \
-                                 nothing was changed",
-                                j.session
-                            ),
+                            session: j.session.clone(),
+                            source,
                         })
                     }
                 },

@@ -40,6 +40,10 @@ pub struct Snapshot {
     pub id: String,
     pub version: u64,
     pub state: Map<String, Value>,
+    /// The uid of the principal that created it (None: a session file from before owners
+    /// were recorded; only `admin` reaches it).
+    #[serde(default)]
+    pub owner: Option<u32>,
 }
 
 /// The on-disk form of a session (or its tombstone).
@@ -54,6 +58,9 @@ struct SessionFile {
     last_job: Option<String>,
     #[serde(default)]
     destroyed: bool,
+    /// The creator's uid; kept in the tombstone too.
+    #[serde(default)]
+    owner: Option<u32>,
 }
 
 struct Session {
@@ -79,7 +86,8 @@ impl SessionGuard {
 pub struct SessionStore {
     dir: PathBuf,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
-    tombstones: Mutex<std::collections::HashSet<String>>,
+    /// Destroyed ids and the owner each had.
+    tombstones: Mutex<HashMap<String, Option<u32>>>,
 }
 
 fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -155,7 +163,7 @@ impl SessionStore {
             source,
         })?;
         let mut sessions = HashMap::new();
-        let mut tombstones = std::collections::HashSet::new();
+        let mut tombstones = HashMap::new();
         let entries = std::fs::read_dir(&dir).map_err(|source| SessionError::Io {
             op: "list",
             path: dir.clone(),
@@ -180,13 +188,14 @@ impl SessionStore {
             }
             let file = read_file(&path)?;
             if file.destroyed {
-                tombstones.insert(file.id);
+                tombstones.insert(file.id, file.owner);
                 continue;
             }
             let snap = Snapshot {
                 id: file.id.clone(),
                 version: file.version,
                 state: file.state,
+                owner: file.owner,
             };
             sessions.insert(file.id, Arc::new(Session::new(snap)));
         }
@@ -206,8 +215,21 @@ impl SessionStore {
         if let Some(s) = lock(&self.sessions).get(id) {
             return Ok(s.clone());
         }
-        if lock(&self.tombstones).contains(id) {
+        if lock(&self.tombstones).contains_key(id) {
             return Err(SessionError::Destroyed(id.to_string()));
+        }
+        Err(SessionError::NotFound(id.to_string()))
+    }
+
+    /// The owner of a live or destroyed session (`Ok(None)`: one from before owners were
+    /// recorded); `NotFound` for an id never created.
+    pub fn owner(&self, id: &str) -> Result<Option<u32>, SessionError> {
+        check_id(id)?;
+        if let Some(s) = lock(&self.sessions).get(id) {
+            return Ok(read(&s.current).owner);
+        }
+        if let Some(owner) = lock(&self.tombstones).get(id) {
+            return Ok(*owner);
         }
         Err(SessionError::NotFound(id.to_string()))
     }
@@ -227,21 +249,27 @@ impl SessionStore {
         out
     }
 
-    /// Creates a session at version 0 and persists it.
-    pub fn create(&self, id: &str, state: Map<String, Value>) -> Result<Snapshot, SessionError> {
+    /// Creates a session at version 0, owned by `owner` (a uid), and persists it.
+    pub fn create(
+        &self,
+        id: &str,
+        state: Map<String, Value>,
+        owner: u32,
+    ) -> Result<Snapshot, SessionError> {
         check_id(id)?;
         // Holding the map lock across the write keeps two creators of one id apart.
         let mut sessions = lock(&self.sessions);
         if sessions.contains_key(id) {
             return Err(SessionError::Exists(id.to_string()));
         }
-        if lock(&self.tombstones).contains(id) {
+        if lock(&self.tombstones).contains_key(id) {
             return Err(SessionError::Destroyed(id.to_string()));
         }
         let snap = Snapshot {
             id: id.to_string(),
             version: 0,
             state,
+            owner: Some(owner),
         };
         self.persist(&snap, None, false)?;
         sessions.insert(id.to_string(), Arc::new(Session::new(snap.clone())));
@@ -275,6 +303,7 @@ impl SessionStore {
             id: cur.id,
             version: cur.version + 1,
             state,
+            owner: cur.owner,
         };
         self.persist(&next, Some(job), false)?;
         *write(&guard.session.current) = next.clone();
@@ -287,7 +316,7 @@ impl SessionStore {
         let snap = guard.snapshot();
         self.persist(&snap, None, true)?;
         guard.session.destroyed.store(true, Ordering::SeqCst);
-        lock(&self.tombstones).insert(snap.id.clone());
+        lock(&self.tombstones).insert(snap.id.clone(), snap.owner);
         lock(&self.sessions).remove(&snap.id);
         Ok(snap)
     }
@@ -318,6 +347,7 @@ impl SessionStore {
             },
             last_job: job.map(str::to_string),
             destroyed,
+            owner: snap.owner,
         };
         let bytes = serde_json::to_vec_pretty(&file).map_err(|e| SessionError::Corrupt {
             path: self.path(&snap.id),
@@ -368,7 +398,7 @@ mod tests {
     async fn commit_persists_and_destroy_tombstones() {
         let dir = tempfile::tempdir().unwrap();
         let store = SessionStore::open(dir.path()).unwrap();
-        store.create("s1", Map::new()).unwrap();
+        store.create("s1", Map::new(), 0).unwrap();
         let g = store.lock("s1").await.unwrap();
         let mut st = Map::new();
         st.insert("n".into(), 1.into());
@@ -386,8 +416,33 @@ mod tests {
         ));
         let again = SessionStore::open(dir.path()).unwrap();
         assert!(matches!(
-            again.create("s1", Map::new()),
+            again.create("s1", Map::new(), 0),
             Err(SessionError::Destroyed(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn owner_persists_through_commit_destroy_and_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SessionStore::open(dir.path()).unwrap();
+        store.create("mine", Map::new(), 1234).unwrap();
+        let g = store.lock("mine").await.unwrap();
+        assert_eq!(store.commit(&g, Map::new(), "j").unwrap().owner, Some(1234));
+        drop(g);
+        let reopened = SessionStore::open(dir.path()).unwrap();
+        assert_eq!(reopened.owner("mine").unwrap(), Some(1234));
+        let g = reopened.lock("mine").await.unwrap();
+        reopened.destroy(g).unwrap();
+        assert_eq!(reopened.owner("mine").unwrap(), Some(1234));
+        let again = SessionStore::open(dir.path()).unwrap();
+        assert_eq!(
+            again.owner("mine").unwrap(),
+            Some(1234),
+            "the tombstone keeps it"
+        );
+        assert!(matches!(
+            again.owner("never"),
+            Err(SessionError::NotFound(_))
         ));
     }
 
@@ -395,7 +450,7 @@ mod tests {
     async fn queued_mutator_fails_after_destroy() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(SessionStore::open(dir.path()).unwrap());
-        store.create("s", Map::new()).unwrap();
+        store.create("s", Map::new(), 0).unwrap();
         let destroyer = store.lock("s").await.unwrap();
         let s2 = store.clone();
         let queued = tokio::spawn(async move { s2.lock("s").await.map(|_| ()) });

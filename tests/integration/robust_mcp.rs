@@ -436,6 +436,14 @@ async fn one_uid_at_its_cap_does_not_lock_out_another() {
             ("socket_mode", "\"0666\""),
         ],
     );
+    // nobody may list sessions (no grant, no access: #9).
+    let conf = d.policies.join("airlock.toml");
+    let text = std::fs::read_to_string(&conf).expect("airlock.toml");
+    std::fs::write(
+        &conf,
+        format!("[[grant]]\nuids = [65534]\ncapabilities = [\"read\"]\n{text}"),
+    )
+    .expect("airlock.toml");
     d.start();
     // Root holds its two connections, one idle and one with an unfinished line.
     let mut a = d.raw();

@@ -1,0 +1,280 @@
+//! Everything that ends a call without a result, as one typed enum with its causes kept
+//! ([`CallError`]), and the stable wire codes a client matches on ([`ErrorCode`]). A
+//! `CallError` becomes a code and a message only where the reply is built
+//! ([`CallError::reply`]); README's table of codes is checked against [`ErrorCode::ALL`].
+
+use serde_json::{json, Value};
+
+use super::args::ArgError;
+use super::ToolReply;
+use crate::policy::redact::Secrets;
+use crate::publish::{PathError, PublishError};
+use crate::sandbox::SandboxError;
+use crate::session::SessionError;
+
+/// The stable code of a tool fault: the text of a fault starts with it and
+/// `structuredContent.error.code` carries it; audit events carry it too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    InvalidArgument,
+    PathRejected,
+    OverlappingOutputs,
+    NoSuchSession,
+    SessionDestroyed,
+    SessionExists,
+    SessionForbidden,
+    ToolForbidden,
+    ToolFailed,
+    ToolTimeout,
+    SandboxError,
+    PublishFailed,
+    StateError,
+    Internal,
+}
+
+impl ErrorCode {
+    /// Every code, in README's order.
+    pub const ALL: [ErrorCode; 14] = [
+        ErrorCode::InvalidArgument,
+        ErrorCode::PathRejected,
+        ErrorCode::OverlappingOutputs,
+        ErrorCode::NoSuchSession,
+        ErrorCode::SessionDestroyed,
+        ErrorCode::SessionExists,
+        ErrorCode::SessionForbidden,
+        ErrorCode::ToolForbidden,
+        ErrorCode::ToolFailed,
+        ErrorCode::ToolTimeout,
+        ErrorCode::SandboxError,
+        ErrorCode::PublishFailed,
+        ErrorCode::StateError,
+        ErrorCode::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidArgument => "INVALID_ARGUMENT",
+            ErrorCode::PathRejected => "PATH_REJECTED",
+            ErrorCode::OverlappingOutputs => "OVERLAPPING_OUTPUTS",
+            ErrorCode::NoSuchSession => "NO_SUCH_SESSION",
+            ErrorCode::SessionDestroyed => "SESSION_DESTROYED",
+            ErrorCode::SessionExists => "SESSION_EXISTS",
+            ErrorCode::SessionForbidden => "SESSION_FORBIDDEN",
+            ErrorCode::ToolForbidden => "TOOL_FORBIDDEN",
+            ErrorCode::ToolFailed => "TOOL_FAILED",
+            ErrorCode::ToolTimeout => "TOOL_TIMEOUT",
+            ErrorCode::SandboxError => "SANDBOX_ERROR",
+            ErrorCode::PublishFailed => "PUBLISH_FAILED",
+            ErrorCode::StateError => "STATE_ERROR",
+            ErrorCode::Internal => "INTERNAL",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a call ended without a result.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error(transparent)]
+    Argument(#[from] ArgError),
+    #[error("argument {name:?}: {source}")]
+    Path {
+        name: String,
+        #[source]
+        source: PathError,
+    },
+    #[error("{0}")]
+    Overlap(String),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    /// A session another principal owns (or owned, if destroyed).
+    #[error("session {session:?} belongs to another principal; only its owner or a principal with the admin capability may use it")]
+    SessionForbidden { session: String },
+    /// No grant of the principal's lets it call the tool.
+    #[error("uid {uid} may not call {tool} (it needs the {right:?} capability for this tool in a [[grant]] of airlock.toml)")]
+    ToolForbidden {
+        tool: String,
+        uid: u32,
+        right: &'static str,
+    },
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    /// No worker uid could be leased.
+    #[error(transparent)]
+    Identity(#[from] crate::sandbox::IdentityError),
+    #[error("{tool} did not finish within {after:?}; its process group was killed and nothing was published")]
+    Timeout {
+        tool: String,
+        after: std::time::Duration,
+    },
+    /// The tool ran and failed (exit status, signal, invalid response, over a limit).
+    #[error("{0}")]
+    ToolFailed(String),
+    /// A `json` tool answered `isError: true`; its content is passed on.
+    #[error("{tool} reported an error; nothing was published")]
+    ToolReported { tool: String, content: Vec<Value> },
+    /// The job dir could not be created: nothing was touched.
+    #[error("cannot create the job dir: {0}")]
+    Job(#[source] PublishError),
+    /// The worker left more in staging than its profile allows, or staging could not be
+    /// measured.
+    #[error(transparent)]
+    Staging(PublishError),
+    /// Publication or the commit failed; `restored` says whether every target is back.
+    #[error("{source}; {}", if *.restored { "every target was restored and the state is unchanged" } else { "the targets are restored by recovery at the next start" })]
+    Publish {
+        #[source]
+        source: PublishError,
+        restored: bool,
+    },
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl CallError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            CallError::Argument(_) => ErrorCode::InvalidArgument,
+            CallError::Path { .. } => ErrorCode::PathRejected,
+            CallError::Overlap(_) => ErrorCode::OverlappingOutputs,
+            CallError::Session(e) => match e {
+                SessionError::NotFound(_) => ErrorCode::NoSuchSession,
+                SessionError::Destroyed(_) => ErrorCode::SessionDestroyed,
+                SessionError::Exists(_) => ErrorCode::SessionExists,
+                SessionError::BadId(_) => ErrorCode::InvalidArgument,
+                SessionError::Io { .. } | SessionError::Corrupt { .. } => ErrorCode::StateError,
+            },
+            CallError::SessionForbidden { .. } => ErrorCode::SessionForbidden,
+            CallError::ToolForbidden { .. } => ErrorCode::ToolForbidden,
+            CallError::Sandbox(_) | CallError::Identity(_) => ErrorCode::SandboxError,
+            CallError::Timeout { .. } => ErrorCode::ToolTimeout,
+            CallError::ToolFailed(_) | CallError::ToolReported { .. } => ErrorCode::ToolFailed,
+            CallError::Staging(PublishError::StagingLimit { .. }) => ErrorCode::ToolFailed,
+            CallError::Job(_) | CallError::Staging(_) | CallError::Publish { .. } => {
+                ErrorCode::PublishFailed
+            }
+            CallError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// The fault reply: the code, then the message with its causes, every secret of the
+    /// call scrubbed.
+    pub fn reply(&self, secrets: &Secrets) -> ToolReply {
+        let code = self.code().as_str();
+        let mut message = self.to_string();
+        // Causes a message does not already quote.
+        let mut cause = std::error::Error::source(self);
+        while let Some(c) = cause {
+            let text = c.to_string();
+            if !message.contains(&text) {
+                message.push_str(": ");
+                message.push_str(&text);
+            }
+            cause = c.source();
+        }
+        let message = secrets.scrub_str(&message);
+        let mut reply = ToolReply {
+            is_error: true,
+            content: vec![json!({"type": "text", "text": format!("{code}: {message}")})],
+            structured: Some(json!({"error": {"code": code, "message": message}})),
+        };
+        if let CallError::ToolReported { content, .. } = self {
+            let mut extra = Value::Array(content.clone());
+            secrets.scrub(&mut extra);
+            if let Value::Array(a) = extra {
+                reply.content.extend(a);
+            }
+        }
+        reply
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// README's table of tool fault codes names every code and no other.
+    #[test]
+    fn readme_table_matches_the_enum() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+            .expect("README.md");
+        let start = readme
+            .find("| code | meaning |")
+            .expect("README has a `| code | meaning |` table");
+        let mut in_table = Vec::new();
+        for line in readme[start..].lines().skip(2) {
+            if !line.starts_with('|') {
+                break;
+            }
+            let first = line.split('|').nth(1).unwrap_or("");
+            for part in first.split(',') {
+                let code = part.trim().trim_matches('`').to_string();
+                assert!(!code.is_empty(), "an empty code cell in {line:?}");
+                in_table.push(code);
+            }
+        }
+        let all: Vec<String> = ErrorCode::ALL
+            .iter()
+            .map(|c| c.as_str().to_string())
+            .collect();
+        for c in &all {
+            assert!(in_table.contains(c), "README's code table lacks {c}");
+        }
+        for c in &in_table {
+            assert!(
+                all.contains(c),
+                "README's code table names {c}, which ErrorCode lacks"
+            );
+        }
+        assert_eq!(
+            in_table.len(),
+            all.len(),
+            "a code is listed twice: {in_table:?}"
+        );
+    }
+
+    #[test]
+    fn codes_are_distinct_screaming_snake() {
+        let mut seen = std::collections::HashSet::new();
+        for c in ErrorCode::ALL {
+            let s = c.as_str();
+            assert!(seen.insert(s), "{s} twice");
+            assert!(
+                s.chars().all(|ch| ch.is_ascii_uppercase() || ch == '_'),
+                "{s}"
+            );
+        }
+    }
+
+    #[test]
+    fn causes_are_kept_and_reach_the_message() {
+        let io = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let e = CallError::Publish {
+            source: PublishError::Commit(Box::new(SessionError::Io {
+                op: "write",
+                path: "/state/sessions/s.json".into(),
+                source: io,
+            })),
+            restored: true,
+        };
+        assert_eq!(e.code(), ErrorCode::PublishFailed);
+        // The chain is walkable down to the errno.
+        let mut depth = 0;
+        let mut c: Option<&dyn std::error::Error> = Some(&e);
+        while let Some(x) = c {
+            depth += 1;
+            c = x.source();
+        }
+        assert!(depth >= 3, "causes dropped: {depth}");
+        let r = e.reply(&Secrets::default());
+        let text = r.content[0]["text"].as_str().unwrap();
+        assert!(text.starts_with("PUBLISH_FAILED: "), "{text}");
+        assert!(text.contains("s.json"), "{text}");
+        assert!(text.contains("every target was restored"), "{text}");
+    }
+}
