@@ -49,6 +49,8 @@ enum Command {
     Policy(PolicyCommand),
     /// Roll back or complete every job a crashed daemon left, then exit.
     Recover(Dirs),
+    /// Read the durable audit log (filters, --follow, --json), or `verify` its hash chain.
+    Audit(crate::audit::cli::AuditArgs),
     /// Write the man pages and shell completions into DIR (used to build the package).
     #[command(hide = true)]
     GenerateAssets {
@@ -137,6 +139,7 @@ pub fn main() -> i32 {
             policy_explain(&policies, &tool)
         }
         Command::Recover(a) => recover(a),
+        Command::Audit(a) => crate::audit::cli::run(a),
         Command::GenerateAssets { out } => generate_assets(&out),
         Command::Serve(a) => runtime().map_or(2, |rt| {
             let code = rt.block_on(serve(a));
@@ -388,7 +391,8 @@ fn recover(a: Dirs) -> i32 {
                 .ok()
                 .and_then(|i| i.range());
             crate::exec::sweep_leftovers(d, uids).map_err(|e| e.to_string())?;
-            crate::exec::recover(&ws, &sessions).map_err(|e| e.to_string())
+            let audit = crate::exec::open_audit(d).map_err(|e| e.to_string())?;
+            crate::exec::recover(&ws, &sessions, &audit).map_err(|e| e.to_string())
         });
     match result {
         Ok(done) => {

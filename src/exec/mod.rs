@@ -17,7 +17,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::audit::{Audit, CallRef, Principal};
+use crate::audit::{Audit, CallRef, EventKind, Principal};
 use crate::policy::{
     Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Tool,
 };
@@ -38,6 +38,10 @@ pub enum StartupError {
     Sessions(#[from] SessionError),
     #[error("startup recovery failed: {0}")]
     Recovery(String),
+    #[error(transparent)]
+    AuditLog(#[from] crate::audit::log::LogError),
+    #[error("cannot record what recovery did in the audit log: {0}")]
+    AuditRecovery(crate::audit::AuditError),
     #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
     Busy { what: &'static str, path: PathBuf },
     #[error("{path}: cannot lock the {what}: {source}")]
@@ -87,6 +91,57 @@ pub struct CallRequest {
     pub principal: Principal,
     /// Cancelled by `notifications/cancelled` or the client's disconnect.
     pub cancel: CancellationToken,
+    /// The client's JSON-RPC id of the request, for the audit.
+    pub request_id: Option<Value>,
+    /// Whether `cancel` fired because the client asked (else its connection ended or the
+    /// daemon is shutting down): the cancel's recorded cause.
+    pub client_cancelled: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
+/// One call as the executor runs it: what its events share, and what the steps learned that
+/// the terminal event reports.
+struct Call {
+    r: CallRef,
+    t0: std::time::Instant,
+    /// `start` was recorded: the call is past its queue (locks, slot), its work begins.
+    started: std::sync::atomic::AtomicBool,
+    /// The wait recorded the `cancel` (with `worker_terminated`).
+    cancel_recorded: std::sync::atomic::AtomicBool,
+    /// The wait recorded `timeout` and `worker_terminated`.
+    timed_out: std::sync::atomic::AtomicBool,
+    /// Fields for the terminal event (the worker's exit, its enforcement).
+    extra: std::sync::Mutex<Map<String, Value>>,
+    client_cancelled: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
+impl std::ops::Deref for Call {
+    type Target = CallRef;
+    fn deref(&self) -> &CallRef {
+        &self.r
+    }
+}
+
+impl Call {
+    fn flag(&self, f: &std::sync::atomic::AtomicBool) -> bool {
+        f.load(Ordering::SeqCst)
+    }
+
+    fn note(&self, key: &str, v: Value) {
+        self.extra
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.to_string(), v);
+    }
+
+    /// The terminal event's fields so far, with the call's duration.
+    fn finish_detail(&self) -> Map<String, Value> {
+        let mut m = self.extra.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        m.insert(
+            "duration_ms".into(),
+            json!(self.t0.elapsed().as_millis() as u64),
+        );
+        m
+    }
 }
 
 /// The terminal result of a call.
@@ -197,13 +252,14 @@ impl Executor {
         }
         // Before recovery touches a job dir, nothing a dead daemon's workers left may run.
         let registry = sweep_leftovers(d, identities.range())?;
-        recover(&workspace, &sessions)?;
+        let audit = open_audit(d)?;
+        recover(&workspace, &sessions, &audit)?;
         Ok(Executor {
             identities,
             registry,
             _lock: lock,
             _state_lock: state_lock,
-            audit: Audit::new(d.audit_ring, d.audit_ring_bytes),
+            audit,
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
             policy: std::sync::RwLock::new(policy),
             in_flight: AtomicUsize::new(0),
@@ -256,11 +312,20 @@ impl Executor {
             .and_then(Value::as_str)
             .filter(|s| crate::session::valid_id(s))
             .map(str::to_string);
-        let call = CallRef {
-            call: self.new_call_id(),
-            tool: tool.name.clone(),
-            session: session.clone().filter(|_| tool.takes_session()),
-            principal: Some(req.principal.clone()),
+        let call = Call {
+            r: CallRef {
+                call: self.new_call_id(),
+                tool: tool.name.clone(),
+                session: session.clone().filter(|_| tool.takes_session()),
+                principal: Some(req.principal.clone()),
+                request_id: req.request_id.clone(),
+            },
+            t0: std::time::Instant::now(),
+            started: Default::default(),
+            cancel_recorded: Default::default(),
+            timed_out: Default::default(),
+            extra: Default::default(),
+            client_cancelled: req.client_cancelled.clone(),
         };
         // Cancelled by the client's request or by the daemon's shutdown.
         // The client's cancellation reaches `cancel` synchronously (a child token), so the
@@ -269,11 +334,11 @@ impl Executor {
         let _link = link(&self.shutdown, &cancel);
 
         // 1. Authorize. Every local peer is allowed until grants exist.
-        self.audit.record(
-            &call,
-            "allow",
-            json!({"capability": tool.capability.as_str()}),
-        );
+        let mut allow = json!({"capability": tool.capability.as_str()});
+        if let Some(ext) = &tool.exec {
+            allow["timeout_ms"] = json!(ext.timeout.as_millis() as u64);
+        }
+        self.event(&call, EventKind::Allow, allow);
         let outcome = match args::validate(tool, &req.args) {
             Err(msg) => Err(ToolReply::fault("INVALID_ARGUMENT", msg).into()),
             Ok(values) => match (tool.builtin, &tool.exec, tool.capability) {
@@ -294,30 +359,114 @@ impl Executor {
                 .into()),
             },
         };
+        self.finish(
+            &call,
+            tool.capability == Capability::Write,
+            &cancel,
+            outcome,
+        )
+    }
+
+    fn event(&self, call: &Call, kind: EventKind, detail: Value) {
+        self.audit.record(&call.r, kind, detail);
+    }
+
+    /// `start`: the call is past its queue and its work begins.
+    fn record_start(&self, call: &Call, detail: Value) {
+        call.started.store(true, Ordering::SeqCst);
+        self.event(call, EventKind::Start, detail);
+    }
+
+    /// A `cancel` event's detail: its cause (the client's request, with the request's id;
+    /// the daemon's shutdown; else the client's disconnect) and the call's phase.
+    fn cancel_detail(&self, call: &Call, phase: &str) -> Value {
+        let cause = if (call.client_cancelled)() {
+            "client"
+        } else if self.shutdown.is_cancelled() {
+            "shutdown"
+        } else {
+            "disconnect"
+        };
+        let mut d = json!({"cause": cause, "phase": phase});
+        if cause == "client" {
+            d["request_id"] = call.request_id.clone().unwrap_or(Value::Null);
+        }
+        d
+    }
+
+    /// Records how the call ended (see [`EventKind`] for the sequences) and makes its reply.
+    fn finish(
+        &self,
+        call: &Call,
+        mutating: bool,
+        cancel: &CancellationToken,
+        outcome: Result<ToolReply, Stop>,
+    ) -> Reply {
         // A cancel the call did not act on (it came past the point of no return, or the
         // call never waits on one): the result is sent, and the audit says so.
         let too_late = cancel.is_cancelled();
+        let started = call.flag(&call.started);
+        let mut fin = call.finish_detail();
         match outcome {
             Ok(reply) => {
-                let mut detail = json!({"is_error": false});
-                if too_late {
-                    detail["cancel_too_late"] = json!(true);
+                if mutating {
+                    // Its `commit` is recorded (durably, before the commit point).
+                    if too_late {
+                        let mut d = self.cancel_detail(call, "committed");
+                        d["too_late"] = json!(true);
+                        self.event(call, EventKind::Cancel, d);
+                    }
+                } else {
+                    if too_late {
+                        fin.insert("cancel_too_late".into(), json!(true));
+                    }
+                    self.event(call, EventKind::Done, Value::Object(fin));
                 }
-                self.audit.record(&call, "done", detail);
                 Reply::Result(reply)
             }
             Err(Stop::Fault(reply)) => {
-                let mut detail = reply.structured.clone().unwrap_or(Value::Null);
-                if too_late {
-                    if let Some(o) = detail.as_object_mut() {
-                        o.insert("cancel_too_late".into(), json!(true));
+                let err = reply
+                    .structured
+                    .as_ref()
+                    .and_then(|s| s.get("error"))
+                    .cloned()
+                    .unwrap_or(Value::Null);
+                let code = err.get("code").cloned().unwrap_or(Value::Null);
+                let timed_out = call.flag(&call.timed_out);
+                // A mutating call's timeout reads `timeout, worker_terminated, rollback`.
+                if !(mutating && timed_out) {
+                    let mut d = fin.clone();
+                    d.insert("code".into(), code.clone());
+                    d.insert(
+                        "message".into(),
+                        err.get("message").cloned().unwrap_or(Value::Null),
+                    );
+                    d.insert(
+                        "phase".into(),
+                        json!(if started { "running" } else { "queued" }),
+                    );
+                    if too_late {
+                        d.insert("cancel_too_late".into(), json!(true));
                     }
+                    self.event(call, EventKind::Error, Value::Object(d));
                 }
-                self.audit.record(&call, "failed", detail);
+                if mutating && started {
+                    fin.insert("code".into(), code);
+                    self.event(call, EventKind::Rollback, Value::Object(fin));
+                }
                 Reply::Result(reply)
             }
             Err(Stop::Cancelled) => {
-                self.audit.record(&call, "cancelled", Value::Null);
+                if !call.flag(&call.cancel_recorded) {
+                    // Cancelled while queued (locks, a slot), or after its worker ended and
+                    // before publication began.
+                    let phase = if started { "before_publish" } else { "queued" };
+                    self.event(call, EventKind::Cancel, self.cancel_detail(call, phase));
+                }
+                if mutating && started {
+                    fin.insert("reason".into(), json!("cancelled"));
+                    self.event(call, EventKind::Rollback, Value::Object(fin));
+                }
                 Reply::Cancelled
             }
         }
@@ -325,7 +474,7 @@ impl Executor {
 
     async fn builtin(
         &self,
-        call: &CallRef,
+        call: &Call,
         b: Builtin,
         raw: &Map<String, Value>,
         cancel: &CancellationToken,
@@ -342,12 +491,18 @@ impl Executor {
                     .and_then(Value::as_object)
                     .cloned()
                     .unwrap_or_default();
+                self.record_start(call, json!({}));
+                // The commit event is durable before the session exists; a create that fails
+                // anyway (the id is taken) is followed by its error and rollback.
+                let fresh = crate::session::valid_id(&id) && self.sessions.snapshot(&id).is_err();
+                let detail = json!({"version": 0, "created": true});
+                if fresh {
+                    self.commit_event(call, detail.clone())?;
+                }
                 let snap = self.sessions.create(&id, state).map_err(session_fault)?;
-                self.audit.record(
-                    call,
-                    "commit",
-                    json!({"session": id, "version": 0, "created": true}),
-                );
+                if !fresh {
+                    self.event(call, EventKind::Commit, detail);
+                }
                 Ok(ToolReply::ok(
                     format!("created session {id}"),
                     snap_json(&snap),
@@ -359,12 +514,10 @@ impl Executor {
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let guard = self.lock_session(id, cancel).await?;
-                let snap = self.sessions.destroy(guard).map_err(session_fault)?;
-                self.audit.record(
-                    call,
-                    "commit",
-                    json!({"session": id, "destroyed": true, "version": snap.version}),
-                );
+                self.record_start(call, json!({}));
+                let version = guard.snapshot().version;
+                self.commit_event(call, json!({"destroyed": true, "version": version}))?;
+                self.sessions.destroy(guard).map_err(session_fault)?;
                 Ok(ToolReply::ok(
                     format!("destroyed session {id}"),
                     json!({"id": id, "destroyed": true}),
@@ -375,6 +528,7 @@ impl Executor {
                     .get("session")
                     .and_then(Value::as_str)
                     .unwrap_or_default();
+                self.record_start(call, json!({}));
                 let snap = self.sessions.snapshot(id).map_err(session_fault)?;
                 Ok(ToolReply::ok(
                     serde_json::to_string(&snap_json(&snap)).unwrap_or_default(),
@@ -382,6 +536,7 @@ impl Executor {
                 ))
             }
             Builtin::SessionList => {
+                self.record_start(call, json!({}));
                 let list: Vec<Value> = self
                     .sessions
                     .list()
@@ -392,6 +547,24 @@ impl Executor {
                 Ok(ToolReply::ok(v.to_string(), v))
             }
         }
+    }
+
+    /// Records the call's `commit` durably (fsynced, possibly with others' events): called
+    /// before the commit point. A failure is `AUDIT_FAILED`, and the call does not commit.
+    fn commit_event(&self, call: &Call, detail: Value) -> Result<(), Stop> {
+        let mut d = call.finish_detail();
+        if let Value::Object(m) = detail {
+            d.extend(m);
+        }
+        self.audit
+            .record_durable(&call.r, EventKind::Commit, Value::Object(d))
+            .map_err(|e| {
+                ToolReply::fault(
+                    "AUDIT_FAILED",
+                    format!("the commit could not be recorded durably in the audit log: {e}; nothing was committed"),
+                )
+                .into()
+            })
     }
 
     async fn lock_session(
@@ -433,7 +606,7 @@ impl Executor {
     async fn run_read(
         &self,
         policy: &Policy,
-        call: &CallRef,
+        call: &Call,
         tool: &Tool,
         ext: &ExternalTool,
         values: Map<String, Value>,
@@ -471,7 +644,7 @@ impl Executor {
     async fn run_write(
         &self,
         policy: &Policy,
-        call: &CallRef,
+        call: &Call,
         tool: &Tool,
         ext: &ExternalTool,
         session: &str,
@@ -496,8 +669,6 @@ impl Executor {
             _ = cancel.cancelled() => return Err(Stop::Cancelled),
         };
         let _slot = self.slot(cancel).await?;
-        self.audit
-            .record(call, "locked", json!({"targets": targets}));
 
         // 3. Clone the state.
         let before = guard.snapshot();
@@ -530,6 +701,7 @@ impl Executor {
         };
         let mut job = Job::create(&self.workspace, spec)
             .map_err(|e| ToolReply::fault("PUBLISH_FAILED", e))?;
+        job.hash_up_to(policy.daemon.audit_hash_limit);
         let root = self.workspace.root().to_path_buf();
         let bound = args::bind(&values, &paths, &root, Some(session), |i| {
             job.staged_path(i)
@@ -581,13 +753,26 @@ impl Executor {
             return Err(Stop::Cancelled);
         }
 
-        // 7. Publish the outputs, then commit the state: the commit point.
+        // 7. Publish the outputs, then commit the state: the commit point. The `commit`
+        // event is durable in the audit log before it; if it cannot be, the call rolls back.
         let state = new_state.unwrap_or_else(|| before.state.clone());
         let mut committed = None;
+        let mut audit_failed = None;
+        let hash_limit = policy.daemon.audit_hash_limit;
         // Off the async threads: publication fsyncs, and its cleanup removes whatever the
         // worker left in staging.
         let published = tokio::task::block_in_place(|| {
-            job.publish_and_commit(|| {
+            job.publish_and_commit_with(|outputs| {
+                let version = before.version + 1;
+                let detail = json!({
+                    "version": version,
+                    "outputs": outputs.iter().map(|o| output_detail(o, hash_limit)).collect::<Vec<_>>(),
+                });
+                if let Err(Stop::Fault(r)) = self.commit_event(call, detail) {
+                    let msg = r.content.first().and_then(|c| c["text"].as_str()).unwrap_or("AUDIT_FAILED").to_string();
+                    audit_failed = Some(r);
+                    return Err(msg);
+                }
                 self.sessions
                     .commit(&guard, state, &call.call)
                     .map(|snap| committed = Some(snap))
@@ -595,8 +780,9 @@ impl Executor {
             })
         });
         if let Err(e) = published {
-            self.audit
-                .record(call, "rollback", json!({"reason": e.to_string()}));
+            if let Some(reply) = audit_failed {
+                return Err(reply.into());
+            }
             let what = match e {
                 publish::PublishError::RollbackFailed { .. } => {
                     "the targets are restored by recovery at the next start"
@@ -606,11 +792,6 @@ impl Executor {
             return Err(ToolReply::fault("PUBLISH_FAILED", format!("{e}; {what}")).into());
         }
         let version = committed.as_ref().map_or(before.version, |s| s.version);
-        self.audit.record(
-            call,
-            "commit",
-            json!({"session": session, "version": version, "outputs": targets}),
-        );
         reply.structured = Some(json!({
             "session": session,
             "version": version,
@@ -694,12 +875,13 @@ impl Executor {
 
     async fn spawn_and_wait(
         &self,
-        call: &CallRef,
+        call: &Call,
         launch: Launch,
         timeout: std::time::Duration,
         cancel: &CancellationToken,
         job: Option<&mut Job>,
     ) -> Result<Outcome, Stop> {
+        let seccomp = launch.profile.seccomp.mode;
         let worker = Worker::spawn(launch)
             .await
             .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
@@ -708,24 +890,36 @@ impl Executor {
                 tracing::warn!(call = %call.call, "cannot journal the worker pid: {e}");
             }
         }
-        self.audit
-            .record(call, "spawned", json!({"pid": worker.pid()}));
+        let mut start = json!({
+            "pid": worker.pid(),
+            "timeout_ms": timeout.as_millis() as u64,
+            "seccomp": seccomp,
+        });
+        if let Some(e) = worker.enforcement() {
+            start["landlock"] = json!(e.landlock);
+            start["landlock_abi"] = json!(e.landlock_abi);
+            start["containment"] = json!(e.containment);
+        }
+        self.record_start(call, start);
         let outcome = worker
             .finish(timeout, cancel.clone())
             .await
             .map_err(|e| ToolReply::fault("SANDBOX_ERROR", e))?;
-        self.audit.record(
-            call,
-            "sandbox",
-            json!({"end": format!("{:?}", outcome.end), "enforcement": outcome.enforcement}),
-        );
+        // The kill is confirmed when `finish` returns: every process of the group (or the
+        // cgroup) is gone.
+        let terminated = json!({
+            "pid": outcome.pid,
+            "confirmed_by": outcome.enforcement.containment,
+        });
         match outcome.end {
             End::TimedOut => {
-                self.audit.record(
+                call.timed_out.store(true, Ordering::SeqCst);
+                self.event(
                     call,
-                    "timeout",
+                    EventKind::Timeout,
                     json!({"after_ms": timeout.as_millis() as u64}),
                 );
+                self.event(call, EventKind::WorkerTerminated, terminated);
                 Err(ToolReply::fault(
                     "TOOL_TIMEOUT",
                     format!(
@@ -735,8 +929,20 @@ impl Executor {
                 )
                 .into())
             }
-            End::Cancelled => Err(Stop::Cancelled),
-            End::Exited(_) | End::Signaled(_) => Ok(outcome),
+            End::Cancelled => {
+                call.cancel_recorded.store(true, Ordering::SeqCst);
+                self.event(call, EventKind::Cancel, self.cancel_detail(call, "running"));
+                self.event(call, EventKind::WorkerTerminated, terminated);
+                Err(Stop::Cancelled)
+            }
+            End::Exited(status) => {
+                call.note("exit", json!({"status": status}));
+                Ok(outcome)
+            }
+            End::Signaled(signal) => {
+                call.note("exit", json!({"signal": signal}));
+                Ok(outcome)
+            }
         }
     }
 
@@ -845,6 +1051,27 @@ impl Executor {
             }
         }
     }
+}
+
+/// One published output in the `commit` event: its path, size and SHA-256, or, above the
+/// hash limit, its size and identity only (and a note saying so).
+fn output_detail(o: &publish::Published, hash_limit: u64) -> Value {
+    let mut v = json!({
+        "path": o.target,
+        "size": o.size,
+        "dev": o.id.dev,
+        "ino": o.id.ino,
+    });
+    match &o.sha256 {
+        Some(h) => v["sha256"] = json!(h),
+        None => {
+            v["sha256"] = Value::Null;
+            v["not_hashed"] = json!(format!(
+                "larger than audit_hash_limit ({hash_limit} bytes): size and identity only"
+            ));
+        }
+    }
+    v
 }
 
 /// Turns a `json`-protocol worker's stdout into a reply and an optional new state. The whole
@@ -1068,10 +1295,21 @@ pub fn check_layout(
     Ok(())
 }
 
-/// Brings every leftover job dir to all-old or all-new before serving.
+/// Opens the durable audit log (`audit_log`, beneath the state dir) and the ring in front of
+/// it, continuing the log's hash chain.
+pub fn open_audit(d: &crate::policy::DaemonConfig) -> Result<Audit, StartupError> {
+    let (log, head) =
+        crate::audit::log::Log::open(&d.audit_log_path(), d.audit_log_bytes, d.audit_log_keep)?;
+    Ok(Audit::with_log(d.audit_ring, d.audit_ring_bytes, log, head))
+}
+
+/// Brings every leftover job dir to all-old or all-new before serving, and appends to the
+/// audit log the event that tells what became of each job (durably: the log's last word on
+/// every job matches the workspace).
 pub fn recover(
     workspace: &Workspace,
     sessions: &SessionStore,
+    audit: &Audit,
 ) -> Result<Vec<publish::Recovered>, StartupError> {
     let done = publish::recover(workspace.root(), &|s, j| {
         sessions.committed(s, j).map_err(|e| e.to_string())
@@ -1079,6 +1317,26 @@ pub fn recover(
     .map_err(|e| StartupError::Recovery(e.to_string()))?;
     for r in &done {
         tracing::info!(job = %r.job, "recovery: {}", r.action);
+        let kind = match r.settled {
+            publish::Settled::Completed => EventKind::Commit,
+            publish::Settled::RolledBack | publish::Settled::NeverPublished => EventKind::Rollback,
+            publish::Settled::Quarantine => continue,
+        };
+        let call = CallRef {
+            call: r.job.clone(),
+            tool: r.tool.clone().unwrap_or_default(),
+            session: r.session.clone(),
+            principal: None,
+            request_id: None,
+        };
+        let detail = json!({
+            "recovery": true,
+            "phase": r.phase,
+            "action": r.action,
+        });
+        audit
+            .record_durable(&call, kind, detail)
+            .map_err(StartupError::AuditRecovery)?;
     }
     Ok(done)
 }

@@ -12,7 +12,7 @@ use super::job::rollback;
 use super::journal::{Journal, Phase, JOURNAL};
 use super::sys::{file_type, fsync_dir, io, mutate, stat_at};
 use super::tree::{open_repairing, remove_tree};
-use super::{PublishError, Recovered, Workspace, JOB_DIR_PREFIX, QUARANTINE_PREFIX};
+use super::{PublishError, Recovered, Settled, Workspace, JOB_DIR_PREFIX, QUARANTINE_PREFIX};
 
 /// Rolls back or completes every leftover job dir in `workspace`. `committed(session, job)`
 /// tells whether the session state holds that job's commit.
@@ -91,17 +91,16 @@ fn retry_quarantined(ws: &Workspace, name: &OsStr) -> Recovered {
         Ok(()) => {
             tracing::info!(dir = %path.display(), "removed a quarantined job dir");
             Recovered {
-                job,
                 action: "removed (quarantined by an earlier recovery)".into(),
-                quarantined: None,
+                ..Recovered::bare(job, Settled::Quarantine)
             }
         }
         Err(e) => {
             tracing::warn!(dir = %path.display(), error = %e, "a quarantined job dir still cannot be removed; remove it by hand");
             Recovered {
-                job,
                 action: format!("still quarantined, cannot be removed: {e}"),
                 quarantined: Some(path),
+                ..Recovered::bare(job, Settled::Quarantine)
             }
         }
     }
@@ -119,14 +118,14 @@ fn recover_one(
         Ok(Some(fd)) => fd,
         Ok(None) => {
             return Ok(Recovered {
-                job: id,
                 action: "gone already".into(),
-                quarantined: None,
+                ..Recovered::bare(id, Settled::NeverPublished)
             })
         }
         Err(e) => return quarantine(ws, name, &id, "never published", e),
     };
     let mut settled = "never published";
+    let mut info = Recovered::bare(id.clone(), Settled::NeverPublished);
     let action = match Journal::read(fd.as_fd(), &dir) {
         Err(reason) => {
             tracing::info!(job = %id, %reason, "no readable journal: the job never got past creation");
@@ -144,6 +143,14 @@ fn recover_one(
             });
         }
         Ok(j) => {
+            info.session = Some(j.session.clone());
+            info.tool = Some(j.tool.clone());
+            info.phase = Some(j.phase.as_str());
+            info.settled = match j.phase {
+                Phase::WorkerRunning => Settled::NeverPublished,
+                Phase::PublishingOutputs => Settled::RolledBack,
+                Phase::CommittingState | Phase::Committed => Settled::Completed,
+            };
             let total = j.targets.len();
             let roll_back = |j: &Journal| -> Result<String, PublishError> {
                 let n = rollback(ws.fd(), ws.root(), fd.as_fd(), &dir, j)?;
@@ -161,7 +168,10 @@ fn recover_one(
                 Phase::PublishingOutputs => roll_back(&j)?,
                 Phase::CommittingState => match committed(&j.session, &j.job) {
                     Ok(true) => format!("completed {total} targets (session holds the commit)"),
-                    Ok(false) => roll_back(&j)?,
+                    Ok(false) => {
+                        info.settled = Settled::RolledBack;
+                        roll_back(&j)?
+                    }
                     Err(reason) => {
                         return Err(PublishError::Recovery {
                             job: id,
@@ -196,17 +206,14 @@ fn recover_one(
         .and_then(|()| remove_tree(ws.fd(), name, &dir))
         .and_then(|()| fsync_dir(ws.fd(), ws.root()));
     if let Err(e) = removed {
-        return quarantine(ws, name, &id, settled, e).map(|mut r| {
-            r.action = format!("{action}; {}", r.action);
-            r
+        return quarantine(ws, name, &id, settled, e).map(|r| Recovered {
+            action: format!("{action}; {}", r.action),
+            quarantined: r.quarantined,
+            ..info
         });
     }
     tracing::info!(job = %id, %action, "recovered job dir");
-    Ok(Recovered {
-        job: id,
-        action,
-        quarantined: None,
-    })
+    Ok(Recovered { action, ..info })
 }
 
 /// Moves a job dir that cannot be removed aside, under a name no tool path can reach and no
@@ -235,12 +242,12 @@ fn quarantine(
                 tracing::warn!(job = %id, from = %dir.display(), to = %to_path.display(), %error,
                     "cannot remove the job dir ({settled}); moved it aside: remove it by hand");
                 return Ok(Recovered {
-                    job: id.to_string(),
+                    quarantined: Some(to_path.clone()),
                     action: format!(
                         "quarantined as {} ({settled}; cannot remove it: {error}); remove it by hand",
                         to_path.display()
                     ),
-                    quarantined: Some(to_path),
+                    ..Recovered::bare(id.to_string(), Settled::NeverPublished)
                 });
             }
             Err(PublishError::Io { source, .. })
