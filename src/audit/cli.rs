@@ -162,6 +162,8 @@ fn read(path: &Path, a: &ReadArgs) -> i32 {
     // Every file, oldest first; with a limit, only the newest N matches are kept.
     let mut picked: std::collections::VecDeque<(String, Value)> = Default::default();
     let limit = filter.limit.unwrap_or(usize::MAX);
+    // Where `--follow` goes on: the current file (its inode) and how far it was read.
+    let mut resume: Option<(u64, u64)> = None;
     for f in &files {
         let file = match std::fs::File::open(f) {
             Ok(f) => f,
@@ -170,8 +172,21 @@ fn read(path: &Path, a: &ReadArgs) -> i32 {
                 return 2;
             }
         };
-        for line in std::io::BufReader::new(file).lines() {
-            let Ok(line) = line else { break };
+        let ino = {
+            use std::os::unix::fs::MetadataExt;
+            file.metadata().map(|m| m.ino()).unwrap_or(0)
+        };
+        let mut offset = 0u64;
+        let mut reader = std::io::BufReader::new(file);
+        loop {
+            let mut line = String::new();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => break,
+                // A line still being written: `--follow` reads it whole later.
+                Ok(_) if !line.ends_with('\n') => break,
+                Ok(n) => offset += n as u64,
+            }
+            let line = line.trim_end().to_string();
             let Ok(v) = serde_json::from_str::<Value>(&line) else {
                 continue;
             };
@@ -181,6 +196,9 @@ fn read(path: &Path, a: &ReadArgs) -> i32 {
                     picked.pop_front();
                 }
             }
+        }
+        if f.as_path() == path {
+            resume = Some((ino, offset));
         }
     }
     let out = std::io::stdout();
@@ -196,7 +214,7 @@ fn read(path: &Path, a: &ReadArgs) -> i32 {
     let _ = out.flush();
     drop(out);
     if a.follow {
-        follow(path, a.json, &filter);
+        follow(path, a.json, &filter, resume);
     }
     0
 }
@@ -242,9 +260,10 @@ pub fn row(v: &Value) -> String {
     )
 }
 
-/// Prints events appended to the current file from now on; reopens it when it is rotated
-/// (its inode changes) or cut.
-fn follow(path: &Path, json: bool, filter: &Filter) {
+/// Prints the events appended to the current file after `resume` (its inode, and the offset
+/// read so far), then follows it, reading each new file from its start after a rotation
+/// (the inode at `path` changes).
+fn follow(path: &Path, json: bool, filter: &Filter, mut resume: Option<(u64, u64)>) {
     use std::os::unix::fs::MetadataExt;
     let filter = Filter {
         limit: None,
@@ -257,10 +276,12 @@ fn follow(path: &Path, json: bool, filter: &Filter) {
             if let Ok(f) = std::fs::File::open(path) {
                 let ino = f.metadata().map(|m| m.ino()).unwrap_or(0);
                 let mut r = std::io::BufReader::new(f);
-                // The first open starts at the end (what is there was printed); a reopen
-                // after a rotation reads the new file from its start.
-                if !FOLLOW_STARTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                    let _ = r.seek(std::io::SeekFrom::End(0));
+                // The file already read goes on where that stopped; a new one (rotated
+                // since) from its start.
+                if let Some((was, offset)) = resume.take() {
+                    if was == ino {
+                        let _ = r.seek(std::io::SeekFrom::Start(offset));
+                    }
                 }
                 file = Some((r, ino));
             }
@@ -302,5 +323,3 @@ fn follow(path: &Path, json: bool, filter: &Filter) {
         }
     }
 }
-
-static FOLLOW_STARTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

@@ -306,9 +306,11 @@ impl Executor {
         let Some(tool) = policy.tools.get(&req.tool) else {
             return Reply::UnknownTool(req.tool);
         };
+        // The session a call names (session_create names the one it creates).
+        let creates = tool.builtin == Some(Builtin::SessionCreate);
         let session = req
             .args
-            .get("session")
+            .get(if creates { "id" } else { "session" })
             .and_then(Value::as_str)
             .filter(|s| crate::session::valid_id(s))
             .map(str::to_string);
@@ -316,7 +318,7 @@ impl Executor {
             r: CallRef {
                 call: self.new_call_id(),
                 tool: tool.name.clone(),
-                session: session.clone().filter(|_| tool.takes_session()),
+                session: session.clone().filter(|_| tool.takes_session() || creates),
                 principal: Some(req.principal.clone()),
                 request_id: req.request_id.clone(),
             },
