@@ -40,8 +40,6 @@ pub enum StartupError {
     Recovery(String),
     #[error(transparent)]
     AuditLog(#[from] crate::audit::log::LogError),
-    #[error("cannot record what recovery did in the audit log: {0}")]
-    AuditRecovery(crate::audit::AuditError),
     #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
     Busy { what: &'static str, path: PathBuf },
     #[error("{path}: cannot lock the {what}: {source}")]
@@ -1313,16 +1311,20 @@ pub fn recover(
     sessions: &SessionStore,
     audit: &Audit,
 ) -> Result<Vec<publish::Recovered>, StartupError> {
-    let done = publish::recover(workspace.root(), &|s, j| {
-        sessions.committed(s, j).map_err(|e| e.to_string())
-    })
-    .map_err(|e| StartupError::Recovery(e.to_string()))?;
-    for r in &done {
-        tracing::info!(job = %r.job, "recovery: {}", r.action);
-        let kind = match r.settled {
-            publish::Settled::Completed => EventKind::Commit,
-            publish::Settled::RolledBack | publish::Settled::NeverPublished => EventKind::Rollback,
-            publish::Settled::Quarantine => continue,
+    // Each job's event is durable before its journal is dropped: a crash between the two
+    // makes the next recovery settle the job and record it again.
+    let record = |r: &publish::Recovered| -> Result<(), String> {
+        let kind = match (r.settled, r.phase) {
+            (publish::Settled::Completed, _) => EventKind::Commit,
+            (publish::Settled::RolledBack, _) => EventKind::Rollback,
+            // Journaled `worker_running`: nothing was published.
+            (publish::Settled::NeverPublished, Some(_)) => EventKind::Rollback,
+            // No journal: either the job never got past creation (its last word is not a
+            // commit) or a committed job's cleanup was cut short (its last word is its
+            // commit); recovery changes no target either way, and the log already says so.
+            (publish::Settled::NeverPublished, None) | (publish::Settled::Quarantine, _) => {
+                return Ok(())
+            }
         };
         let call = CallRef {
             call: r.job.clone(),
@@ -1338,7 +1340,16 @@ pub fn recover(
         });
         audit
             .record_durable(&call, kind, detail)
-            .map_err(StartupError::AuditRecovery)?;
+            .map_err(|e| format!("cannot record what recovery did in the audit log: {e}"))
+    };
+    let done = publish::recover_with(
+        workspace.root(),
+        &|s, j| sessions.committed(s, j).map_err(|e| e.to_string()),
+        &record,
+    )
+    .map_err(|e| StartupError::Recovery(e.to_string()))?;
+    for r in &done {
+        tracing::info!(job = %r.job, "recovery: {}", r.action);
     }
     Ok(done)
 }

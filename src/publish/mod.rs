@@ -43,7 +43,7 @@ use std::path::PathBuf;
 
 pub use job::Job;
 pub use journal::Phase;
-pub use recover::recover;
+pub use recover::{recover, recover_with};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;

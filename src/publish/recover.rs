@@ -37,6 +37,18 @@ pub fn recover(
     workspace: &Path,
     committed: &dyn Fn(&str, &str) -> Result<bool, String>,
 ) -> Result<Vec<Recovered>, PublishError> {
+    recover_with(workspace, committed, &|_| Ok(()))
+}
+
+/// As [`recover`], calling `settled` for each job once its targets are final and before its
+/// journal is dropped (the audit records it there: a crash after `settled` makes the next
+/// recovery settle the job, and call `settled`, again). An `Err` from `settled` stops
+/// recovery like any other failure to bring a job to a boundary.
+pub fn recover_with(
+    workspace: &Path,
+    committed: &dyn Fn(&str, &str) -> Result<bool, String>,
+    settled: &dyn Fn(&Recovered) -> Result<(), String>,
+) -> Result<Vec<Recovered>, PublishError> {
     let ws = Workspace::open(workspace)?;
     let mut jobs = Vec::new();
     let mut quarantined = Vec::new();
@@ -66,7 +78,7 @@ pub fn recover(
         if !is_dir(&ws, &name)? {
             continue;
         }
-        out.push(recover_one(&ws, &name, committed)?);
+        out.push(recover_one(&ws, &name, committed, settled)?);
     }
     Ok(out)
 }
@@ -110,6 +122,7 @@ fn recover_one(
     ws: &Workspace,
     name: &OsStr,
     committed: &dyn Fn(&str, &str) -> Result<bool, String>,
+    settled_hook: &dyn Fn(&Recovered) -> Result<(), String>,
 ) -> Result<Recovered, PublishError> {
     let dir = ws.root().join(name);
     let id = name.to_string_lossy()[JOB_DIR_PREFIX.len()..].to_string();
@@ -189,8 +202,16 @@ fn recover_one(
             }
         }
     };
-    // The targets are final: drop the journal first, so that what remains of the dir reads as
-    // "never published" whatever happens next.
+    // The targets are final: say so (the audit), then drop the journal, so that what remains
+    // of the dir reads as "never published" whatever happens next.
+    settled_hook(&Recovered {
+        action: action.clone(),
+        ..info.clone()
+    })
+    .map_err(|reason| PublishError::Recovery {
+        job: id.clone(),
+        reason: format!("{reason}; nothing more was changed, start again once it is fixed"),
+    })?;
     let journal = dir.join(JOURNAL);
     let dropped = match mutate("publish.cleanup_unlink", &journal, || {
         rustix::fs::unlinkat(fd.as_fd(), JOURNAL, AtFlags::empty())
