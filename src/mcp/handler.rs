@@ -93,6 +93,15 @@ pub fn audit_read_budget(ring_bytes: usize, queue_bytes: usize) -> usize {
     ring_bytes.min(queue_bytes / 4)
 }
 
+/// An unknown resource is "not found"; a known one with a bad filter is invalid params.
+fn uri_error(uri: &str, message: String) -> McpError {
+    if uri.starts_with(AUDIT_URI) {
+        McpError::invalid_params(message, None)
+    } else {
+        McpError::resource_not_found(message, None)
+    }
+}
+
 #[derive(Clone)]
 pub struct Handler {
     exec: Arc<Executor>,
@@ -256,7 +265,7 @@ impl ServerHandler for Handler {
         request: SubscribeRequestParams,
         cx: RequestContext<RoleServer>,
     ) -> Result<(), McpError> {
-        audit_filter(&request.uri).map_err(|m| McpError::resource_not_found(m, None))?;
+        audit_filter(&request.uri).map_err(|m| uri_error(&request.uri, m))?;
         let stop = self.conn.child_token();
         {
             let mut subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
@@ -317,8 +326,7 @@ impl ServerHandler for Handler {
         request: ReadResourceRequestParams,
         _cx: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
-        let filter =
-            audit_filter(&request.uri).map_err(|m| McpError::resource_not_found(m, None))?;
+        let filter = audit_filter(&request.uri).map_err(|m| uri_error(&request.uri, m))?;
         // The newest events that fit a reply the connection can queue (escaping at most
         // doubles the text), never a copy of the whole ring.
         let policy = self.exec.policy();

@@ -155,9 +155,9 @@ fn last_words(d: &Daemon, tool: &str) -> Vec<(String, Option<String>)> {
         .map(|j| {
             let last = events
                 .iter()
+                .rev()
                 .filter(|e| e["job"] == j.as_str())
-                .filter(|e| e["kind"] == "commit" || e["kind"] == "rollback")
-                .last()
+                .find(|e| e["kind"] == "commit" || e["kind"] == "rollback")
                 .map(|e| e["kind"].as_str().unwrap().to_string());
             (j, last)
         })
@@ -206,7 +206,11 @@ async fn check_consistent(
     let leftovers: Vec<String> = tree(&d.state)
         .into_iter()
         // The entry's name (what follows it is its type, mode and content).
-        .filter(|l| l.split(' ').next().is_some_and(|name| name.contains(".tmp")))
+        .filter(|l| {
+            l.split(' ')
+                .next()
+                .is_some_and(|name| name.contains(".tmp"))
+        })
         .collect();
     assert!(
         leftovers.is_empty(),
