@@ -20,13 +20,17 @@
 //! The daemon calls [`init_daemon`] once: it becomes a child subreaper, so double-forked
 //! descendants come back to it to be killed and reaped.
 
+mod cgroup;
 mod explain;
+mod group;
 mod identity;
 mod landlock;
 mod launcher;
 mod leftovers;
-mod process;
+mod procfs;
+mod reaper;
 mod seccomp;
+mod spawn;
 mod sys;
 mod syscall_table;
 mod wire;
@@ -43,11 +47,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::policy::Profile;
 
+pub use cgroup::CgroupError;
 pub use explain::explain;
+pub use group::in_live_worker_group;
 pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
 pub use launcher::launcher_main;
 pub use leftovers::{sweep_cgroups, Registry};
-pub use process::{in_live_worker_group, CgroupError};
 pub use seccomp::SeccompError;
 
 /// `argv[1]` that makes `main` run [`launcher_main`] instead of the CLI.
@@ -272,7 +277,7 @@ impl Worker {
         let (cgroup, cgroup_limits) = match &cgroup_parent {
             Some(parent) => {
                 let (path, applied) =
-                    process::cgroup_create(parent, &job_id, limits.memory_bytes, limits.processes)?;
+                    cgroup::cgroup_create(parent, &job_id, limits.memory_bytes, limits.processes)?;
                 (Some(path), applied)
             }
             None => (None, Vec::new()),
@@ -293,7 +298,7 @@ impl Worker {
         .await;
         if started.is_err() {
             if let Some(path) = &cgroup {
-                process::cgroup_remove(path).await;
+                cgroup::cgroup_remove(path).await;
             }
         }
         started
@@ -316,7 +321,7 @@ impl Worker {
                 exe: exe.clone(),
                 source,
             })?;
-        let spawned = process::spawn_launcher(exe.clone(), OwnedFd::from(theirs))
+        let spawned = spawn::spawn_launcher(exe.clone(), OwnedFd::from(theirs))
             .await
             .map_err(|source| SandboxError::Spawn {
                 exe: exe.clone(),
@@ -341,7 +346,7 @@ impl Worker {
             Err(e) => {
                 // Nothing to wait with: kill the group now and leave the leader to the reaper.
                 let (fd, source) = e.into_parts();
-                process::kill_and_forget(spawned.pid, &fd);
+                group::kill_and_forget(spawned.pid, &fd);
                 return Err(SandboxError::Io {
                     pid,
                     what: "watch the pidfd",
@@ -443,10 +448,10 @@ impl Worker {
     async fn abort(&mut self) {
         if let Some(live) = self.live.take() {
             let pgid = self.pid as i32;
-            process::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref()).await;
+            group::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref()).await;
             let _ = reap_leader(pgid, &live.pidfd).await;
             if let Some(path) = &live.cgroup {
-                process::cgroup_remove(path).await;
+                cgroup::cgroup_remove(path).await;
             }
         }
     }
@@ -512,7 +517,7 @@ impl Worker {
             end
         };
         if let Some(path) = &cgroup {
-            process::cgroup_remove(path).await;
+            cgroup::cgroup_remove(path).await;
         }
         match &end {
             // The group is confirmed gone: the uid may serve another worker.
@@ -549,15 +554,15 @@ impl Drop for Worker {
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    process::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref())
+                    group::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref())
                         .await;
                     let _ = reap_leader(pgid, &live.pidfd).await;
                     if let Some(path) = &live.cgroup {
-                        process::cgroup_remove(path).await;
+                        cgroup::cgroup_remove(path).await;
                     }
                 });
             }
-            Err(_) => process::kill_and_forget(pgid, live.pidfd.get_ref()),
+            Err(_) => group::kill_and_forget(pgid, live.pidfd.get_ref()),
         }
     }
 }
@@ -584,10 +589,10 @@ async fn control(
         _ = cancel.cancelled() => Some(End::Cancelled),
     };
     if stopped.is_some() {
-        process::terminate(pgid, pidfd.get_ref(), grace).await;
+        group::terminate(pgid, pidfd.get_ref(), grace).await;
     }
     // Also after a plain exit: background children of the tool must not outlive the call.
-    process::kill_and_confirm(pgid, pidfd.get_ref(), cgroup).await;
+    group::kill_and_confirm(pgid, pidfd.get_ref(), cgroup).await;
     let exit = reap_leader(pgid, pidfd).await?;
     Ok(stopped.unwrap_or(match exit {
         sys::Exit::Code(c) => End::Exited(c),
@@ -603,7 +608,7 @@ async fn reap_leader(pgid: i32, pidfd: &AsyncFd<OwnedFd>) -> Result<sys::Exit, S
             what: "wait for the leader",
             source,
         })?;
-        match process::reap_leader(pgid, pidfd.get_ref()) {
+        match group::reap_leader(pgid, pidfd.get_ref()) {
             Ok(Some(exit)) => return Ok(exit),
             Ok(None) => guard.clear_ready(),
             Err(source) => {
@@ -650,7 +655,7 @@ async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
 /// Makes the daemon a child subreaper and starts reaping orphans that are in no worker's
 /// group. Call once, inside the runtime, before the first worker starts.
 pub fn init_daemon() -> Result<(), SandboxError> {
-    process::start_reaper()
+    reaper::start_reaper()
         .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))
 }
 
