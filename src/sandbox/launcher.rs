@@ -1,5 +1,5 @@
-//! Launcher mode: a fresh, single-threaded process that turns itself into the sandboxed worker
-//! and `execve`s the tool.
+//! The launcher: runs in a worker's leader just forked by the single-threaded spawner process
+//! ([`super::spawner`]), turns it into the sandboxed worker and `execve`s the tool.
 //!
 //! Like Firecracker's jailer, it first reads and validates everything ([`Plan::new`]), so
 //! that every later step is a plain system call, then runs the steps in a fixed order
@@ -9,7 +9,7 @@
 use std::convert::Infallible;
 use std::ffi::{CString, OsStr, OsString};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -46,16 +46,10 @@ impl Failure {
     }
 }
 
-/// Entry point of launcher mode (`argv = [exe, LAUNCHER_ARG, CHANNEL_FD]`); never returns.
-pub fn launcher_main() -> ! {
-    let Some(mut channel) = channel_from_args() else {
-        // Without a channel there is no one to report to; say so where a human may see it.
-        let _ = writeln!(
-            std::io::stderr(),
-            "airlock launcher: no channel descriptor in argv[2]"
-        );
-        std::process::exit(SETUP_FAILED);
-    };
+/// Runs the launcher in a freshly forked worker leader (see [`super::spawner`]), with the
+/// daemon's channel; never returns: it `execve`s the tool or reports the failed step and
+/// exits.
+pub(crate) fn run(mut channel: UnixStream) -> ! {
     let failure = match Plan::new(&mut channel) {
         Ok(plan) => match plan.run(&mut channel) {
             Ok(never) => match never {},
@@ -63,25 +57,18 @@ pub fn launcher_main() -> ! {
         },
         Err(f) => f,
     };
+    fail(&mut channel, failure.step, failure.errno, failure.message)
+}
+
+/// Reports a failed step on the channel and exits.
+pub(crate) fn fail(channel: &mut UnixStream, step: &str, errno: i32, message: String) -> ! {
     let report = Report::Failed {
-        step: failure.step.into(),
-        errno: failure.errno,
-        message: failure.message,
+        step: step.into(),
+        errno,
+        message,
     };
     let _ = channel.write_all(&report.line());
     std::process::exit(SETUP_FAILED);
-}
-
-fn channel_from_args() -> Option<UnixStream> {
-    let arg = std::env::args_os().nth(2)?;
-    let fd: RawFd = arg.to_str()?.parse().ok()?;
-    if fd <= 2 || !sys::fd_is_open(fd) {
-        return None;
-    }
-    // SAFETY: the daemon passed this descriptor to us for this purpose and nothing else in this
-    // fresh process refers to it, so the OwnedFd is its only owner.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    Some(UnixStream::from(owned))
 }
 
 /// Everything, parsed and checked, before the first irreversible step.
@@ -127,10 +114,8 @@ impl Plan {
 
         // The tool's environment: only `keep` (from ours) and `set`, nothing else inherited.
         let mut vars: Vec<(OsString, OsString)> = Vec::new();
-        for name in &spec.env_keep {
-            if let Some(value) = std::env::var_os(name) {
-                vars.push((OsString::from(name), value));
-            }
+        for (name, value) in &spec.env_kept {
+            vars.push((OsString::from(name), OsString::from_vec(value.clone())));
         }
         for (name, value) in &spec.env_set {
             vars.retain(|(n, _)| n != OsStr::new(name));
@@ -175,7 +160,7 @@ impl Plan {
 
     fn run(self, channel: &mut UnixStream) -> Result<Infallible, Failure> {
         // 1. We must lead our own process group: the daemon signals and confirms the worker
-        //    by group, and `process_group(0)` made it so before our first instruction.
+        //    by group, and the spawner's child made it so before anything else.
         let pid = rustix::process::getpid();
         if rustix::process::getpgrp() != pid {
             return Err(Failure::new(

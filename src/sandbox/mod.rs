@@ -31,6 +31,7 @@ mod procfs;
 mod reaper;
 mod seccomp;
 mod spawn;
+mod spawner;
 mod sys;
 mod syscall_table;
 mod wire;
@@ -51,14 +52,11 @@ pub use cgroup::CgroupError;
 pub use explain::explain;
 pub use group::in_live_worker_group;
 pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
-pub use launcher::launcher_main;
 pub use leftovers::{sweep_cgroups, Registry};
 pub use seccomp::SeccompError;
+pub use spawner::{spawner_main, SPAWNER_ARG};
 
-/// `argv[1]` that makes `main` run [`launcher_main`] instead of the CLI.
-pub const LAUNCHER_ARG: &str = "__airlock-launch";
-
-/// Overrides the launcher executable (default `/proc/self/exe`, the daemon's own binary).
+/// Overrides the spawner's executable (default `/proc/self/exe`, the daemon's own binary).
 pub const LAUNCHER_EXE_ENV: &str = "AIRLOCK_LAUNCHER_EXE";
 
 /// What one worker is to run, and with which rights.
@@ -197,7 +195,7 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 static LAUNCHER_EXE: OnceLock<PathBuf> = OnceLock::new();
 
-/// Sets the launcher executable for this process (tests: the `airlock` binary). Only the
+/// Sets the spawner's executable for this process (tests: the `airlock` binary). Only the
 /// first call (or [`LAUNCHER_EXE_ENV`], read once) takes effect.
 pub fn set_launcher_exe(path: PathBuf) {
     let _ = LAUNCHER_EXE.set(path);
@@ -245,7 +243,14 @@ impl Worker {
         let spec = wire::Spec {
             argv,
             cwd,
-            env_keep: profile.env.keep.clone(),
+            env_kept: profile
+                .env
+                .keep
+                .iter()
+                .filter_map(|name| {
+                    std::env::var_os(name).map(|v| (name.clone(), v.into_encoded_bytes()))
+                })
+                .collect(),
             env_set: profile.env.set.clone(),
             parent: rustix::process::getpid().as_raw_nonzero().get(),
             cgroup: None,
@@ -365,9 +370,9 @@ impl Worker {
                 pidfd,
                 stdin: None,
                 stdin_data,
-                stdout: pipe::Receiver::from_owned_fd(OwnedFd::from(spawned.stdout))
+                stdout: pipe::Receiver::from_owned_fd(spawned.stdout)
                     .map_err(io("watch stdout"))?,
-                stderr: pipe::Receiver::from_owned_fd(OwnedFd::from(spawned.stderr))
+                stderr: pipe::Receiver::from_owned_fd(spawned.stderr)
                     .map_err(io("watch stderr"))?,
                 output_cap,
                 grace,
@@ -385,10 +390,8 @@ impl Worker {
             }),
         };
         if let Some(live) = worker.live.as_mut() {
-            live.stdin = Some(
-                pipe::Sender::from_owned_fd(OwnedFd::from(spawned.stdin))
-                    .map_err(io("feed stdin"))?,
-            );
+            live.stdin =
+                Some(pipe::Sender::from_owned_fd(spawned.stdin).map_err(io("feed stdin"))?);
         }
 
         // The spec out, the report back. A launcher that died early makes the write fail;
@@ -656,7 +659,10 @@ async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
 /// group. Call once, inside the runtime, before the first worker starts.
 pub fn init_daemon() -> Result<(), SandboxError> {
     reaper::start_reaper()
-        .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))
+        .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))?;
+    // The spawner process now, so the first call does not pay for its start.
+    spawn::warm_up(launcher_exe())
+        .map_err(|e| SandboxError::Other(format!("cannot start the spawner: {e}")))
 }
 
 /// The syscall number of `name` on this architecture, if it has one.

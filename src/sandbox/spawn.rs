@@ -1,62 +1,107 @@
-//! The spawner thread: every fork of a worker's launcher happens on one long-lived thread.
+//! The daemon's side of spawning: one long-lived thread owns the spawner process
+//! ([`super::spawner`]) and asks it for every worker.
+//!
+//! The spawner is started by that thread (lazily, or by [`warm_up`] at daemon start), because
+//! PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
+//! blocking threads come and go: the spawner and, through `CLONE_PARENT`, every worker are
+//! children of this thread, and die with it only when the daemon dies.
+//!
+//! The registry lock is held from the request to the registration of the worker's pid, so the
+//! orphan reaper (which reaps under that lock) cannot reap a worker that just exited before
+//! it is registered. A spawner that is gone (killed, crashed) is noticed at the next request:
+//! a request that could not be delivered is retried once on a new spawner; one that was
+//! delivered fails the call ("the spawner died while starting the worker") and the next call
+//! starts a new spawner. A spawner that does not answer within [`ANSWER_TIMEOUT`] is killed
+//! and replaced the same way.
 
-use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{ChildStderr, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{mpsc, Mutex, OnceLock};
+use std::time::Duration;
 
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
+};
 use rustix::process::{Pid, PidfdFlags, Signal};
 
 use super::group::leaders;
-use super::LAUNCHER_ARG;
+use super::spawner::{self, SPAWNER_ARG};
 
 /// A launcher just started.
 pub(crate) struct Spawned {
     pub pid: i32,
     pub pidfd: OwnedFd,
-    pub stdin: ChildStdin,
-    pub stdout: ChildStdout,
-    pub stderr: ChildStderr,
+    pub stdin: OwnedFd,
+    pub stdout: OwnedFd,
+    pub stderr: OwnedFd,
 }
 
-struct SpawnRequest {
-    exe: PathBuf,
-    channel: OwnedFd,
-    reply: tokio::sync::oneshot::Sender<io::Result<Spawned>>,
+enum Request {
+    /// Start the spawner now, if it is not running.
+    WarmUp(PathBuf),
+    Spawn {
+        exe: PathBuf,
+        channel: OwnedFd,
+        reply: tokio::sync::oneshot::Sender<io::Result<Spawned>>,
+    },
 }
 
-/// All forks happen on one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that
-/// forked the launcher exits, and a runtime's blocking threads come and go. One thread also
-/// serializes the window in which the launcher's channel is inheritable.
-static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+/// How long the spawner may take to answer one request before it is replaced.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn spawner() -> io::Result<mpsc::Sender<SpawnRequest>> {
-    if let Some(tx) = SPAWNER.get() {
+static THREAD: OnceLock<Mutex<mpsc::Sender<Request>>> = OnceLock::new();
+
+fn thread() -> io::Result<mpsc::Sender<Request>> {
+    if let Some(tx) = THREAD.get() {
         return Ok(tx.lock().unwrap_or_else(|p| p.into_inner()).clone());
     }
-    let (tx, rx) = mpsc::channel::<SpawnRequest>();
+    let (tx, rx) = mpsc::channel::<Request>();
     std::thread::Builder::new()
         .name("airlock-spawner".into())
         .spawn(move || {
+            let mut process: Option<Process> = None;
             for req in rx {
-                let result = spawn_now(&req.exe, req.channel);
-                if let Err(Ok(orphan)) = req.reply.send(result) {
-                    // The caller went away: the launcher must not outlive the request.
-                    abandon(orphan);
+                match req {
+                    Request::WarmUp(exe) => {
+                        if let Err(e) = running(&mut process, &exe) {
+                            tracing::warn!("cannot start the spawner process: {e}");
+                        }
+                    }
+                    Request::Spawn {
+                        exe,
+                        channel,
+                        reply,
+                    } => {
+                        let result = spawn_now(&mut process, &exe, channel);
+                        if let Err(Ok(orphan)) = reply.send(result) {
+                            // The caller went away: the launcher must not outlive the request.
+                            abandon(orphan);
+                        }
+                    }
                 }
             }
         })?;
-    let stored = SPAWNER.get_or_init(|| Mutex::new(tx));
+    let stored = THREAD.get_or_init(|| Mutex::new(tx));
     Ok(stored.lock().unwrap_or_else(|p| p.into_inner()).clone())
 }
 
-/// Starts `exe` in launcher mode with `channel` as its inherited channel descriptor.
+/// Starts the spawner process now (daemon start), so the first call does not pay for it.
+pub(crate) fn warm_up(exe: PathBuf) -> io::Result<()> {
+    thread()?
+        .send(Request::WarmUp(exe))
+        .map_err(|_| io::Error::other("the spawner thread is gone"))
+}
+
+/// Starts a worker's leader, running the launcher with `channel` as its channel to us.
 pub(crate) async fn spawn_launcher(exe: PathBuf, channel: OwnedFd) -> io::Result<Spawned> {
     let (reply, answer) = tokio::sync::oneshot::channel();
-    spawner()?
-        .send(SpawnRequest {
+    thread()?
+        .send(Request::Spawn {
             exe,
             channel,
             reply,
@@ -67,57 +112,201 @@ pub(crate) async fn spawn_launcher(exe: PathBuf, channel: OwnedFd) -> io::Result
         .map_err(|_| io::Error::other("the spawner thread dropped the request"))?
 }
 
-fn spawn_now(exe: &Path, channel: OwnedFd) -> io::Result<Spawned> {
-    let mut leaders = leaders();
-    // The channel becomes inheritable only now, under the spawn lock, on the only thread of
-    // ours that forks; our copy is closed right after the fork.
-    rustix::io::fcntl_setfd(&channel, rustix::io::FdFlags::empty())?;
-    let spawned = Command::new(exe)
-        .arg(LAUNCHER_ARG)
-        .arg(channel.as_raw_fd().to_string())
-        .process_group(0)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    drop(channel);
-    let mut child = spawned?;
-    let pid = child.id() as i32;
-    let (Some(stdin), Some(stdout), Some(stderr)) =
-        (child.stdin.take(), child.stdout.take(), child.stderr.take())
-    else {
-        kill_and_reap_now(pid);
-        return Err(io::Error::other(
-            "the launcher's standard streams were not piped",
-        ));
-    };
-    let pidfd =
-        match Pid::from_raw(pid).map(|p| rustix::process::pidfd_open(p, PidfdFlags::empty())) {
-            Some(Ok(fd)) => fd,
-            Some(Err(e)) => {
-                kill_and_reap_now(pid);
-                return Err(io::Error::new(e.kind(), format!("pidfd_open({pid}): {e}")));
-            }
-            None => return Err(io::Error::other("the launcher has pid 0")),
+/// The running spawner process.
+struct Process {
+    sock: OwnedFd,
+    pidfd: OwnedFd,
+    pid: i32,
+}
+
+impl Process {
+    fn start(exe: &Path) -> io::Result<Process> {
+        let (ours, theirs) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )?;
+        let me = rustix::process::getpid().as_raw_nonzero().get();
+        // The socket is the spawner's stdin: std dup2s it there in the child, so it is never
+        // inheritable in the daemon.
+        let child = Command::new(exe)
+            .arg(SPAWNER_ARG)
+            .arg(me.to_string())
+            .process_group(0)
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", exe.display())))?;
+        let pid = child.id() as i32;
+        // Unreaped (the orphan reaper reaps only under the registry lock, which our caller
+        // holds), so the pid is still the spawner's.
+        let pidfd = Pid::from_raw(pid)
+            .ok_or_else(|| io::Error::other("the spawner has pid 0"))
+            .and_then(|p| Ok(rustix::process::pidfd_open(p, PidfdFlags::empty())?));
+        // `child` is dropped without waiting: std never reaps on drop; the orphan reaper (or
+        // `stop`) reaps the spawner once it exits.
+        drop(child);
+        let process = Process {
+            sock: ours,
+            pidfd: pidfd?,
+            pid,
         };
+        rustix::net::sockopt::set_socket_timeout(
+            &process.sock,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(ANSWER_TIMEOUT),
+        )?;
+        let mut ready = [0u8; 1];
+        let n = rustix::net::recv(&process.sock, &mut ready, RecvFlags::empty())
+            .map_err(io::Error::from);
+        match n {
+            Ok((1, _)) if ready[0] == spawner::READY => Ok(process),
+            Ok(_) => {
+                process.stop();
+                Err(io::Error::other(
+                    "the spawner process exited at start (see its message on stderr)",
+                ))
+            }
+            Err(e) => {
+                process.stop();
+                Err(io::Error::new(
+                    e.kind(),
+                    format!("the spawner did not start: {e}"),
+                ))
+            }
+        }
+    }
+
+    /// One request: the worker's pid and pidfd. `Err((delivered, error))`.
+    fn spawn(
+        &self,
+        channel: &OwnedFd,
+        stdin: &OwnedFd,
+        stdout: &OwnedFd,
+        stderr: &OwnedFd,
+    ) -> Result<(i32, OwnedFd), (bool, io::Error)> {
+        let fds = spawner::request_fds(channel, stdin, stdout, stderr);
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(spawner::FDS))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        control.push(SendAncillaryMessage::ScmRights(&fds));
+        rustix::net::sendmsg(
+            &self.sock,
+            &[IoSlice::new(&[spawner::SPAWN])],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        )
+        .map_err(|e| (false, io::Error::from(e)))?;
+
+        let mut answer = [0u8; 5];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = loop {
+            match rustix::net::recvmsg(
+                &self.sock,
+                &mut [IoSliceMut::new(&mut answer)],
+                &mut control,
+                RecvFlags::CMSG_CLOEXEC,
+            ) {
+                Err(rustix::io::Errno::INTR) => continue,
+                other => break other,
+            }
+        };
+        let got = got.map_err(|e| {
+            let e = io::Error::from(e);
+            let what = if e.kind() == io::ErrorKind::WouldBlock {
+                format!("the spawner did not answer within {ANSWER_TIMEOUT:?}")
+            } else {
+                format!("cannot read the spawner's answer: {e}")
+            };
+            (true, io::Error::new(e.kind(), what))
+        })?;
+        let mut pidfd = None;
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received) = message {
+                for fd in received {
+                    pidfd.get_or_insert(fd);
+                }
+            }
+        }
+        let number = i32::from_le_bytes([answer[1], answer[2], answer[3], answer[4]]);
+        match (got.bytes, answer[0], pidfd) {
+            (0, _, _) => Err((
+                true,
+                io::Error::other("the spawner process died while starting the worker"),
+            )),
+            (5, spawner::OK, Some(pidfd)) if number > 0 => Ok((number, pidfd)),
+            (5, spawner::ERR, _) => Err((false, io::Error::from_raw_os_error(number))),
+            _ => Err((true, io::Error::other("the spawner's answer is malformed"))),
+        }
+    }
+
+    /// Kills the spawner (through its pidfd: never a recycled pid) and reaps it if the orphan
+    /// reaper has not already.
+    fn stop(self) {
+        let _ = rustix::process::pidfd_send_signal(&self.pidfd, Signal::KILL);
+        let _ = rustix::process::waitid(
+            rustix::process::WaitId::PidFd(self.pidfd.as_fd()),
+            rustix::process::WaitIdOptions::EXITED,
+        );
+        tracing::debug!(pid = self.pid, "spawner process stopped");
+    }
+}
+
+/// The running spawner, started if there is none.
+fn running<'a>(process: &'a mut Option<Process>, exe: &Path) -> io::Result<&'a Process> {
+    if process.is_none() {
+        let _leaders = leaders();
+        *process = Some(Process::start(exe)?);
+    }
+    process
+        .as_ref()
+        .ok_or_else(|| io::Error::other("no spawner process"))
+}
+
+fn spawn_now(process: &mut Option<Process>, exe: &Path, channel: OwnedFd) -> io::Result<Spawned> {
+    let (stdin_r, stdin_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let (stdout_r, stdout_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let (stderr_r, stderr_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let mut leaders = leaders();
+    let mut attempt = 0;
+    let (pid, pidfd) = loop {
+        attempt += 1;
+        if process.is_none() {
+            *process = Some(Process::start(exe)?);
+        }
+        let Some(spawner) = process.as_ref() else {
+            return Err(io::Error::other("no spawner process"));
+        };
+        match spawner.spawn(&channel, &stdin_r, &stdout_w, &stderr_w) {
+            Ok(answer) => break answer,
+            // The spawner is alive and said no (clone failed): the call fails, it stays.
+            Err((false, e)) if e.raw_os_error().is_some() => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("clone3 in the spawner: {e}"),
+                ));
+            }
+            Err((delivered, e)) => {
+                tracing::warn!("the spawner process is gone or stuck ({e}); replacing it");
+                if let Some(old) = process.take() {
+                    old.stop();
+                }
+                if delivered || attempt > 1 {
+                    return Err(e);
+                }
+            }
+        }
+    };
     leaders.insert(pid);
-    // `child` is dropped without waiting: std never reaps on drop, and we reap by pidfd.
-    drop(child);
     Ok(Spawned {
         pid,
         pidfd,
-        stdin,
-        stdout,
-        stderr,
+        stdin: stdin_w,
+        stdout: stdout_r,
+        stderr: stderr_r,
     })
-}
-
-/// For a launcher nobody will use: SIGKILL and a blocking reap (it has no children yet).
-fn kill_and_reap_now(pid: i32) {
-    if let Some(p) = Pid::from_raw(pid) {
-        let _ = rustix::process::kill_process_group(p, Signal::KILL);
-        let _ = rustix::process::waitpid(Some(p), rustix::process::WaitOptions::empty());
-    }
 }
 
 fn abandon(s: Spawned) {
