@@ -11,8 +11,8 @@
 //! it is registered. A spawner that is gone (killed, crashed) is noticed at the next request:
 //! a request that could not be delivered is retried once on a new spawner; one that was
 //! delivered fails the call ("the spawner died while starting the worker") and the next call
-//! starts a new spawner. A spawner that does not answer within [`ANSWER_TIMEOUT`] is killed
-//! and replaced the same way.
+//! starts a new spawner. A spawner that does not answer within [`ANSWER_TIMEOUT`] (2 s) is
+//! killed and replaced the same way.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -52,7 +52,14 @@ enum Request {
 }
 
 /// How long the spawner may take to answer one request before it is replaced.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+///
+/// The answer is a clone and a message, microseconds; while it is awaited the registry lock
+/// is held (see the module comment), so a spawner that was stopped must not stall the
+/// daemon's process management for long.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long the spawner may take to start and say it is ready.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 static THREAD: OnceLock<Mutex<mpsc::Sender<Request>>> = OnceLock::new();
 
@@ -128,6 +135,9 @@ impl Process {
             None,
         )?;
         let me = rustix::process::getpid().as_raw_nonzero().get();
+        // Held until the pidfd is open: the orphan reaper reaps only under this lock, so the
+        // spawner's pid cannot be reaped and recycled in between.
+        let registry = leaders();
         // The socket is the spawner's stdin: std dup2s it there in the child, so it is never
         // inheritable in the daemon.
         let child = Command::new(exe)
@@ -140,11 +150,10 @@ impl Process {
             .spawn()
             .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", exe.display())))?;
         let pid = child.id() as i32;
-        // Unreaped (the orphan reaper reaps only under the registry lock, which our caller
-        // holds), so the pid is still the spawner's.
         let pidfd = Pid::from_raw(pid)
             .ok_or_else(|| io::Error::other("the spawner has pid 0"))
             .and_then(|p| Ok(rustix::process::pidfd_open(p, PidfdFlags::empty())?));
+        drop(registry);
         // `child` is dropped without waiting: std never reaps on drop; the orphan reaper (or
         // `stop`) reaps the spawner once it exits.
         drop(child);
@@ -153,16 +162,21 @@ impl Process {
             pidfd: pidfd?,
             pid,
         };
-        rustix::net::sockopt::set_socket_timeout(
-            &process.sock,
-            rustix::net::sockopt::Timeout::Recv,
-            Some(ANSWER_TIMEOUT),
-        )?;
+        let timeout = |t| {
+            rustix::net::sockopt::set_socket_timeout(
+                &process.sock,
+                rustix::net::sockopt::Timeout::Recv,
+                Some(t),
+            )
+        };
+        // The start is an execve of the daemon's binary: a loaded host may take a while.
+        timeout(START_TIMEOUT)?;
         let mut ready = [0u8; 1];
         let n = rustix::net::recv(&process.sock, &mut ready, RecvFlags::empty())
-            .map_err(io::Error::from);
+            .map_err(io::Error::from)
+            .and_then(|n| Ok((n, timeout(ANSWER_TIMEOUT)?)));
         match n {
-            Ok((1, _)) if ready[0] == spawner::READY => Ok(process),
+            Ok(((1, _), ())) if ready[0] == spawner::READY => Ok(process),
             Ok(_) => {
                 process.stop();
                 Err(io::Error::other(
@@ -179,14 +193,14 @@ impl Process {
         }
     }
 
-    /// One request: the worker's pid and pidfd. `Err((delivered, error))`.
+    /// One request: the worker's pid and pidfd.
     fn spawn(
         &self,
         channel: &OwnedFd,
         stdin: &OwnedFd,
         stdout: &OwnedFd,
         stderr: &OwnedFd,
-    ) -> Result<(i32, OwnedFd), (bool, io::Error)> {
+    ) -> Result<(i32, OwnedFd), Failed> {
         let fds = spawner::request_fds(channel, stdin, stdout, stderr);
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(spawner::FDS))];
         let mut control = SendAncillaryBuffer::new(&mut space);
@@ -197,7 +211,7 @@ impl Process {
             &mut control,
             SendFlags::NOSIGNAL,
         )
-        .map_err(|e| (false, io::Error::from(e)))?;
+        .map_err(|e| Failed::Undelivered(e.into()))?;
 
         let mut answer = [0u8; 5];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
@@ -220,7 +234,7 @@ impl Process {
             } else {
                 format!("cannot read the spawner's answer: {e}")
             };
-            (true, io::Error::new(e.kind(), what))
+            Failed::Lost(io::Error::new(e.kind(), what))
         })?;
         let mut pidfd = None;
         for message in control.drain() {
@@ -232,13 +246,14 @@ impl Process {
         }
         let number = i32::from_le_bytes([answer[1], answer[2], answer[3], answer[4]]);
         match (got.bytes, answer[0], pidfd) {
-            (0, _, _) => Err((
-                true,
-                io::Error::other("the spawner process died while starting the worker"),
-            )),
+            (0, _, _) => Err(Failed::Lost(io::Error::other(
+                "the spawner process died while starting the worker",
+            ))),
             (5, spawner::OK, Some(pidfd)) if number > 0 => Ok((number, pidfd)),
-            (5, spawner::ERR, _) => Err((false, io::Error::from_raw_os_error(number))),
-            _ => Err((true, io::Error::other("the spawner's answer is malformed"))),
+            (5, spawner::ERR, _) => Err(Failed::Refused(io::Error::from_raw_os_error(number))),
+            _ => Err(Failed::Lost(io::Error::other(
+                "the spawner's answer is malformed",
+            ))),
         }
     }
 
@@ -254,10 +269,19 @@ impl Process {
     }
 }
 
+/// How a request failed.
+enum Failed {
+    /// The spawner is alive and said no (its clone failed): it stays.
+    Refused(io::Error),
+    /// Not delivered (the spawner is gone): safe to retry on a new one.
+    Undelivered(io::Error),
+    /// Delivered, but no answer (the spawner died or hangs): the call fails.
+    Lost(io::Error),
+}
+
 /// The running spawner, started if there is none.
 fn running<'a>(process: &'a mut Option<Process>, exe: &Path) -> io::Result<&'a Process> {
     if process.is_none() {
-        let _leaders = leaders();
         *process = Some(Process::start(exe)?);
     }
     process
@@ -269,44 +293,44 @@ fn spawn_now(process: &mut Option<Process>, exe: &Path, channel: OwnedFd) -> io:
     let (stdin_r, stdin_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     let (stdout_r, stdout_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     let (stderr_r, stderr_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
-    let mut leaders = leaders();
-    let mut attempt = 0;
-    let (pid, pidfd) = loop {
-        attempt += 1;
-        if process.is_none() {
-            *process = Some(Process::start(exe)?);
-        }
-        let Some(spawner) = process.as_ref() else {
-            return Err(io::Error::other("no spawner process"));
-        };
-        match spawner.spawn(&channel, &stdin_r, &stdout_w, &stderr_w) {
-            Ok(answer) => break answer,
-            // The spawner is alive and said no (clone failed): the call fails, it stays.
-            Err((false, e)) if e.raw_os_error().is_some() => {
+    let mut retried = false;
+    loop {
+        let spawner = running(process, exe)?;
+        let mut leaders = leaders();
+        let error = match spawner.spawn(&channel, &stdin_r, &stdout_w, &stderr_w) {
+            Ok((pid, pidfd)) => {
+                leaders.insert(pid);
+                return Ok(Spawned {
+                    pid,
+                    pidfd,
+                    stdin: stdin_w,
+                    stdout: stdout_r,
+                    stderr: stderr_r,
+                });
+            }
+            Err(Failed::Refused(e)) => {
                 return Err(io::Error::new(
                     e.kind(),
-                    format!("clone3 in the spawner: {e}"),
+                    format!("the spawner cannot fork the worker: {e}"),
                 ));
             }
-            Err((delivered, e)) => {
+            Err(Failed::Undelivered(e)) if !retried => e,
+            Err(Failed::Undelivered(e) | Failed::Lost(e)) => {
+                drop(leaders);
                 tracing::warn!("the spawner process is gone or stuck ({e}); replacing it");
                 if let Some(old) = process.take() {
                     old.stop();
                 }
-                if delivered || attempt > 1 {
-                    return Err(e);
-                }
+                return Err(e);
             }
+        };
+        drop(leaders);
+        tracing::warn!("the spawner process is gone ({error}); replacing it");
+        if let Some(old) = process.take() {
+            old.stop();
         }
-    };
-    leaders.insert(pid);
-    Ok(Spawned {
-        pid,
-        pidfd,
-        stdin: stdin_w,
-        stdout: stdout_r,
-        stderr: stderr_r,
-    })
+        retried = true;
+    }
 }
 
 fn abandon(s: Spawned) {

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use crate::harness::*;
 
 /// A daemon with `run_sh` and `run_py`: write tools whose script is an argument.
-fn hostile_daemon() -> Daemon {
+pub(crate) fn hostile_daemon() -> Daemon {
     let d = Daemon::new();
     d.add_tool(
         "run_sh",
@@ -46,18 +46,18 @@ required = false
     d
 }
 
-async fn started(d: &mut Daemon) -> Client {
+pub(crate) async fn started(d: &mut Daemon) -> Client {
     d.start();
     let c = d.client().await;
     session(&c, "h").await;
     c
 }
 
-async fn sh(c: &Client, script: &str) -> Value {
+pub(crate) async fn sh(c: &Client, script: &str) -> Value {
     call(c, "run_sh", json!({"session": "h", "script": script})).await
 }
 
-async fn py(c: &Client, code: &str) -> Value {
+pub(crate) async fn py(c: &Client, code: &str) -> Value {
     call(c, "run_py", json!({"session": "h", "code": code})).await
 }
 
