@@ -13,6 +13,7 @@
 
 use std::collections::BTreeSet;
 use std::io;
+use std::num::NonZeroI32;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
@@ -25,10 +26,43 @@ use super::procfs::{all_processes, read_stat, ProcStat};
 use super::reaper::is_subreaper;
 use super::sys::{self, Exit};
 
-/// The pids of the leaders of live workers. Its lock is also the spawn lock.
-static LEADERS: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
+/// A worker's process group id, which is its leader's pid (always positive). The leader stays
+/// unreaped until its group is confirmed gone, so while a worker holds its `Pgid` the id
+/// cannot be recycled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Pgid(NonZeroI32);
 
-pub(crate) fn leaders() -> MutexGuard<'static, BTreeSet<i32>> {
+impl Pgid {
+    /// `None` for 0 and negative numbers, which name no single group.
+    pub(crate) fn from_raw(raw: i32) -> Option<Pgid> {
+        NonZeroI32::new(raw).filter(|n| n.get() > 0).map(Pgid)
+    }
+
+    pub(crate) fn raw(self) -> i32 {
+        self.0.get()
+    }
+
+    /// The leader's pid (the same number).
+    pub(crate) fn leader(self) -> Pid {
+        Pid::from_raw(self.0.get()).unwrap_or_else(|| unreachable!("a Pgid is positive"))
+    }
+
+    /// The same number as the `u32` the worker's callers know it by.
+    pub(crate) fn as_u32(self) -> u32 {
+        self.0.unsigned_abs().get()
+    }
+}
+
+impl std::fmt::Display for Pgid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The leaders of live workers. Its lock is also the spawn lock.
+static LEADERS: Mutex<BTreeSet<Pgid>> = Mutex::new(BTreeSet::new());
+
+pub(crate) fn leaders() -> MutexGuard<'static, BTreeSet<Pgid>> {
     // The set stays consistent even if a holder panicked: every update is one insert/remove.
     LEADERS
         .lock()
@@ -37,13 +71,15 @@ pub(crate) fn leaders() -> MutexGuard<'static, BTreeSet<i32>> {
 
 /// Whether `pid` is in the process group of a live worker (its leader registered here).
 pub fn in_live_worker_group(pid: i32) -> bool {
-    read_stat(pid).is_some_and(|s| leaders().contains(&s.pgrp))
+    read_stat(pid)
+        .and_then(|s| Pgid::from_raw(s.pgrp))
+        .is_some_and(|g| leaders().contains(&g))
 }
 
 /// Reaps `pid` if it is a zombie child of ours and not a registered leader.
 pub(crate) fn reap_if_not_leader(pid: i32) -> bool {
     let leaders = leaders();
-    if leaders.contains(&pid) {
+    if Pgid::from_raw(pid).is_some_and(|g| leaders.contains(&g)) {
         return false;
     }
     matches!(sys::reap_pid_nohang(pid), Ok(Some(_)))
@@ -51,7 +87,8 @@ pub(crate) fn reap_if_not_leader(pid: i32) -> bool {
 
 /// One pass over the group: reaps what is ours to reap, and says whether any process of it
 /// other than the leader's zombie is still there.
-fn group_is_empty(pgid: i32, me: i32) -> bool {
+fn group_is_empty(group: Pgid, me: i32) -> bool {
+    let pgid = group.raw();
     // The leader first: while it runs, the group is not empty, whatever else is in it.
     match read_stat(pgid) {
         Some(leader) if leader.pgrp == pgid && !leader.dead() => return false,
@@ -98,18 +135,16 @@ fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
     )
 }
 
-pub(crate) fn signal_group(pgid: i32, pidfd: &OwnedFd, sig: Signal) {
+pub(crate) fn signal_group(pgid: Pgid, pidfd: &OwnedFd, sig: Signal) {
     // The leader through its pidfd (it cannot be a recycled pid), then the whole group, which
     // the unreaped leader keeps from being recycled. ESRCH (already exited) is fine.
     let _ = rustix::process::pidfd_send_signal(pidfd, sig);
-    if let Some(p) = Pid::from_raw(pgid) {
-        let _ = rustix::process::kill_process_group(p, sig);
-    }
+    let _ = rustix::process::kill_process_group(pgid.leader(), sig);
 }
 
 /// Timeout or cancellation: SIGCONT (stopped processes cannot act on SIGTERM) and SIGTERM to
 /// the group, then up to `grace` for it to empty.
-pub(crate) async fn terminate(pgid: i32, pidfd: &OwnedFd, grace: Duration) {
+pub(crate) async fn terminate(pgid: Pgid, pidfd: &OwnedFd, grace: Duration) {
     signal_group(pgid, pidfd, Signal::CONT);
     signal_group(pgid, pidfd, Signal::TERM);
     let me = rustix::process::getpid().as_raw_nonzero().get();
@@ -127,7 +162,7 @@ pub(crate) async fn terminate(pgid: i32, pidfd: &OwnedFd, grace: Duration) {
 
 /// SIGKILL to the group (and `cgroup.kill`), until no process of it is left but the leader's
 /// zombie; children of ours in the group are reaped on the way.
-pub(crate) async fn kill_and_confirm(pgid: i32, pidfd: &OwnedFd, cgroup: Option<&Path>) {
+pub(crate) async fn kill_and_confirm(pgid: Pgid, pidfd: &OwnedFd, cgroup: Option<&Path>) {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let started = Instant::now();
     let mut warned = false;
@@ -143,7 +178,7 @@ pub(crate) async fn kill_and_confirm(pgid: i32, pidfd: &OwnedFd, cgroup: Option<
         if !warned && started.elapsed() > Duration::from_secs(10) {
             warned = true;
             tracing::warn!(
-                pgid,
+                pgid = pgid.raw(),
                 "worker processes survive SIGKILL for 10 s (uninterruptible sleep?); still waiting"
             );
         }
@@ -154,18 +189,18 @@ pub(crate) async fn kill_and_confirm(pgid: i32, pidfd: &OwnedFd, cgroup: Option<
 
 /// Reaps the leader through its pidfd and unregisters it, under the registry lock.
 /// `Ok(None)` if it has not exited yet.
-pub(crate) fn reap_leader(pid: i32, pidfd: &OwnedFd) -> io::Result<Option<Exit>> {
+pub(crate) fn reap_leader(pgid: Pgid, pidfd: &OwnedFd) -> io::Result<Option<Exit>> {
     let mut leaders = leaders();
     let exit = sys::reap_pidfd_nohang(pidfd.as_raw_fd())?;
     if exit.is_some() {
-        leaders.remove(&pid);
+        leaders.remove(&pgid);
     }
     Ok(exit)
 }
 
 /// A worker dropped without `finish` and no runtime to confirm in: kill its group and hand
 /// the leader to the orphan reaper.
-pub(crate) fn kill_and_forget(pid: i32, pidfd: &OwnedFd) {
-    signal_group(pid, pidfd, Signal::KILL);
-    leaders().remove(&pid);
+pub(crate) fn kill_and_forget(pgid: Pgid, pidfd: &OwnedFd) {
+    signal_group(pgid, pidfd, Signal::KILL);
+    leaders().remove(&pgid);
 }

@@ -47,6 +47,7 @@ use tokio::net::unix::pipe;
 use tokio_util::sync::CancellationToken;
 
 use crate::policy::Profile;
+use group::Pgid;
 
 pub use cgroup::CgroupError;
 pub use explain::explain;
@@ -160,7 +161,7 @@ pub struct Outcome {
 /// A started worker. Dropping it without [`Worker::finish`] kills its whole group (confirmed
 /// in the background when a runtime is available).
 pub struct Worker {
-    pid: u32,
+    leader: Pgid,
     live: Option<Live>,
 }
 
@@ -332,11 +333,12 @@ impl Worker {
                 exe: exe.clone(),
                 source,
             })?;
-        let pid = spawned.pid as u32;
+        let leader = spawned.leader;
+        let pid = leader.as_u32();
         let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };
         // Recorded before the launcher has its spec, so before the tool can fork anything a
         // restart would have to find.
-        let entry = match registry.as_ref().map(|r| r.record(spawned.pid)) {
+        let entry = match registry.as_ref().map(|r| r.record(leader.raw())) {
             None => None,
             Some(Ok(entry)) => Some(entry),
             Some(Err(e)) => {
@@ -351,7 +353,7 @@ impl Worker {
             Err(e) => {
                 // Nothing to wait with: kill the group now and leave the leader to the reaper.
                 let (fd, source) = e.into_parts();
-                group::kill_and_forget(spawned.pid, &fd);
+                group::kill_and_forget(leader, &fd);
                 return Err(SandboxError::Io {
                     pid,
                     what: "watch the pidfd",
@@ -365,7 +367,7 @@ impl Worker {
             "process_group"
         };
         let mut worker = Worker {
-            pid,
+            leader,
             live: Some(Live {
                 pidfd,
                 stdin: None,
@@ -444,18 +446,13 @@ impl Worker {
     }
 
     pub fn pid(&self) -> u32 {
-        self.pid
+        self.leader.as_u32()
     }
 
-    /// Kills and confirms the group, reaps the leader: for a worker that failed to start.
+    /// For a worker that failed to start.
     async fn abort(&mut self) {
         if let Some(live) = self.live.take() {
-            let pgid = self.pid as i32;
-            group::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref()).await;
-            let _ = reap_leader(pgid, &live.pidfd).await;
-            if let Some(path) = &live.cgroup {
-                cgroup::cgroup_remove(path).await;
-            }
+            let _ = teardown(self.leader, &live.pidfd, live.cgroup.as_deref()).await;
         }
     }
 
@@ -467,7 +464,8 @@ impl Worker {
         timeout: Duration,
         cancel: CancellationToken,
     ) -> Result<Outcome, SandboxError> {
-        let pid = self.pid;
+        let leader = self.leader;
+        let pid = leader.as_u32();
         let Some(live) = self.live.take() else {
             return Err(SandboxError::Other(format!(
                 "worker {pid} is already finished"
@@ -485,7 +483,6 @@ impl Worker {
             enforcement,
             held,
         } = live;
-        let pgid = pid as i32;
         let mut out = Captured::default();
         let mut err = Captured::default();
 
@@ -493,7 +490,7 @@ impl Worker {
             let feed = feed(stdin, stdin_data);
             let read_out = capture(&mut stdout, output_cap, &mut out);
             let read_err = capture(&mut stderr, output_cap, &mut err);
-            let control = control(pgid, &pidfd, timeout, cancel, grace, cgroup.as_deref());
+            let control = control(leader, &pidfd, timeout, cancel, grace, cgroup.as_deref());
             tokio::pin!(feed, read_out, read_err, control);
             let (mut fed, mut out_done, mut err_done) = (false, false, false);
             let mut end = None;
@@ -519,9 +516,6 @@ impl Worker {
             }
             end
         };
-        if let Some(path) = &cgroup {
-            cgroup::cgroup_remove(path).await;
-        }
         match &end {
             // The group is confirmed gone: the uid may serve another worker.
             Some(Ok(_)) => drop(held),
@@ -553,34 +547,29 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         let Some(live) = self.live.take() else { return };
-        let pgid = self.pid as i32;
+        let leader = self.leader;
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    group::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref())
-                        .await;
-                    let _ = reap_leader(pgid, &live.pidfd).await;
-                    if let Some(path) = &live.cgroup {
-                        cgroup::cgroup_remove(path).await;
-                    }
+                    let _ = teardown(leader, &live.pidfd, live.cgroup.as_deref()).await;
                 });
             }
-            Err(_) => group::kill_and_forget(pgid, live.pidfd.get_ref()),
+            Err(_) => group::kill_and_forget(leader, live.pidfd.get_ref()),
         }
     }
 }
 
-/// Waits for the leader's exit, the timeout or the cancellation; terminates and confirms the
-/// group; reaps the leader last.
+/// Waits for the leader's exit, the timeout or the cancellation; terminates the group, then
+/// tears it down.
 async fn control(
-    pgid: i32,
+    pgid: Pgid,
     pidfd: &AsyncFd<OwnedFd>,
     timeout: Duration,
     cancel: CancellationToken,
     grace: Duration,
     cgroup: Option<&Path>,
 ) -> Result<End, SandboxError> {
-    let pid = pgid as u32;
+    let pid = pgid.as_u32();
     let stopped = tokio::select! {
         biased;
         r = pidfd.readable() => {
@@ -595,16 +584,31 @@ async fn control(
         group::terminate(pgid, pidfd.get_ref(), grace).await;
     }
     // Also after a plain exit: background children of the tool must not outlive the call.
-    group::kill_and_confirm(pgid, pidfd.get_ref(), cgroup).await;
-    let exit = reap_leader(pgid, pidfd).await?;
+    let exit = teardown(pgid, pidfd, cgroup).await?;
     Ok(stopped.unwrap_or(match exit {
         sys::Exit::Code(c) => End::Exited(c),
         sys::Exit::Signal(s) => End::Signaled(s),
     }))
 }
 
-async fn reap_leader(pgid: i32, pidfd: &AsyncFd<OwnedFd>) -> Result<sys::Exit, SandboxError> {
-    let pid = pgid as u32;
+/// The one teardown of every worker, whether it finished, failed to start or was dropped:
+/// SIGKILL to the group until it is confirmed empty, the leader reaped last, the cgroup
+/// removed.
+async fn teardown(
+    pgid: Pgid,
+    pidfd: &AsyncFd<OwnedFd>,
+    cgroup: Option<&Path>,
+) -> Result<sys::Exit, SandboxError> {
+    group::kill_and_confirm(pgid, pidfd.get_ref(), cgroup).await;
+    let exit = reap_leader(pgid, pidfd).await;
+    if let Some(path) = cgroup {
+        cgroup::cgroup_remove(path).await;
+    }
+    exit
+}
+
+async fn reap_leader(pgid: Pgid, pidfd: &AsyncFd<OwnedFd>) -> Result<sys::Exit, SandboxError> {
+    let pid = pgid.as_u32();
     loop {
         let mut guard = pidfd.readable().await.map_err(|source| SandboxError::Io {
             pid,

@@ -5,7 +5,7 @@ use std::io;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use super::group::{leaders, reap_if_not_leader};
+use super::group::{leaders, reap_if_not_leader, Pgid};
 use super::procfs::all_processes;
 
 static REAPER: OnceLock<()> = OnceLock::new();
@@ -53,7 +53,11 @@ pub(crate) fn reap_orphans() -> usize {
     let live_groups = leaders().clone();
     all_processes()
         .into_iter()
-        .filter(|p| p.ppid == me && p.dead() && !live_groups.contains(&p.pgrp))
+        .filter(|p| {
+            p.ppid == me
+                && p.dead()
+                && !Pgid::from_raw(p.pgrp).is_some_and(|g| live_groups.contains(&g))
+        })
         .filter(|p| reap_if_not_leader(p.pid))
         .count()
 }

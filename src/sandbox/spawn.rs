@@ -29,12 +29,12 @@ use rustix::net::{
 };
 use rustix::process::{Pid, PidfdFlags, Signal};
 
-use super::group::leaders;
+use super::group::{leaders, signal_group, Pgid};
 use super::spawner::{self, SPAWNER_ARG};
 
 /// A launcher just started.
 pub(crate) struct Spawned {
-    pub pid: i32,
+    pub leader: Pgid,
     pub pidfd: OwnedFd,
     pub stdin: OwnedFd,
     pub stdout: OwnedFd,
@@ -200,7 +200,7 @@ impl Process {
         stdin: &OwnedFd,
         stdout: &OwnedFd,
         stderr: &OwnedFd,
-    ) -> Result<(i32, OwnedFd), Failed> {
+    ) -> Result<(Pgid, OwnedFd), Failed> {
         let fds = spawner::request_fds(channel, stdin, stdout, stderr);
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(spawner::FDS))];
         let mut control = SendAncillaryBuffer::new(&mut space);
@@ -249,7 +249,12 @@ impl Process {
             (0, _, _) => Err(Failed::Lost(io::Error::other(
                 "the spawner process died while starting the worker",
             ))),
-            (5, spawner::OK, Some(pidfd)) if number > 0 => Ok((number, pidfd)),
+            (5, spawner::OK, Some(pidfd)) => match Pgid::from_raw(number) {
+                Some(leader) => Ok((leader, pidfd)),
+                None => Err(Failed::Lost(io::Error::other(format!(
+                    "the spawner answered pid {number}"
+                )))),
+            },
             (5, spawner::ERR, _) => Err(Failed::Refused(io::Error::from_raw_os_error(number))),
             _ => Err(Failed::Lost(io::Error::other(
                 "the spawner's answer is malformed",
@@ -298,10 +303,10 @@ fn spawn_now(process: &mut Option<Process>, exe: &Path, channel: OwnedFd) -> io:
         let spawner = running(process, exe)?;
         let mut leaders = leaders();
         let error = match spawner.spawn(&channel, &stdin_r, &stdout_w, &stderr_w) {
-            Ok((pid, pidfd)) => {
-                leaders.insert(pid);
+            Ok((leader, pidfd)) => {
+                leaders.insert(leader);
                 return Ok(Spawned {
-                    pid,
+                    leader,
                     pidfd,
                     stdin: stdin_w,
                     stdout: stdout_r,
@@ -333,15 +338,14 @@ fn spawn_now(process: &mut Option<Process>, exe: &Path, channel: OwnedFd) -> io:
     }
 }
 
+/// For a launcher nobody will use (it has no children yet: it waits for its spec): SIGKILL
+/// and a blocking reap.
 fn abandon(s: Spawned) {
-    let _ = rustix::process::pidfd_send_signal(&s.pidfd, Signal::KILL);
-    if let Some(p) = Pid::from_raw(s.pid) {
-        let _ = rustix::process::kill_process_group(p, Signal::KILL);
-    }
+    signal_group(s.leader, &s.pidfd, Signal::KILL);
     let mut leaders = leaders();
     let _ = rustix::process::waitid(
         rustix::process::WaitId::PidFd(s.pidfd.as_fd()),
         rustix::process::WaitIdOptions::EXITED,
     );
-    leaders.remove(&s.pid);
+    leaders.remove(&s.leader);
 }
