@@ -138,29 +138,51 @@ enum Forked {
     Parent(i32, OwnedFd),
 }
 
-/// `clone3(CLONE_PARENT | CLONE_PIDFD)`, fork-like (no new stack). A failure goes back to the
+/// `clone3(CLONE_PARENT | CLONE_PIDFD)`, fork-like (no new stack), or the legacy `clone`
+/// with the same flags where clone3 is filtered out (systemd's `RestrictNamespaces=` makes it
+/// fail with ENOSYS, since a filter cannot read clone3's flags). A failure goes back to the
 /// daemon as the reply; the spawner goes on.
 fn clone_parent() -> Result<Forked, rustix::io::Errno> {
+    let flags = (libc::CLONE_PARENT | libc::CLONE_PIDFD) as u64;
     let mut pidfd: libc::c_int = -1;
     // SAFETY: clone_args is plain integers, for which all-zero is valid (and the kernel's
     // default for every field we do not set).
     let mut args: libc::clone_args = unsafe { std::mem::zeroed() };
-    args.flags = (libc::CLONE_PARENT | libc::CLONE_PIDFD) as u64;
+    args.flags = flags;
     args.pidfd = std::ptr::addr_of_mut!(pidfd) as u64;
     // exit_signal stays 0: clone3 refuses one with CLONE_PARENT, and the child gets ours
     // (SIGCHLD, to the daemon).
+    //
     // SAFETY: with no stack given, clone3 duplicates this process like fork: the child runs
     // on a copy of our memory and returns here with 0. The spawner is single-threaded (a
     // fresh exec, no runtime, no thread started), so no lock of the allocator or of std is
     // held by another thread at the copy, and the child only runs the launcher, then execs
-    // or exits. The kernel writes the pidfd into `pidfd`, which outlives the call.
-    let rc = unsafe {
+    // or exits. The kernel reads `args` and writes the pidfd into `pidfd`, both outliving
+    // the call.
+    let mut rc = unsafe {
         libc::syscall(
             libc::SYS_clone3,
             std::ptr::addr_of_mut!(args),
             std::mem::size_of::<libc::clone_args>(),
         )
     };
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+        // clone(flags, stack, parent_tid, ...): on these architectures the third argument is
+        // where CLONE_PIDFD stores the pidfd; the others stay 0 (no stack, no tids, no tls).
+        // SAFETY: as for clone3 above: fork-like, from a single-threaded process, and the
+        // kernel writes only `pidfd`, which outlives the call.
+        rc = unsafe {
+            libc::syscall(
+                libc::SYS_clone,
+                flags as libc::c_ulong,
+                0 as libc::c_ulong,
+                std::ptr::addr_of_mut!(pidfd),
+                0 as libc::c_ulong,
+                0 as libc::c_ulong,
+            )
+        };
+    }
     if rc < 0 {
         return Err(
             rustix::io::Errno::from_io_error(&std::io::Error::last_os_error())
