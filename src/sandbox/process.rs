@@ -362,11 +362,18 @@ pub(crate) fn reap_leader(pid: i32, pidfd: &OwnedFd) -> io::Result<Option<Exit>>
 pub(crate) fn kill_and_forget(pid: i32, pidfd: &OwnedFd) {
     signal_group(pid, pidfd, Signal::KILL);
     leaders().remove(&pid);
+    // Its group's zombies were skipped while it was live, and may send no further SIGCHLD.
+    REAP_NOW.notify_one();
 }
 
 static REAPER: OnceLock<()> = OnceLock::new();
 
-/// Makes the daemon a child subreaper and starts the orphan reaper task.
+/// Wakes the orphan reaper for what no SIGCHLD announces: a leader handed over unreaped.
+static REAP_NOW: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Makes the daemon a child subreaper and starts the orphan reaper task. The task wakes only
+/// on SIGCHLD (every orphan reparented to the subreaper sends one when it exits, and so does
+/// one reparented already dead) or on [`REAP_NOW`]: an idle daemon has no periodic work.
 pub(crate) fn start_reaper() -> io::Result<()> {
     let handle = tokio::runtime::Handle::try_current()
         .map_err(|_| io::Error::other("init_daemon must be called inside a tokio runtime"))?;
@@ -386,7 +393,7 @@ pub(crate) fn start_reaper() -> io::Result<()> {
         loop {
             tokio::select! {
                 _ = sigchld.recv() => {}
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = REAP_NOW.notified() => {}
             }
             reap_orphans();
             // A burst of SIGCHLD needs one pass, not one each.
