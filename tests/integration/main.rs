@@ -12,5 +12,6 @@ mod robust_args;
 mod robust_mcp;
 mod robust_publish;
 mod sandbox;
+mod soak;
 mod systemd;
 mod uid_separation;
