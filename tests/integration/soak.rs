@@ -304,7 +304,7 @@ pub fn lifecycle_complete(events: &[&Value]) -> Result<(), String> {
     }
     if tool == "soak_counter" {
         if let Some(c) = pos("commit") {
-            if !(pos("sandbox").is_some_and(|e| e < c)) {
+            if pos("sandbox").is_none_or(|e| e >= c) {
                 return Err(format!("commit before the worker ended: {kinds:?}"));
             }
             if kinds.last() == Some(&"cancelled") {
