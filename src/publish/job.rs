@@ -118,6 +118,15 @@ impl Job {
             path: ws.root().into(),
             source: e,
         })?;
+        // No journal is written here any more, so nothing would notice a full filesystem
+        // before the worker does (and many tools report ENOSPC vaguely): say it now.
+        if rustix::fs::fstatvfs(root.as_fd()).is_ok_and(|v| v.f_bavail == 0) {
+            return Err(PublishError::Io {
+                op: "check free space in the workspace",
+                path: ws.root().into(),
+                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+            });
+        }
         let job_mode = if spec.stage_owner.is_some() {
             0o711
         } else {
