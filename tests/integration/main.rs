@@ -15,5 +15,6 @@ mod robust_args;
 mod robust_mcp;
 mod robust_publish;
 mod sandbox;
+mod spawner;
 mod systemd;
 mod uid_separation;
