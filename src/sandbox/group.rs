@@ -203,4 +203,6 @@ pub(crate) fn reap_leader(pgid: Pgid, pidfd: &OwnedFd) -> io::Result<Option<Exit
 pub(crate) fn kill_and_forget(pgid: Pgid, pidfd: &OwnedFd) {
     signal_group(pgid, pidfd, Signal::KILL);
     leaders().remove(&pgid);
+    // Its group's zombies were skipped while it was live, and may send no further SIGCHLD.
+    super::reaper::reap_soon();
 }

@@ -10,12 +10,22 @@ use super::procfs::all_processes;
 
 static REAPER: OnceLock<()> = OnceLock::new();
 
+/// Wakes the orphan reaper for what no SIGCHLD announces: a leader handed over unreaped.
+static REAP_NOW: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Asks the orphan reaper for a pass (see [`REAP_NOW`]).
+pub(crate) fn reap_soon() {
+    REAP_NOW.notify_one();
+}
+
 /// Whether `start_reaper` made the daemon the child subreaper.
 pub(crate) fn is_subreaper() -> bool {
     REAPER.get().is_some()
 }
 
-/// Makes the daemon a child subreaper and starts the orphan reaper task.
+/// Makes the daemon a child subreaper and starts the orphan reaper task. The task wakes only
+/// on SIGCHLD (every orphan reparented to the subreaper sends one when it exits, and so does
+/// one reparented already dead) or on [`REAP_NOW`]: an idle daemon has no periodic work.
 pub(crate) fn start_reaper() -> io::Result<()> {
     let handle = tokio::runtime::Handle::try_current()
         .map_err(|_| io::Error::other("init_daemon must be called inside a tokio runtime"))?;
@@ -35,7 +45,7 @@ pub(crate) fn start_reaper() -> io::Result<()> {
         loop {
             tokio::select! {
                 _ = sigchld.recv() => {}
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = REAP_NOW.notified() => {}
             }
             reap_orphans();
             // A burst of SIGCHLD needs one pass, not one each.
