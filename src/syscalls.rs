@@ -186,7 +186,77 @@ pub const ERRNOS: &[(&str, i32)] = &[
     ("EINVAL", libc::EINVAL),
 ];
 
-/// The errno number of an `E...` name the policy accepts.
-pub fn errno_number(name: &str) -> Option<i32> {
-    ERRNOS.iter().find(|(n, _)| *n == name).map(|&(_, e)| e)
+/// A syscall a policy names, resolved to its number on this architecture at load: a
+/// validated policy holds only syscalls this machine has (the name is kept for reviewers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Syscall {
+    name: String,
+    nr: i64,
+}
+
+impl Syscall {
+    /// `None` for a name this architecture does not have.
+    pub fn resolve(name: &str) -> Option<Syscall> {
+        syscall_number(name).map(|nr| Syscall {
+            name: name.to_string(),
+            nr,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn nr(&self) -> i64 {
+        self.nr
+    }
+}
+
+/// The errno a filtered syscall returns, one of [`ERRNOS`], resolved at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Errno {
+    name: &'static str,
+    number: i32,
+}
+
+impl Errno {
+    /// The default errno of a profile.
+    pub const EPERM: Errno = Errno {
+        name: "EPERM",
+        number: libc::EPERM,
+    };
+
+    /// `None` for a name not in [`ERRNOS`].
+    pub fn resolve(name: &str) -> Option<Errno> {
+        ERRNOS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|&(name, number)| Errno { name, number })
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn number(&self) -> i32 {
+        self.number
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_resolve_to_numbers_or_not_at_all() {
+        let e = Errno::resolve("EACCES").unwrap();
+        assert_eq!((e.name(), e.number()), ("EACCES", libc::EACCES));
+        assert_eq!(Errno::resolve("EPERM"), Some(Errno::EPERM));
+        assert_eq!(Errno::resolve("EWHATEVER"), None);
+        assert_eq!(Errno::resolve("eperm"), None);
+        let s = Syscall::resolve("ptrace").unwrap();
+        assert_eq!((s.name(), s.nr()), ("ptrace", libc::SYS_ptrace));
+        assert_eq!(Syscall::resolve("nonsense"), None);
+        assert_eq!(Syscall::resolve("SYS_ptrace"), None);
+    }
 }

@@ -560,7 +560,7 @@ mod tests {
                     seccomp: crate::policy::SeccompProfile {
                         mode: crate::policy::SeccompMode::Deny,
                         syscalls: vec![],
-                        errno: "EPERM".into(),
+                        errno: crate::policy::Errno::EPERM,
                     },
                     network: false,
                     unix_sockets: vec![],

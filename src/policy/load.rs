@@ -710,8 +710,9 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
     }
     let seccomp = match raw.seccomp {
         Some(s) => {
-            let errno = s.errno.map(|e| {
-                if crate::syscalls::errno_number(e.get_ref()).is_none() {
+            let errno = match s.errno {
+                None => Errno::EPERM,
+                Some(e) => Errno::resolve(e.get_ref()).unwrap_or_else(|| {
                     cx.at(
                         path,
                         &text,
@@ -721,9 +722,9 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
                             e.get_ref()
                         ),
                     );
-                }
-                e.into_inner()
-            });
+                    Errno::EPERM
+                }),
+            };
             let mut names = s.syscalls;
             for (arch, list) in s.arch {
                 if !ARCHES.contains(&arch.as_str()) {
@@ -741,8 +742,11 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
                     names.extend(list.into_inner());
                 }
             }
+            let mut syscalls = Vec::with_capacity(names.len());
             for sc in &names {
-                if crate::syscalls::syscall_number(sc.get_ref()).is_none() {
+                if let Some(resolved) = Syscall::resolve(sc.get_ref()) {
+                    syscalls.push(resolved);
+                } else {
                     cx.at(
                         path,
                         &text,
@@ -757,14 +761,14 @@ fn load_profile(cx: &mut Cx, path: &Path) -> Option<Profile> {
             }
             SeccompProfile {
                 mode: s.mode,
-                syscalls: names.into_iter().map(Spanned::into_inner).collect(),
-                errno: errno.unwrap_or_else(|| "EPERM".into()),
+                syscalls,
+                errno,
             }
         }
         None => SeccompProfile {
             mode: SeccompMode::Deny,
             syscalls: Vec::new(),
-            errno: "EPERM".into(),
+            errno: Errno::EPERM,
         },
     };
     let mut limits = Limits::default();
@@ -1277,6 +1281,46 @@ mod tests {
         assert!(p.profiles["default"].unix_sockets.is_empty());
         let e = with_profile("[network]\nunix_sockets = [\"run/a.sock\"]\n").expect_err("relative");
         assert!(e.to_string().contains("is not an absolute path"), "{e}");
+    }
+
+    #[test]
+    fn seccomp_names_are_resolved_to_numbers_at_load() {
+        let p = with_profile(
+            "[seccomp]\nmode = \"deny\"\nsyscalls = [\"ptrace\", \"mount\"]\nerrno = \"EACCES\"\n",
+        )
+        .expect("valid");
+        let sc = &p.profiles["extra"].seccomp;
+        let got: Vec<(&str, i64)> = sc.syscalls.iter().map(|c| (c.name(), c.nr())).collect();
+        assert_eq!(
+            got,
+            vec![("ptrace", libc::SYS_ptrace), ("mount", libc::SYS_mount)]
+        );
+        assert_eq!(
+            (sc.errno.name(), sc.errno.number()),
+            ("EACCES", libc::EACCES)
+        );
+        // No errno given: EPERM.
+        let p = with_profile("[seccomp]\nmode = \"deny\"\nsyscalls = []\n").expect("valid");
+        assert_eq!(p.profiles["extra"].seccomp.errno, Errno::EPERM);
+    }
+
+    #[test]
+    fn bad_seccomp_names_are_refused_at_load_with_file_and_line() {
+        let e = with_profile(
+            "[seccomp]\nmode = \"deny\"\nsyscalls = [\"ptrace\"]\nerrno = \"EWHATEVER\"\n",
+        )
+        .expect_err("a bad errno accepted")
+        .to_string();
+        assert!(e.contains("extra.toml:4:"), "{e}");
+        assert!(
+            e.contains("errno \"EWHATEVER\" is not one of EPERM, EACCES, ENOSYS, EINVAL"),
+            "{e}"
+        );
+        let e = with_profile("[seccomp]\nmode = \"deny\"\nsyscalls = [\"ptrace\", \"nonsense\"]\n")
+            .expect_err("an unknown syscall accepted")
+            .to_string();
+        assert!(e.contains("extra.toml:3:"), "{e}");
+        assert!(e.contains("unknown syscall \"nonsense\""), "{e}");
     }
 
     #[test]

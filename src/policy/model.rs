@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use crate::syscalls::{Errno, Syscall};
+
 /// Everything the policy directory declares, validated.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -161,10 +163,11 @@ pub enum SeccompMode {
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeccompProfile {
     pub mode: SeccompMode,
-    /// Syscall names, as in the kernel's tables (`io_uring_setup`, `ptrace`, ...).
-    pub syscalls: Vec<String>,
-    /// The errno a filtered syscall returns (an `E...` name; default EPERM).
-    pub errno: String,
+    /// The listed syscalls (named as in the kernel's tables: `io_uring_setup`, `ptrace`,
+    /// ...), resolved to this architecture's numbers at load.
+    pub syscalls: Vec<Syscall>,
+    /// The errno a filtered syscall returns (default EPERM), resolved at load.
+    pub errno: Errno,
 }
 
 #[derive(Debug, Clone, PartialEq)]

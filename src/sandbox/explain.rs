@@ -93,14 +93,26 @@ pub fn explain(profile: &Profile) -> String {
     let list = if sc.syscalls.is_empty() {
         "(none)".to_string()
     } else {
-        sc.syscalls.join(", ")
+        sc.syscalls
+            .iter()
+            .map(|c| c.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     };
     match sc.mode {
         SeccompMode::Deny => {
-            let _ = writeln!(s, "  allowed by default; denied with {}: {list}", sc.errno);
+            let _ = writeln!(
+                s,
+                "  allowed by default; denied with {}: {list}",
+                sc.errno.name()
+            );
         }
         SeccompMode::Allow => {
-            let _ = writeln!(s, "  denied by default with {}; allowed: {list}", sc.errno);
+            let _ = writeln!(
+                s,
+                "  denied by default with {}; allowed: {list}",
+                sc.errno.name()
+            );
             let _ = writeln!(
                 s,
                 "  also allowed: {} (the launcher installs the filters, then execs the tool)",
@@ -282,8 +294,11 @@ mod tests {
             },
             seccomp: SeccompProfile {
                 mode: SeccompMode::Deny,
-                syscalls: vec!["ptrace".into(), "clone3".into()],
-                errno: "EPERM".into(),
+                syscalls: ["ptrace", "clone3"]
+                    .iter()
+                    .map(|n| crate::syscalls::Syscall::resolve(n).unwrap())
+                    .collect(),
+                errno: crate::syscalls::Errno::EPERM,
             },
             network: false,
             unix_sockets: vec![],

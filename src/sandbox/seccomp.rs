@@ -32,7 +32,7 @@ use seccompiler::{
 };
 
 use crate::policy::{Profile, SeccompMode};
-pub(crate) use crate::syscalls::{errno_number, syscall_number};
+pub(crate) use crate::syscalls::syscall_number;
 
 /// Why the filters could not be built from a profile.
 #[derive(Debug, thiserror::Error)]
@@ -43,8 +43,6 @@ pub enum SeccompError {
         name: String,
         arch: &'static str,
     },
-    #[error("profile {profile}: errno {errno:?} is not one of EPERM, EACCES, ENOSYS, EINVAL")]
-    UnknownErrno { profile: String, errno: String },
     #[error("seccomp filters are not built for {0}")]
     UnsupportedArch(&'static str),
     #[error("profile {profile}: seccompiler rejected the {filter} filter: {message}")]
@@ -217,10 +215,8 @@ impl Rules {
 /// change is denied too.
 pub(crate) fn build(profile: &Profile, shared_uid: bool) -> Result<Vec<BpfProgram>, SeccompError> {
     let arch = target_arch()?;
-    let errno = errno_number(&profile.seccomp.errno).ok_or_else(|| SeccompError::UnknownErrno {
-        profile: profile.name.clone(),
-        errno: profile.seccomp.errno.clone(),
-    })? as u32;
+    // Resolved at load: the policy holds numbers.
+    let errno = profile.seccomp.errno.number() as u32;
     let number = |name: &str| {
         syscall_number(name).ok_or_else(|| SeccompError::UnknownSyscall {
             profile: profile.name.clone(),
@@ -246,8 +242,8 @@ pub(crate) fn build(profile: &Profile, shared_uid: bool) -> Result<Vec<BpfProgra
 
     // The profile's own list. The ENOSYS calls are left to their dedicated filter below.
     let mut listed = BTreeMap::new();
-    for name in &profile.seccomp.syscalls {
-        listed.insert(number(name)?, Vec::<SeccompRule>::new());
+    for syscall in &profile.seccomp.syscalls {
+        listed.insert(syscall.nr(), Vec::<SeccompRule>::new());
     }
     match profile.seccomp.mode {
         SeccompMode::Deny => {
@@ -484,7 +480,7 @@ pub(crate) fn decode(program: &[(u16, u8, u8, u32)]) -> BpfProgram {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::policy::{EnvProfile, LandlockProfile, Limits, SeccompProfile};
     use crate::syscalls::SYSCALLS;
@@ -501,8 +497,11 @@ mod tests {
             },
             seccomp: SeccompProfile {
                 mode,
-                syscalls: syscalls.iter().map(|s| s.to_string()).collect(),
-                errno: "EPERM".into(),
+                syscalls: syscalls
+                    .iter()
+                    .map(|s| crate::syscalls::Syscall::resolve(s).unwrap())
+                    .collect(),
+                errno: crate::syscalls::Errno::EPERM,
             },
             network,
             unix_sockets: vec![],
@@ -857,17 +856,12 @@ mod tests {
     }
 
     #[test]
-    fn unknown_names_and_errnos_are_rejected() {
-        assert!(matches!(
-            build(&profile(SeccompMode::Deny, &["nonsense"], false), false),
-            Err(SeccompError::UnknownSyscall { .. })
-        ));
-        let mut p = profile(SeccompMode::Deny, &[], false);
-        p.seccomp.errno = "EWHATEVER".into();
-        assert!(matches!(
-            build(&p, false),
-            Err(SeccompError::UnknownErrno { .. })
-        ));
+    fn the_profiles_errno_is_the_filters() {
+        let mut p = profile(SeccompMode::Deny, &["ptrace"], false);
+        p.seccomp.errno = crate::syscalls::Errno::resolve("EACCES").unwrap();
+        let progs = build(&p, false).unwrap();
+        let verdict = run(&progs, libc::SYS_ptrace, [0; 6]);
+        assert_eq!(verdict, libc::SECCOMP_RET_ERRNO | libc::EACCES as u32);
     }
 
     #[test]
