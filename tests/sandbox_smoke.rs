@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use airlock::policy::{Limits, Profile};
-use airlock::sandbox::{self, End, Launch, Outcome, SandboxError, Worker};
+use airlock::sandbox::{self, End, LandlockStatus, Launch, Outcome, SandboxError, Worker};
 use tokio_util::sync::CancellationToken;
 
 /// One runtime for the whole binary, so that the orphan reaper started by `init_daemon` lives
@@ -130,7 +130,7 @@ fn echo_hi() {
         assert_eq!(o.end, End::Exited(0), "stderr: {}", text(&o.stderr.bytes));
         assert_eq!(text(&o.stdout.bytes), "hi\n");
         assert!(!o.stdout.truncated);
-        assert_eq!(o.enforcement.landlock, "fully_enforced");
+        assert_eq!(o.enforcement.landlock, LandlockStatus::FullyEnforced);
         assert!(o.enforcement.landlock_abi >= 6);
         assert_eq!(o.enforcement.containment, "process_group");
         assert!(group_members(o.pid).is_empty());

@@ -43,11 +43,40 @@ pub(crate) struct LandlockSpec {
     pub readable: Vec<PathBuf>,
 }
 
+/// How much of a worker's ruleset the kernel enforces (landlock's `RulesetStatus`, ours so
+/// that it crosses the launcher's channel and the audit log by name).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LandlockStatus {
+    FullyEnforced,
+    PartiallyEnforced,
+    NotEnforced,
+}
+
+impl LandlockStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LandlockStatus::FullyEnforced => "fully_enforced",
+            LandlockStatus::PartiallyEnforced => "partially_enforced",
+            LandlockStatus::NotEnforced => "not_enforced",
+        }
+    }
+}
+
+impl From<RulesetStatus> for LandlockStatus {
+    fn from(s: RulesetStatus) -> Self {
+        match s {
+            RulesetStatus::FullyEnforced => LandlockStatus::FullyEnforced,
+            RulesetStatus::PartiallyEnforced => LandlockStatus::PartiallyEnforced,
+            RulesetStatus::NotEnforced => LandlockStatus::NotEnforced,
+        }
+    }
+}
+
 /// What the kernel enforces.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub(crate) struct Applied {
-    /// "fully_enforced", "partially_enforced" or "not_enforced".
-    pub status: String,
+    pub status: LandlockStatus,
     /// The kernel's Landlock ABI (0: no Landlock).
     pub abi: u8,
 }
@@ -199,19 +228,15 @@ pub(crate) fn apply(spec: &LandlockSpec) -> Result<Applied, LandlockFailure> {
     let status = created
         .restrict_self()
         .map_err(|e| LandlockFailure::of(ctx("restrict the launcher"), &e))?;
-    let status = match status.ruleset {
-        RulesetStatus::FullyEnforced => "fully_enforced",
-        RulesetStatus::PartiallyEnforced => "partially_enforced",
-        RulesetStatus::NotEnforced => "not_enforced",
-    };
-    if status != "fully_enforced" && !spec.best_effort {
+    let status = LandlockStatus::from(status.ruleset);
+    if status != LandlockStatus::FullyEnforced && !spec.best_effort {
         return Err(LandlockFailure::new(
             libc::EOPNOTSUPP,
-            format!("the ruleset is {status} on a kernel with Landlock ABI {kernel_abi}; the profile requires ABI {} fully enforced", spec.abi),
+            format!("the ruleset is {} on a kernel with Landlock ABI {kernel_abi}; the profile requires ABI {} fully enforced", status.as_str(), spec.abi),
         ));
     }
     Ok(Applied {
-        status: status.to_string(),
+        status,
         abi: kernel_abi,
     })
 }

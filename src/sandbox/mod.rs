@@ -56,6 +56,7 @@ pub use cgroup::CgroupError;
 pub use explain::explain;
 pub use group::in_live_worker_group;
 pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
+pub use landlock::LandlockStatus;
 pub use leftovers::{sweep_cgroups, Registry};
 pub use progress::{ProgressSender, WorkerProgress, PROGRESS_FD_ENV};
 pub use seccomp::SeccompError;
@@ -145,8 +146,7 @@ pub struct Captured {
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Enforcement {
-    /// "fully_enforced", "partially_enforced" or "not_enforced".
-    pub landlock: String,
+    pub landlock: LandlockStatus,
     /// The kernel's Landlock ABI (0: none).
     pub landlock_abi: u8,
     /// "cgroup" or "process_group".
@@ -407,7 +407,8 @@ impl Worker {
                     _ => None,
                 },
                 enforcement: Enforcement {
-                    landlock: String::new(),
+                    // Replaced by the launcher's report before the worker is returned.
+                    landlock: LandlockStatus::NotEnforced,
                     landlock_abi: 0,
                     containment: containment.into(),
                     cgroup_limits,

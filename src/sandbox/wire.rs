@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::landlock::LandlockSpec;
+use super::landlock::{LandlockSpec, LandlockStatus};
 
 /// Exit code of a launcher that could not set up the sandbox.
 pub(crate) const SETUP_FAILED: i32 = 126;
@@ -53,7 +53,10 @@ pub(crate) struct Rlimits {
 #[serde(tag = "report", rename_all = "snake_case")]
 pub(crate) enum Report {
     /// Everything is in place; `execve` comes next.
-    Ok { landlock: String, landlock_abi: u8 },
+    Ok {
+        landlock: LandlockStatus,
+        landlock_abi: u8,
+    },
     /// Setup failed at `step`.
     Failed {
         step: String,
@@ -78,7 +81,7 @@ impl Report {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Verdict {
     Running {
-        landlock: String,
+        landlock: LandlockStatus,
         landlock_abi: u8,
     },
     Failed {
@@ -139,14 +142,14 @@ mod tests {
     #[test]
     fn ok_then_eof_is_running() {
         let ok = Report::Ok {
-            landlock: "fully_enforced".into(),
+            landlock: LandlockStatus::FullyEnforced,
             landlock_abi: 7,
         }
         .line();
         assert_eq!(
             verdict(&ok),
             Verdict::Running {
-                landlock: "fully_enforced".into(),
+                landlock: LandlockStatus::FullyEnforced,
                 landlock_abi: 7
             }
         );
@@ -155,7 +158,7 @@ mod tests {
     #[test]
     fn failed_execve_after_ok_is_failed() {
         let mut s = Report::Ok {
-            landlock: "fully_enforced".into(),
+            landlock: LandlockStatus::FullyEnforced,
             landlock_abi: 7,
         }
         .line();
