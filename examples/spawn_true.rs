@@ -37,6 +37,11 @@ fn main() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
     let policy = airlock::policy::load(&dir).expect("policy");
     let profile = policy.profiles["default"].clone();
+    // Compiled once, as the daemon does at policy load.
+    let filters = sandbox::Filters::new();
+    filters
+        .prepare(policy.profiles.values(), true)
+        .expect("seccomp filters");
     let staging = tempfile::tempdir().expect("tempdir");
 
     let mut bare = Vec::with_capacity(n);
@@ -67,7 +72,7 @@ fn main() {
                 progress: None,
             };
             let t = Instant::now();
-            let w = Worker::spawn(launch).await.expect("spawn");
+            let w = Worker::spawn(launch, &filters).await.expect("spawn");
             let started = t.elapsed();
             let o = w
                 .finish(Duration::from_secs(10), CancellationToken::new())

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use airlock::policy::{Limits, Profile};
-use airlock::sandbox::{self, End, LandlockStatus, Launch, Outcome, SandboxError, Worker};
+use airlock::sandbox::{self, End, Filters, LandlockStatus, Launch, Outcome, SandboxError, Worker};
 use tokio_util::sync::CancellationToken;
 
 /// One runtime for the whole binary, so that the orphan reaper started by `init_daemon` lives
@@ -85,7 +85,7 @@ fn sh(script: &str, staging: &Path) -> Launch {
 }
 
 async fn run(l: Launch, timeout: Duration) -> Outcome {
-    let worker = Worker::spawn(l).await.expect("spawn");
+    let worker = Worker::spawn(l, &Filters::new()).await.expect("spawn");
     worker
         .finish(timeout, CancellationToken::new())
         .await
@@ -182,7 +182,7 @@ fn status_shows_no_new_privs_seccomp_and_no_capabilities() {
     require_landlock(6);
     rt().block_on(async {
         let dir = tempdir();
-        let worker = Worker::spawn(launch(&["/bin/sleep", "30"], dir.path()))
+        let worker = Worker::spawn(launch(&["/bin/sleep", "30"], dir.path()), &Filters::new())
             .await
             .expect("spawn");
         let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid())).unwrap();
@@ -422,7 +422,7 @@ fn missing_command_is_a_setup_error_at_execve() {
     require_landlock(6);
     rt().block_on(async {
         let dir = tempdir();
-        match Worker::spawn(launch(&["/nonexistent/tool"], dir.path())).await {
+        match Worker::spawn(launch(&["/nonexistent/tool"], dir.path()), &Filters::new()).await {
             Err(SandboxError::Setup { step, errno, .. }) => {
                 assert_eq!(step, "execve");
                 assert_eq!(errno, libc::ENOENT);
@@ -440,7 +440,7 @@ fn bad_cwd_is_a_setup_error_at_chdir() {
         let dir = tempdir();
         let mut l = sh("true", dir.path());
         l.cwd = dir.path().join("missing");
-        match Worker::spawn(l).await {
+        match Worker::spawn(l, &Filters::new()).await {
             Err(SandboxError::Setup {
                 step,
                 errno,
@@ -462,7 +462,7 @@ fn landlock_fails_closed_above_the_kernel_abi() {
         let dir = tempdir();
         let mut l = sh("true", dir.path());
         std::sync::Arc::make_mut(&mut l.profile).landlock.abi = 99;
-        match Worker::spawn(l).await {
+        match Worker::spawn(l, &Filters::new()).await {
             Err(SandboxError::Setup { step, message, .. }) => {
                 assert_eq!(step, "landlock");
                 assert!(
@@ -493,7 +493,7 @@ fn cgroup_contains_and_is_removed() {
         let mut l = sh("(/bin/sleep 1000 &); exec /bin/sleep 1000", dir.path());
         l.cgroup_parent = Some(parent.clone());
         l.job_id = job_id.clone();
-        let worker = Worker::spawn(l).await.expect("spawn");
+        let worker = Worker::spawn(l, &Filters::new()).await.expect("spawn");
         // The leader and its double-forked child are both in the worker's cgroup.
         let membership = std::fs::read_to_string(format!("/proc/{}/cgroup", worker.pid())).unwrap();
         assert!(

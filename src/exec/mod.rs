@@ -28,7 +28,7 @@ use crate::policy::{
     Tool, ToolKind,
 };
 use crate::publish::{self, Job, JobSpec, Workspace};
-use crate::sandbox::{End, Identities, Launch, Outcome, Registry, Worker};
+use crate::sandbox::{End, Filters, Identities, Launch, Outcome, Registry, Worker};
 use crate::session::{SessionError, SessionStore, Snapshot};
 use crate::startup::Opened;
 
@@ -105,10 +105,27 @@ pub struct Executor {
     identities: Identities,
     /// Live workers, for the next start to sweep if the daemon dies.
     registry: Registry,
+    /// The seccomp programs of the policies' profiles, compiled at load and at each reload.
+    filters: Filters,
     /// The exclusive lock on the workspace, held while the daemon runs.
     _lock: std::fs::File,
     /// The exclusive lock on the state dir, held while the daemon runs.
     _state_lock: std::fs::File,
+}
+
+/// Compiles the seccomp programs of every profile of `policy` (workers sharing the daemon's
+/// uid or not: `shared_uid`). A profile that does not compile (seccompiler refusing a rule:
+/// a bug, not a policy error, since names are checked at load) is logged, and each call of
+/// it fails with the same error.
+fn prepare_filters(filters: &Filters, policy: &Policy, shared_uid: bool) {
+    if let Err(e) = filters.prepare(policy.profiles.values(), shared_uid) {
+        tracing::error!("cannot compile the seccomp filters: {e}");
+    }
+    tracing::debug!(
+        profiles = filters.len(),
+        compilations = filters.compilations(),
+        "seccomp filters ready"
+    );
 }
 
 impl Executor {
@@ -125,7 +142,10 @@ impl Executor {
             recovered: _,
         } = opened;
         tracing::info!("workers run as {}", identities.describe());
+        let filters = Filters::new();
+        prepare_filters(&filters, &policy, identities.range().is_none());
         Executor {
+            filters,
             identities,
             registry,
             _lock: workspace_lock,
@@ -161,7 +181,13 @@ impl Executor {
     /// Makes `new` the policy of every call that starts from now on; calls in flight finish
     /// on theirs. The caller keeps the daemon settings (`new.daemon`) that cannot change.
     pub fn replace_policy(&self, new: Arc<Policy>) {
+        prepare_filters(&self.filters, &new, self.identities.range().is_none());
         *self.policy.write().unwrap_or_else(|p| p.into_inner()) = new;
+    }
+
+    /// The compiled seccomp programs (for tests and the benchmark: how many compilations).
+    pub fn filters(&self) -> &Filters {
+        &self.filters
     }
 
     /// How many calls are running.
@@ -705,7 +731,9 @@ impl Executor {
             progress: progress.map(progress::Progress::worker),
             ..launch
         };
-        let worker = Worker::spawn(launch).await.map_err(CallError::from)?;
+        let worker = Worker::spawn(launch, &self.filters)
+            .await
+            .map_err(CallError::from)?;
         if let Some(p) = progress {
             p.phase(progress::Phase::Running);
         }

@@ -7,8 +7,9 @@
 //! and no worker costs an `execve` of the daemon.
 //!
 //! Life of a worker:
-//! 1. [`Worker::spawn`] builds the seccomp filters and the spec (so a bad profile fails before
-//!    any fork), creates the worker's cgroup if one is delegated, and hands the request to
+//! 1. [`Worker::spawn`] takes the profile's seccomp programs ([`Filters`]: compiled once per
+//!    profile, at policy load), builds the spec, creates the worker's cgroup if one is
+//!    delegated, and hands the request to
 //!    the daemon's spawner thread ([`spawn`]), which sends the launcher channel, the three
 //!    stream pipes and the progress pipe (if asked for) to the spawner; the spawner forks the
 //!    worker's leader (`CLONE_PARENT`: the daemon's child) in a new process group and sends
@@ -25,6 +26,7 @@
 
 mod cgroup;
 mod explain;
+mod filters;
 mod group;
 mod identity;
 mod landlock;
@@ -54,6 +56,7 @@ use group::Pgid;
 
 pub use cgroup::CgroupError;
 pub use explain::explain;
+pub use filters::Filters;
 pub use group::in_live_worker_group;
 pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
 pub use landlock::LandlockStatus;
@@ -223,8 +226,9 @@ fn launcher_exe() -> PathBuf {
 
 impl Worker {
     /// Starts the launcher and returns once it has exec'd the tool, or with the step and
-    /// errno at which the sandbox could not be set up.
-    pub async fn spawn(launch: Launch) -> Result<Worker, SandboxError> {
+    /// errno at which the sandbox could not be set up. The seccomp programs come from
+    /// `filters`, compiled when the policy was loaded.
+    pub async fn spawn(launch: Launch, filters: &Filters) -> Result<Worker, SandboxError> {
         let Launch {
             argv,
             cwd,
@@ -249,7 +253,7 @@ impl Worker {
         }
         // A worker that keeps the daemon's uid owns what the daemon owns: seccomp then denies
         // every mode and time change too, since file permissions cannot.
-        let seccomp = seccomp::build(&profile, identity.is_none())?;
+        let seccomp = filters.get(&profile, identity.is_none())?;
         let limits = &profile.limits;
         let spec = wire::Spec {
             argv,
@@ -283,7 +287,7 @@ impl Worker {
                 writable,
                 readable,
             },
-            seccomp: seccomp.iter().map(seccomp::encode).collect(),
+            seccomp: seccomp.0.clone(),
         };
         // Serialize before creating anything that would need cleaning up.
         let probe = serde_json::to_vec(&spec)
