@@ -14,7 +14,7 @@
 use std::collections::BTreeSet;
 use std::io;
 use std::num::NonZeroI32;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -191,7 +191,7 @@ pub(crate) async fn kill_and_confirm(pgid: Pgid, pidfd: &OwnedFd, cgroup: Option
 /// `Ok(None)` if it has not exited yet.
 pub(crate) fn reap_leader(pgid: Pgid, pidfd: &OwnedFd) -> io::Result<Option<Exit>> {
     let mut leaders = leaders();
-    let exit = sys::reap_pidfd_nohang(pidfd.as_raw_fd())?;
+    let exit = sys::reap_pidfd_nohang(pidfd.as_fd())?;
     if exit.is_some() {
         leaders.remove(&pgid);
     }

@@ -1,20 +1,13 @@
-//! The raw system calls the sandbox makes that neither `rustix` nor `nix` wrap safely.
-//!
-//! Each wrapper is one call with a `// SAFETY:` comment saying why it is sound; callers get
-//! `io::Result` and never see a raw return code.
+//! The system calls the sandbox makes beyond plain `rustix` calls: capabilities and waitid
+//! through rustix's safe wrappers (shaped as the launcher and the reaper use them), and the
+//! few that no safe crate wraps (`close_range`, the Landlock ABI probe, SIGPIPE's
+//! disposition, registering a pidfd with tokio), each one call with a `// SAFETY:` comment
+//! saying why it is sound. Callers get `io::Result` and never see a raw return code.
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::BorrowedFd;
 
 fn check(rc: libc::c_long) -> io::Result<libc::c_long> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc)
-    }
-}
-
-fn check_int(rc: libc::c_int) -> io::Result<libc::c_int> {
     if rc < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -59,22 +52,22 @@ pub(crate) fn landlock_abi() -> io::Result<i32> {
     }
 }
 
-/// `prctl(PR_CAPBSET_READ, cap)`: `Ok(None)` once `cap` is past the kernel's last capability.
-fn capbset_read(cap: u32) -> io::Result<Option<bool>> {
-    // SAFETY: PR_CAPBSET_READ takes an integer and returns 0 or 1; no memory is passed.
-    let rc = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap as libc::c_ulong, 0, 0, 0) };
-    match check_int(rc) {
-        Ok(v) => Ok(Some(v == 1)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-        Err(e) => Err(e),
-    }
+// Capabilities: rustix's safe wrappers. A capability is a bit of `CapabilitySet`, which
+// holds any bit, so capabilities newer than this build (and than `caps`'s enum) are read and
+// dropped too: the kernel's EINVAL marks the end of its list.
+use rustix::thread::{CapabilitySet, CapabilitySets};
+
+fn cap_bit(cap: u32) -> CapabilitySet {
+    CapabilitySet::from_bits_retain(1 << cap)
 }
 
-/// `prctl(PR_CAPBSET_DROP, cap)`.
-fn capbset_drop(cap: u32) -> io::Result<()> {
-    // SAFETY: PR_CAPBSET_DROP takes an integer; no memory is passed.
-    let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
-    check_int(rc).map(drop)
+/// `prctl(PR_CAPBSET_READ, cap)`: `Ok(None)` once `cap` is past the kernel's last capability.
+fn capbset_read(cap: u32) -> io::Result<Option<bool>> {
+    match rustix::thread::capability_is_in_bounding_set(cap_bit(cap)) {
+        Ok(set) => Ok(Some(set)),
+        Err(rustix::io::Errno::INVAL) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// The bounding set as a bit mask, read capability by capability up to the kernel's last one
@@ -91,11 +84,11 @@ pub(crate) fn bounding_set() -> io::Result<u64> {
     Ok(mask)
 }
 
-/// Drops every capability from the bounding set.
+/// Drops every capability from the bounding set (`PR_CAPBSET_DROP` each).
 pub(crate) fn bounding_drop_all() -> io::Result<()> {
     for cap in 0..64 {
         match capbset_read(cap)? {
-            Some(true) => capbset_drop(cap)?,
+            Some(true) => rustix::thread::remove_capability_from_bounding_set(cap_bit(cap))?,
             Some(false) => {}
             None => break,
         }
@@ -105,102 +98,49 @@ pub(crate) fn bounding_drop_all() -> io::Result<()> {
 
 /// `prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)`.
 pub(crate) fn ambient_clear() -> io::Result<()> {
-    // SAFETY: integer arguments only.
-    let rc = unsafe {
-        libc::prctl(
-            libc::PR_CAP_AMBIENT,
-            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
-            0,
-            0,
-            0,
-        )
-    };
-    check_int(rc).map(drop)
+    Ok(rustix::thread::clear_ambient_capability_set()?)
 }
 
 /// The ambient set as a bit mask.
 pub(crate) fn ambient_set() -> io::Result<u64> {
     let mut mask = 0u64;
-    for cap in 0..64u64 {
-        // SAFETY: integer arguments only.
-        let rc = unsafe {
-            libc::prctl(
-                libc::PR_CAP_AMBIENT,
-                libc::PR_CAP_AMBIENT_IS_SET as libc::c_ulong,
-                cap as libc::c_ulong,
-                0,
-                0,
-            )
-        };
-        match check_int(rc) {
-            Ok(1) => mask |= 1 << cap,
-            Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
-            Err(e) => return Err(e),
+    for cap in 0..64 {
+        match rustix::thread::capability_is_in_ambient_set(cap_bit(cap)) {
+            Ok(true) => mask |= 1 << cap,
+            Ok(false) => {}
+            Err(rustix::io::Errno::INVAL) => break,
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(mask)
 }
 
-const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
-
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: libc::c_int,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
-/// Effective, permitted and inheritable sets of the calling thread, as 64-bit masks.
+/// Effective, permitted and inheritable sets of the calling thread, as 64-bit masks
+/// (`capget`).
 pub(crate) fn capget() -> io::Result<(u64, u64, u64)> {
-    let mut header = CapHeader {
-        version: LINUX_CAPABILITY_VERSION_3,
-        pid: 0,
-    };
-    let mut data = [CapData::default(); 2];
-    // SAFETY: version 3 of the interface reads one header and writes exactly two CapData
-    // structs, which `header` and `data` provide and outlive the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_capget,
-            &mut header as *mut CapHeader,
-            data.as_mut_ptr(),
-        )
-    };
-    check(rc)?;
-    let join = |lo: u32, hi: u32| (u64::from(hi) << 32) | u64::from(lo);
+    let sets = rustix::thread::capabilities(None)?;
     Ok((
-        join(data[0].effective, data[1].effective),
-        join(data[0].permitted, data[1].permitted),
-        join(data[0].inheritable, data[1].inheritable),
+        sets.effective.bits(),
+        sets.permitted.bits(),
+        sets.inheritable.bits(),
     ))
 }
 
-/// Empties the effective, permitted and inheritable sets of the calling thread.
+/// Empties the effective, permitted and inheritable sets of the calling thread (`capset`).
 pub(crate) fn capset_empty() -> io::Result<()> {
-    let header = CapHeader {
-        version: LINUX_CAPABILITY_VERSION_3,
-        pid: 0,
+    let empty = CapabilitySets {
+        effective: CapabilitySet::empty(),
+        permitted: CapabilitySet::empty(),
+        inheritable: CapabilitySet::empty(),
     };
-    let data = [CapData::default(); 2];
-    // SAFETY: version 3 of the interface reads one header and two CapData structs, which
-    // `header` and `data` provide and outlive the call; nothing is written.
-    let rc = unsafe { libc::syscall(libc::SYS_capset, &header as *const CapHeader, data.as_ptr()) };
-    check(rc).map(drop)
+    Ok(rustix::thread::set_capabilities(None, empty)?)
 }
 
 /// `prctl(PR_SET_SECUREBITS, bits)`.
 pub(crate) fn set_securebits(bits: u32) -> io::Result<()> {
-    // SAFETY: integer arguments only.
-    let rc = unsafe { libc::prctl(libc::PR_SET_SECUREBITS, bits as libc::c_ulong, 0, 0, 0) };
-    check_int(rc).map(drop)
+    Ok(rustix::thread::set_capabilities_secure_bits(
+        rustix::thread::CapabilitiesSecureBits::from_bits_retain(bits),
+    )?)
 }
 
 /// Restores the default disposition of `SIGPIPE`, which the Rust runtime of the launcher set to
@@ -229,37 +169,24 @@ pub(crate) fn unblock_all_signals() -> io::Result<()> {
 /// `waitid(P_PID, pid, WEXITED | WNOHANG)`: reaps `pid` if it is a zombie child of ours.
 /// `Ok(None)` when it has not exited yet; `Err(ECHILD)` when it is not (or no longer) our child.
 pub(crate) fn reap_pid_nohang(pid: i32) -> io::Result<Option<Exit>> {
-    // SAFETY: siginfo_t is plain data for which all-zero is a valid value.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    // SAFETY: waitid writes one siginfo_t into `info`, which outlives the call.
-    let rc = unsafe {
-        libc::waitid(
-            libc::P_PID,
-            pid as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG,
-        )
-    };
-    check_int(rc)?;
-    Ok(exit_of(&info))
+    let pid = rustix::process::Pid::from_raw(pid)
+        .ok_or_else(|| io::Error::from_raw_os_error(libc::ECHILD))?;
+    reap_nohang(rustix::process::WaitId::Pid(pid))
 }
 
 /// `waitid(P_PIDFD, pidfd, WEXITED | WNOHANG)`: reaps the process behind `pidfd`.
-pub(crate) fn reap_pidfd_nohang(pidfd: RawFd) -> io::Result<Option<Exit>> {
-    // SAFETY: siginfo_t is plain data for which all-zero is a valid value.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    // SAFETY: waitid writes one siginfo_t into `info`, which outlives the call; `pidfd` is
-    // only read as an identifier.
-    let rc = unsafe {
-        libc::waitid(
-            libc::P_PIDFD,
-            pidfd as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG,
-        )
-    };
-    check_int(rc)?;
-    Ok(exit_of(&info))
+pub(crate) fn reap_pidfd_nohang(pidfd: BorrowedFd<'_>) -> io::Result<Option<Exit>> {
+    reap_nohang(rustix::process::WaitId::PidFd(pidfd))
+}
+
+fn reap_nohang(id: rustix::process::WaitId<'_>) -> io::Result<Option<Exit>> {
+    use rustix::process::WaitIdOptions;
+    let status = rustix::process::waitid(id, WaitIdOptions::EXITED | WaitIdOptions::NOHANG)?;
+    Ok(status.and_then(|s| {
+        s.exit_status()
+            .map(Exit::Code)
+            .or_else(|| s.terminating_signal().map(Exit::Signal))
+    }))
 }
 
 /// How a reaped child ended.
@@ -267,19 +194,6 @@ pub(crate) fn reap_pidfd_nohang(pidfd: RawFd) -> io::Result<Option<Exit>> {
 pub(crate) enum Exit {
     Code(i32),
     Signal(i32),
-}
-
-fn exit_of(info: &libc::siginfo_t) -> Option<Exit> {
-    // SAFETY: after a successful waitid, si_pid and si_status are the fields the kernel
-    // filled in (si_pid stays 0 when WNOHANG found nothing, since we zeroed the struct).
-    let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
-    if pid == 0 {
-        return None;
-    }
-    Some(match info.si_code {
-        libc::CLD_EXITED => Exit::Code(status),
-        _ => Exit::Signal(status),
-    })
 }
 
 /// Registers a pidfd with the tokio reactor, for readability (the process exited).
