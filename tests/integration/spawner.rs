@@ -115,6 +115,12 @@ async fn a_killed_spawner_is_replaced() {
         rustix::process::Signal::KILL,
     )
     .expect("kill the spawner");
+    // Dead before the next call (kill returns before the process is gone; a request delivered
+    // to a spawner that dies before answering fails its call, as the stuck-spawner test shows).
+    wait_until("the killed spawner dead", || {
+        stat(first).is_none_or(|(_, _, st)| st == 'Z')
+    })
+    .await;
     // The next call is served by a new spawner, and the dead one is reaped.
     works(&c, "two.txt").await;
     assert_eq!(d.read("two.txt").as_deref(), Some("ok"));
@@ -209,4 +215,32 @@ async fn the_spawner_and_the_workers_die_with_the_daemon() {
     call.abort();
     drop(c);
     tokio::time::sleep(Duration::from_millis(10)).await;
+}
+
+#[tokio::test]
+async fn a_spawner_that_cannot_start_fails_each_call_clearly_and_the_daemon_keeps_serving() {
+    let mut d = hostile_daemon();
+    // The spawner's executable exits at once: it never says it is ready.
+    d.env
+        .push(("AIRLOCK_LAUNCHER_EXE".into(), "/bin/false".into()));
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    for out in ["one.txt", "two.txt"] {
+        let r = call(
+            &c,
+            "run_sh",
+            json!({"session": "h", "script": "printf no > \"$1\"", "out": out}),
+        )
+        .await;
+        assert!(is_error(&r), "{r}");
+        assert!(text(&r).contains("spawner"), "{r}");
+        assert_eq!(d.read(out), None);
+    }
+    // Nothing left: no job dir, no spawner, and the session unchanged (version 0).
+    assert!(d.job_dirs().is_empty(), "{:?}", d.job_dirs());
+    assert!(spawners_of(daemon).is_empty());
+    let r = call(&c, "session_get", json!({"session": "h"})).await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(r["structuredContent"]["version"], 0, "{r}");
+    assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none());
 }
