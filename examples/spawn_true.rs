@@ -28,7 +28,6 @@ fn main() {
         .and_then(Path::parent)
         .map(|d| d.join("airlock"))
         .expect("target dir");
-    sandbox::set_launcher_exe(airlock);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -54,7 +53,7 @@ fn main() {
         bare.push(t.elapsed());
     }
     let sandboxed = rt.block_on(async {
-        sandbox::init_daemon().expect("init");
+        let sb = sandbox::Sandbox::start(airlock).expect("sandbox");
         let mut v = Vec::with_capacity(n);
         let mut starts = Vec::with_capacity(n);
         for i in 0..n + 5 {
@@ -72,7 +71,7 @@ fn main() {
                 progress: None,
             };
             let t = Instant::now();
-            let w = Worker::spawn(launch, &filters).await.expect("spawn");
+            let w = Worker::spawn(&sb, launch, &filters).await.expect("spawn");
             let started = t.elapsed();
             let o = w
                 .finish(Duration::from_secs(10), CancellationToken::new())

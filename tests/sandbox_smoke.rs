@@ -12,20 +12,28 @@ use airlock::policy::{Limits, Profile};
 use airlock::sandbox::{self, End, Filters, LandlockStatus, Launch, Outcome, SandboxError, Worker};
 use tokio_util::sync::CancellationToken;
 
-/// One runtime for the whole binary, so that the orphan reaper started by `init_daemon` lives
-/// as long as the tests.
-fn rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+/// One runtime and one sandbox for the whole binary, so that the orphan reaper started by
+/// `Sandbox::start` lives as long as the tests.
+fn rt_and_sandbox() -> &'static (tokio::runtime::Runtime, sandbox::Sandbox) {
+    static RT: OnceLock<(tokio::runtime::Runtime, sandbox::Sandbox)> = OnceLock::new();
     RT.get_or_init(|| {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        sandbox::set_launcher_exe(PathBuf::from(env!("CARGO_BIN_EXE_airlock")));
-        rt.block_on(async { sandbox::init_daemon().unwrap() });
-        rt
+        let exe = PathBuf::from(env!("CARGO_BIN_EXE_airlock"));
+        let sb = rt.block_on(async { sandbox::Sandbox::start(exe).unwrap() });
+        (rt, sb)
     })
+}
+
+fn rt() -> &'static tokio::runtime::Runtime {
+    &rt_and_sandbox().0
+}
+
+fn sb() -> &'static sandbox::Sandbox {
+    &rt_and_sandbox().1
 }
 
 fn landlock_abi() -> i64 {
@@ -85,7 +93,9 @@ fn sh(script: &str, staging: &Path) -> Launch {
 }
 
 async fn run(l: Launch, timeout: Duration) -> Outcome {
-    let worker = Worker::spawn(l, &Filters::new()).await.expect("spawn");
+    let worker = Worker::spawn(sb(), l, &Filters::new())
+        .await
+        .expect("spawn");
     worker
         .finish(timeout, CancellationToken::new())
         .await
@@ -182,9 +192,13 @@ fn status_shows_no_new_privs_seccomp_and_no_capabilities() {
     require_landlock(6);
     rt().block_on(async {
         let dir = tempdir();
-        let worker = Worker::spawn(launch(&["/bin/sleep", "30"], dir.path()), &Filters::new())
-            .await
-            .expect("spawn");
+        let worker = Worker::spawn(
+            sb(),
+            launch(&["/bin/sleep", "30"], dir.path()),
+            &Filters::new(),
+        )
+        .await
+        .expect("spawn");
         let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid())).unwrap();
         let field = |k: &str| {
             status
@@ -422,7 +436,13 @@ fn missing_command_is_a_setup_error_at_execve() {
     require_landlock(6);
     rt().block_on(async {
         let dir = tempdir();
-        match Worker::spawn(launch(&["/nonexistent/tool"], dir.path()), &Filters::new()).await {
+        match Worker::spawn(
+            sb(),
+            launch(&["/nonexistent/tool"], dir.path()),
+            &Filters::new(),
+        )
+        .await
+        {
             Err(SandboxError::Setup { step, errno, .. }) => {
                 assert_eq!(step, "execve");
                 assert_eq!(errno, libc::ENOENT);
@@ -440,7 +460,7 @@ fn bad_cwd_is_a_setup_error_at_chdir() {
         let dir = tempdir();
         let mut l = sh("true", dir.path());
         l.cwd = dir.path().join("missing");
-        match Worker::spawn(l, &Filters::new()).await {
+        match Worker::spawn(sb(), l, &Filters::new()).await {
             Err(SandboxError::Setup {
                 step,
                 errno,
@@ -462,7 +482,7 @@ fn landlock_fails_closed_above_the_kernel_abi() {
         let dir = tempdir();
         let mut l = sh("true", dir.path());
         std::sync::Arc::make_mut(&mut l.profile).landlock.abi = 99;
-        match Worker::spawn(l, &Filters::new()).await {
+        match Worker::spawn(sb(), l, &Filters::new()).await {
             Err(SandboxError::Setup { step, message, .. }) => {
                 assert_eq!(step, "landlock");
                 assert!(
@@ -493,7 +513,9 @@ fn cgroup_contains_and_is_removed() {
         let mut l = sh("(/bin/sleep 1000 &); exec /bin/sleep 1000", dir.path());
         l.cgroup_parent = Some(parent.clone());
         l.job_id = job_id.clone();
-        let worker = Worker::spawn(l, &Filters::new()).await.expect("spawn");
+        let worker = Worker::spawn(sb(), l, &Filters::new())
+            .await
+            .expect("spawn");
         // The leader and its double-forked child are both in the worker's cgroup.
         let membership = std::fs::read_to_string(format!("/proc/{}/cgroup", worker.pid())).unwrap();
         assert!(

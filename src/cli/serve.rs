@@ -92,10 +92,13 @@ pub(super) async fn serve(a: ServeArgs) -> Exit {
     if let Some(s) = &socket {
         policy.daemon.socket = s.clone();
     }
-    if let Err(e) = crate::sandbox::init_daemon() {
-        eprintln!("airlock: {e}");
-        return Exit::Error;
-    }
+    let sandbox = match crate::sandbox::Sandbox::start(crate::sandbox::default_launcher_exe()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("airlock: {e}");
+            return Exit::Error;
+        }
+    };
     let policy = Arc::new(policy);
     let shutdown = CancellationToken::new();
     let purpose = crate::startup::Purpose::Serve {
@@ -105,6 +108,7 @@ pub(super) async fn serve(a: ServeArgs) -> Exit {
         Ok(opened) => Arc::new(crate::exec::Executor::start(
             policy.clone(),
             opened,
+            sandbox,
             shutdown.clone(),
         )),
         Err(e) => {

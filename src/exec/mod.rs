@@ -28,7 +28,7 @@ use crate::policy::{
     Tool, ToolKind,
 };
 use crate::publish::{self, Job, JobSpec, Workspace};
-use crate::sandbox::{End, Filters, Identities, Launch, Outcome, Registry, Worker};
+use crate::sandbox::{End, Filters, Identities, Launch, Outcome, Registry, Sandbox, Worker};
 use crate::session::{SessionError, SessionStore, Snapshot};
 use crate::startup::Opened;
 
@@ -107,6 +107,8 @@ pub struct Executor {
     registry: Registry,
     /// The seccomp programs of the policies' profiles, compiled at load and at each reload.
     filters: Filters,
+    /// What the workers share: the live leaders, the spawner.
+    sandbox: Sandbox,
     /// The exclusive lock on the workspace, held while the daemon runs.
     _lock: std::fs::File,
     /// The exclusive lock on the state dir, held while the daemon runs.
@@ -130,7 +132,12 @@ fn prepare_filters(filters: &Filters, policy: &Policy, shared_uid: bool) {
 
 impl Executor {
     /// Serves from what [`crate::startup::open`] created, locked, swept and recovered.
-    pub fn start(policy: Arc<Policy>, opened: Opened, shutdown: CancellationToken) -> Executor {
+    pub fn start(
+        policy: Arc<Policy>,
+        opened: Opened,
+        sandbox: Sandbox,
+        shutdown: CancellationToken,
+    ) -> Executor {
         let d = &policy.daemon;
         let Opened {
             workspace_lock,
@@ -146,6 +153,7 @@ impl Executor {
         prepare_filters(&filters, &policy, identities.range().is_none());
         Executor {
             filters,
+            sandbox,
             identities,
             registry,
             _lock: workspace_lock,
@@ -662,7 +670,7 @@ impl Executor {
         self.identities
             .range()
             .is_some_and(|(a, b)| (a..=b).contains(&uid))
-            || pid.is_some_and(crate::sandbox::in_live_worker_group)
+            || pid.is_some_and(|p| self.sandbox.in_live_worker_group(p))
     }
 
     /// A uid of the worker's own, when workers get one.
@@ -731,7 +739,7 @@ impl Executor {
             progress: progress.map(progress::Progress::worker),
             ..launch
         };
-        let worker = Worker::spawn(launch, &self.filters)
+        let worker = Worker::spawn(&self.sandbox, launch, &self.filters)
             .await
             .map_err(CallError::from)?;
         if let Some(p) = progress {

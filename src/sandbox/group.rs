@@ -23,7 +23,6 @@ use rustix::process::{Pid, Signal};
 
 use super::cgroup::{cgroup_is_empty, cgroup_kill};
 use super::procfs::{all_processes, read_stat, ProcStat};
-use super::reaper::is_subreaper;
 use super::sys::{self, Exit};
 
 /// A worker's process group id, which is its leader's pid (always positive). The leader stays
@@ -59,35 +58,56 @@ impl std::fmt::Display for Pgid {
     }
 }
 
-/// The leaders of live workers. Its lock is also the spawn lock.
-static LEADERS: Mutex<BTreeSet<Pgid>> = Mutex::new(BTreeSet::new());
-
-pub(crate) fn leaders() -> MutexGuard<'static, BTreeSet<Pgid>> {
-    // The set stays consistent even if a holder panicked: every update is one insert/remove.
-    LEADERS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+/// The leaders of live workers, and the orphan reaper's wake-up. One per process, made by
+/// [`super::Sandbox::start`] once the daemon is the child subreaper, and shared by the
+/// workers, the spawner thread and the orphan reaper.
+#[derive(Debug, Default)]
+pub(crate) struct Leaders {
+    /// Its lock is also the spawn lock.
+    set: Mutex<BTreeSet<Pgid>>,
+    /// Wakes the orphan reaper for what no SIGCHLD announces: a leader handed over unreaped.
+    reap_now: tokio::sync::Notify,
 }
 
-/// Whether `pid` is in the process group of a live worker (its leader registered here).
-pub fn in_live_worker_group(pid: i32) -> bool {
-    read_stat(pid)
-        .and_then(|s| Pgid::from_raw(s.pgrp))
-        .is_some_and(|g| leaders().contains(&g))
-}
-
-/// Reaps `pid` if it is a zombie child of ours and not a registered leader.
-pub(crate) fn reap_if_not_leader(pid: i32) -> bool {
-    let leaders = leaders();
-    if Pgid::from_raw(pid).is_some_and(|g| leaders.contains(&g)) {
-        return false;
+impl Leaders {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, BTreeSet<Pgid>> {
+        // The set stays consistent even if a holder panicked: every update is one
+        // insert/remove.
+        self.set
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
-    matches!(sys::reap_pid_nohang(pid), Ok(Some(_)))
+
+    /// Asks the orphan reaper for a pass.
+    pub(crate) fn reap_soon(&self) {
+        self.reap_now.notify_one();
+    }
+
+    /// Waits until [`Leaders::reap_soon`] is called.
+    pub(crate) async fn reap_requested(&self) {
+        self.reap_now.notified().await;
+    }
+
+    /// Whether `pid` is in the process group of a live worker (its leader registered here).
+    pub(crate) fn in_live_worker_group(&self, pid: i32) -> bool {
+        read_stat(pid)
+            .and_then(|s| Pgid::from_raw(s.pgrp))
+            .is_some_and(|g| self.lock().contains(&g))
+    }
+
+    /// Reaps `pid` if it is a zombie child of ours and not a registered leader.
+    pub(crate) fn reap_if_not_leader(&self, pid: i32) -> bool {
+        let leaders = self.lock();
+        if Pgid::from_raw(pid).is_some_and(|g| leaders.contains(&g)) {
+            return false;
+        }
+        matches!(sys::reap_pid_nohang(pid), Ok(Some(_)))
+    }
 }
 
 /// One pass over the group: reaps what is ours to reap, and says whether any process of it
 /// other than the leader's zombie is still there.
-fn group_is_empty(group: Pgid, me: i32) -> bool {
+fn group_is_empty(leaders: &Leaders, group: Pgid, me: i32) -> bool {
     let pgid = group.raw();
     // The leader first: while it runs, the group is not empty, whatever else is in it.
     match read_stat(pgid) {
@@ -103,7 +123,7 @@ fn group_is_empty(group: Pgid, me: i32) -> bool {
         .into_iter()
         .filter(|p| p.pgrp == pgid && p.pid != pgid)
     {
-        if p.ppid == me && reap_if_not_leader(p.pid) {
+        if p.ppid == me && leaders.reap_if_not_leader(p.pid) {
             continue;
         }
         // A dead process that is someone else's child has released everything it held.
@@ -119,12 +139,9 @@ fn group_is_empty(group: Pgid, me: i32) -> bool {
 /// the main thread of a Rust program lives as long as the process). They stay listed there
 /// until reaped, and only their worker reaps members of a live worker's group (see
 /// [`reap_orphans`]), so one read of that list sees every survivor or its ancestor.
-/// `None` when that shortcut does not hold: then the whole of `/proc` is scanned.
+/// `None` when that list cannot be read: then the whole of `/proc` is scanned. (A worker exists
+/// only through a started [`super::Sandbox`], which made the daemon the subreaper.)
 fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
-    // Only once init_daemon made us the subreaper.
-    if !is_subreaper() {
-        return None;
-    }
     let children = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")).ok()?;
     Some(
         children
@@ -144,13 +161,13 @@ pub(crate) fn signal_group(pgid: Pgid, pidfd: &OwnedFd, sig: Signal) {
 
 /// Timeout or cancellation: SIGCONT (stopped processes cannot act on SIGTERM) and SIGTERM to
 /// the group, then up to `grace` for it to empty.
-pub(crate) async fn terminate(pgid: Pgid, pidfd: &OwnedFd, grace: Duration) {
+pub(crate) async fn terminate(leaders: &Leaders, pgid: Pgid, pidfd: &OwnedFd, grace: Duration) {
     signal_group(pgid, pidfd, Signal::CONT);
     signal_group(pgid, pidfd, Signal::TERM);
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let deadline = Instant::now() + grace;
     let mut delay = Duration::from_millis(2);
-    while !group_is_empty(pgid, me) {
+    while !group_is_empty(leaders, pgid, me) {
         let now = Instant::now();
         if now >= deadline {
             return;
@@ -162,7 +179,12 @@ pub(crate) async fn terminate(pgid: Pgid, pidfd: &OwnedFd, grace: Duration) {
 
 /// SIGKILL to the group (and `cgroup.kill`), until no process of it is left but the leader's
 /// zombie; children of ours in the group are reaped on the way.
-pub(crate) async fn kill_and_confirm(pgid: Pgid, pidfd: &OwnedFd, cgroup: Option<&Path>) {
+pub(crate) async fn kill_and_confirm(
+    leaders: &Leaders,
+    pgid: Pgid,
+    pidfd: &OwnedFd,
+    cgroup: Option<&Path>,
+) {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let started = Instant::now();
     let mut warned = false;
@@ -172,7 +194,7 @@ pub(crate) async fn kill_and_confirm(pgid: Pgid, pidfd: &OwnedFd, cgroup: Option
         if let Some(cg) = cgroup {
             cgroup_kill(cg);
         }
-        if group_is_empty(pgid, me) && cgroup.is_none_or(cgroup_is_empty) {
+        if group_is_empty(leaders, pgid, me) && cgroup.is_none_or(cgroup_is_empty) {
             return;
         }
         if !warned && started.elapsed() > Duration::from_secs(10) {
@@ -189,8 +211,12 @@ pub(crate) async fn kill_and_confirm(pgid: Pgid, pidfd: &OwnedFd, cgroup: Option
 
 /// Reaps the leader through its pidfd and unregisters it, under the registry lock.
 /// `Ok(None)` if it has not exited yet.
-pub(crate) fn reap_leader(pgid: Pgid, pidfd: &OwnedFd) -> io::Result<Option<Exit>> {
-    let mut leaders = leaders();
+pub(crate) fn reap_leader(
+    leaders: &Leaders,
+    pgid: Pgid,
+    pidfd: &OwnedFd,
+) -> io::Result<Option<Exit>> {
+    let mut leaders = leaders.lock();
     let exit = sys::reap_pidfd_nohang(pidfd.as_fd())?;
     if exit.is_some() {
         leaders.remove(&pgid);
@@ -200,9 +226,9 @@ pub(crate) fn reap_leader(pgid: Pgid, pidfd: &OwnedFd) -> io::Result<Option<Exit
 
 /// A worker dropped without `finish` and no runtime to confirm in: kill its group and hand
 /// the leader to the orphan reaper.
-pub(crate) fn kill_and_forget(pgid: Pgid, pidfd: &OwnedFd) {
+pub(crate) fn kill_and_forget(leaders: &Leaders, pgid: Pgid, pidfd: &OwnedFd) {
     signal_group(pgid, pidfd, Signal::KILL);
-    leaders().remove(&pgid);
+    leaders.lock().remove(&pgid);
     // Its group's zombies were skipped while it was live, and may send no further SIGCHLD.
-    super::reaper::reap_soon();
+    leaders.reap_soon();
 }

@@ -21,8 +21,9 @@
 //!    leader's exit (pidfd) or the timeout or the cancellation, terminates and confirms the
 //!    group empty, and reaps the leader last.
 //!
-//! The daemon calls [`init_daemon`] once: it becomes a child subreaper, so double-forked
-//! descendants come back to it to be killed and reaped.
+//! The daemon calls [`Sandbox::start`] once: it becomes a child subreaper, so double-forked
+//! descendants come back to it to be killed and reaped, and gets the [`Sandbox`] value that
+//! holds what every worker shares (no process-wide statics but the once-per-process guard).
 
 mod cgroup;
 mod explain;
@@ -43,7 +44,8 @@ mod wire;
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
@@ -52,12 +54,11 @@ use tokio::net::unix::pipe;
 use tokio_util::sync::CancellationToken;
 
 use crate::policy::Profile;
-use group::Pgid;
+use group::{Leaders, Pgid};
 
 pub use cgroup::CgroupError;
 pub use explain::explain;
 pub use filters::Filters;
-pub use group::in_live_worker_group;
 pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
 pub use landlock::LandlockStatus;
 pub use leftovers::{sweep_cgroups, Registry};
@@ -172,6 +173,8 @@ pub struct Outcome {
 /// in the background when a runtime is available).
 pub struct Worker {
     leader: Pgid,
+    /// The registry the leader is in, until it is reaped.
+    leaders: Arc<Leaders>,
     live: Option<Live>,
 }
 
@@ -206,29 +209,72 @@ const DRAIN: Duration = Duration::from_secs(1);
 /// How long the launcher may take to set up before `spawn` gives up on it.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
-static LAUNCHER_EXE: OnceLock<PathBuf> = OnceLock::new();
-
-/// Sets the spawner's executable for this process (tests: the `airlock` binary). Only the
-/// first call (or [`LAUNCHER_EXE_ENV`], read once) takes effect.
-pub fn set_launcher_exe(path: PathBuf) {
-    let _ = LAUNCHER_EXE.set(path);
+/// The spawner's executable by default: [`LAUNCHER_EXE_ENV`] if set, else the daemon's own
+/// binary (`/proc/self/exe`).
+pub fn default_launcher_exe() -> PathBuf {
+    std::env::var_os(LAUNCHER_EXE_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/proc/self/exe"))
 }
 
-fn launcher_exe() -> PathBuf {
-    LAUNCHER_EXE
-        .get_or_init(|| {
-            std::env::var_os(LAUNCHER_EXE_ENV)
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from("/proc/self/exe"))
+/// Set by the first [`Sandbox::start`]: the subreaper and its orphan reaping are the
+/// process's, so there is one sandbox per process.
+static STARTED: AtomicBool = AtomicBool::new(false);
+
+/// What every worker of the daemon shares, made once at start by [`Sandbox::start`] and
+/// passed to [`Worker::spawn`]: the registry of live leaders (which the orphan reaper spares)
+/// and the spawner thread with its spawner process. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Sandbox {
+    leaders: Arc<Leaders>,
+    spawner: Arc<spawn::Spawner>,
+}
+
+impl Sandbox {
+    /// Makes the daemon a child subreaper, starts the orphan reaper on the current tokio
+    /// runtime, and starts the spawner (its thread now, its process from `exe` right after,
+    /// so the first call does not pay for it). Call once per process, inside the runtime,
+    /// before the first worker; a second call fails.
+    pub fn start(exe: PathBuf) -> Result<Sandbox, SandboxError> {
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+            SandboxError::Other("the sandbox must be started inside a tokio runtime".into())
+        })?;
+        if STARTED.swap(true, Ordering::SeqCst) {
+            return Err(SandboxError::Other(
+                "the sandbox is started once per process".into(),
+            ));
+        }
+        rustix::process::set_child_subreaper(Some(rustix::process::getpid())).map_err(|e| {
+            SandboxError::Other(format!(
+                "cannot start the orphan reaper: PR_SET_CHILD_SUBREAPER: {e}"
+            ))
+        })?;
+        let leaders = Arc::new(Leaders::default());
+        reaper::start_reaper(&handle, leaders.clone())
+            .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))?;
+        let spawner = spawn::Spawner::start(exe, leaders.clone())
+            .map_err(|e| SandboxError::Other(format!("cannot start the spawner: {e}")))?;
+        Ok(Sandbox {
+            leaders,
+            spawner: Arc::new(spawner),
         })
-        .clone()
+    }
+
+    /// Whether `pid` is in the process group of a live worker.
+    pub fn in_live_worker_group(&self, pid: i32) -> bool {
+        self.leaders.in_live_worker_group(pid)
+    }
 }
 
 impl Worker {
     /// Starts the launcher and returns once it has exec'd the tool, or with the step and
     /// errno at which the sandbox could not be set up. The seccomp programs come from
     /// `filters`, compiled when the policy was loaded.
-    pub async fn spawn(launch: Launch, filters: &Filters) -> Result<Worker, SandboxError> {
+    pub async fn spawn(
+        sandbox: &Sandbox,
+        launch: Launch,
+        filters: &Filters,
+    ) -> Result<Worker, SandboxError> {
         let Launch {
             argv,
             cwd,
@@ -307,6 +353,7 @@ impl Worker {
             ..spec
         };
         let started = Self::start(
+            sandbox,
             spec,
             stdin,
             limits.output_bytes,
@@ -324,7 +371,9 @@ impl Worker {
         started
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn start(
+        sandbox: &Sandbox,
         spec: wire::Spec,
         stdin_data: Vec<u8>,
         output_cap: usize,
@@ -333,7 +382,7 @@ impl Worker {
         cgroup_limits: Vec<String>,
         (lease, registry, progress): (Option<Lease>, Option<Registry>, Option<ProgressSender>),
     ) -> Result<Worker, SandboxError> {
-        let exe = launcher_exe();
+        let exe = sandbox.spawner.exe.clone();
         let spawn_error = |source| SandboxError::Spawn {
             exe: exe.clone(),
             source,
@@ -351,7 +400,9 @@ impl Worker {
         let bytes = serde_json::to_vec(&spec)
             .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
-        let spawned = spawn::spawn_launcher(exe.clone(), OwnedFd::from(theirs), progress_fd)
+        let spawned = sandbox
+            .spawner
+            .spawn_launcher(OwnedFd::from(theirs), progress_fd)
             .await
             .map_err(|source| SandboxError::Spawn {
                 exe: exe.clone(),
@@ -377,7 +428,7 @@ impl Worker {
             Err(e) => {
                 // Nothing to wait with: kill the group now and leave the leader to the reaper.
                 let (fd, source) = e.into_parts();
-                group::kill_and_forget(leader, &fd);
+                group::kill_and_forget(&sandbox.leaders, leader, &fd);
                 return Err(SandboxError::Io {
                     pid,
                     what: "watch the pidfd",
@@ -392,6 +443,7 @@ impl Worker {
         };
         let mut worker = Worker {
             leader,
+            leaders: sandbox.leaders.clone(),
             live: Some(Live {
                 pidfd,
                 stdin: None,
@@ -484,7 +536,13 @@ impl Worker {
     /// For a worker that failed to start.
     async fn abort(&mut self) {
         if let Some(live) = self.live.take() {
-            let _ = teardown(self.leader, &live.pidfd, live.cgroup.as_deref()).await;
+            let _ = teardown(
+                &self.leaders,
+                self.leader,
+                &live.pidfd,
+                live.cgroup.as_deref(),
+            )
+            .await;
         }
     }
 
@@ -523,7 +581,15 @@ impl Worker {
             let feed = feed(stdin, stdin_data);
             let read_out = capture(&mut stdout, output_cap, &mut out);
             let read_err = capture(&mut stderr, output_cap, &mut err);
-            let control = control(leader, &pidfd, timeout, cancel, grace, cgroup.as_deref());
+            let control = control(
+                &self.leaders,
+                leader,
+                &pidfd,
+                timeout,
+                cancel,
+                grace,
+                cgroup.as_deref(),
+            );
             // Read while the worker runs, never waited for: dropped with this block.
             let reports = async {
                 match progress {
@@ -589,14 +655,14 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         let Some(live) = self.live.take() else { return };
-        let leader = self.leader;
+        let (leader, leaders) = (self.leader, self.leaders.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    let _ = teardown(leader, &live.pidfd, live.cgroup.as_deref()).await;
+                    let _ = teardown(&leaders, leader, &live.pidfd, live.cgroup.as_deref()).await;
                 });
             }
-            Err(_) => group::kill_and_forget(leader, live.pidfd.get_ref()),
+            Err(_) => group::kill_and_forget(&leaders, leader, live.pidfd.get_ref()),
         }
     }
 }
@@ -604,6 +670,7 @@ impl Drop for Worker {
 /// Waits for the leader's exit, the timeout or the cancellation; terminates the group, then
 /// tears it down.
 async fn control(
+    leaders: &Leaders,
     pgid: Pgid,
     pidfd: &AsyncFd<OwnedFd>,
     timeout: Duration,
@@ -623,10 +690,10 @@ async fn control(
         _ = cancel.cancelled() => Some(End::Cancelled),
     };
     if stopped.is_some() {
-        group::terminate(pgid, pidfd.get_ref(), grace).await;
+        group::terminate(leaders, pgid, pidfd.get_ref(), grace).await;
     }
     // Also after a plain exit: background children of the tool must not outlive the call.
-    let exit = teardown(pgid, pidfd, cgroup).await?;
+    let exit = teardown(leaders, pgid, pidfd, cgroup).await?;
     Ok(stopped.unwrap_or(match exit {
         sys::Exit::Code(c) => End::Exited(c),
         sys::Exit::Signal(s) => End::Signaled(s),
@@ -637,19 +704,24 @@ async fn control(
 /// SIGKILL to the group until it is confirmed empty, the leader reaped last, the cgroup
 /// removed.
 async fn teardown(
+    leaders: &Leaders,
     pgid: Pgid,
     pidfd: &AsyncFd<OwnedFd>,
     cgroup: Option<&Path>,
 ) -> Result<sys::Exit, SandboxError> {
-    group::kill_and_confirm(pgid, pidfd.get_ref(), cgroup).await;
-    let exit = reap_leader(pgid, pidfd).await;
+    group::kill_and_confirm(leaders, pgid, pidfd.get_ref(), cgroup).await;
+    let exit = reap_leader(leaders, pgid, pidfd).await;
     if let Some(path) = cgroup {
         cgroup::cgroup_remove(path).await;
     }
     exit
 }
 
-async fn reap_leader(pgid: Pgid, pidfd: &AsyncFd<OwnedFd>) -> Result<sys::Exit, SandboxError> {
+async fn reap_leader(
+    leaders: &Leaders,
+    pgid: Pgid,
+    pidfd: &AsyncFd<OwnedFd>,
+) -> Result<sys::Exit, SandboxError> {
     let pid = pgid.as_u32();
     loop {
         let mut guard = pidfd.readable().await.map_err(|source| SandboxError::Io {
@@ -657,7 +729,7 @@ async fn reap_leader(pgid: Pgid, pidfd: &AsyncFd<OwnedFd>) -> Result<sys::Exit, 
             what: "wait for the leader",
             source,
         })?;
-        match group::reap_leader(pgid, pidfd.get_ref()) {
+        match group::reap_leader(leaders, pgid, pidfd.get_ref()) {
             Ok(Some(exit)) => return Ok(exit),
             Ok(None) => guard.clear_ready(),
             Err(source) => {
@@ -699,14 +771,4 @@ async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
             Err(_) => return,
         }
     }
-}
-
-/// Makes the daemon a child subreaper and starts reaping orphans that are in no worker's
-/// group. Call once, inside the runtime, before the first worker starts.
-pub fn init_daemon() -> Result<(), SandboxError> {
-    reaper::start_reaper()
-        .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))?;
-    // The spawner process now, so the first call does not pay for its start.
-    spawn::warm_up(launcher_exe())
-        .map_err(|e| SandboxError::Other(format!("cannot start the spawner: {e}")))
 }

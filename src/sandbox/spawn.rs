@@ -1,7 +1,7 @@
 //! The daemon's side of spawning: one long-lived thread owns the spawner process
 //! ([`super::spawner`]) and asks it for every worker.
 //!
-//! The spawner is started by that thread (lazily, or by [`warm_up`] at daemon start), because
+//! The spawner is started by that thread (at once, by [`Spawner::start`], and again after one died), because
 //! PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
 //! blocking threads come and go: the spawner and, through `CLONE_PARENT`, every worker are
 //! children of this thread, and die with it only when the daemon dies.
@@ -20,7 +20,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{mpsc, Mutex, OnceLock};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use rustix::net::{
@@ -29,7 +29,7 @@ use rustix::net::{
 };
 use rustix::process::{Pid, PidfdFlags, Signal};
 
-use super::group::{leaders, signal_group, Pgid};
+use super::group::{signal_group, Leaders, Pgid};
 use super::spawner::{self, SPAWNER_ARG};
 
 /// A launcher just started.
@@ -43,9 +43,8 @@ pub(crate) struct Spawned {
 
 enum Request {
     /// Start the spawner now, if it is not running.
-    WarmUp(PathBuf),
+    WarmUp,
     Spawn {
-        exe: PathBuf,
         channel: OwnedFd,
         /// The write end of the progress pipe, when the caller asked for progress.
         progress: Option<OwnedFd>,
@@ -63,69 +62,82 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the spawner may take to start and say it is ready.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
-static THREAD: OnceLock<Mutex<mpsc::Sender<Request>>> = OnceLock::new();
+/// The daemon's spawner thread, which owns the spawner process. Made once, by
+/// [`super::Sandbox::start`].
+#[derive(Debug)]
+pub(crate) struct Spawner {
+    tx: Mutex<mpsc::Sender<Request>>,
+    /// The binary started in spawner mode.
+    pub exe: PathBuf,
+}
 
-fn thread() -> io::Result<mpsc::Sender<Request>> {
-    if let Some(tx) = THREAD.get() {
-        return Ok(tx.lock().unwrap_or_else(|p| p.into_inner()).clone());
-    }
-    let (tx, rx) = mpsc::channel::<Request>();
-    std::thread::Builder::new()
-        .name("airlock-spawner".into())
-        .spawn(move || {
-            let mut process: Option<Process> = None;
-            for req in rx {
-                match req {
-                    Request::WarmUp(exe) => {
-                        if let Err(e) = running(&mut process, &exe) {
-                            tracing::warn!("cannot start the spawner process: {e}");
+impl Spawner {
+    /// Starts the spawner thread and asks it to start the spawner process now, so the first
+    /// call does not pay for it.
+    pub(crate) fn start(exe: PathBuf, leaders: Arc<Leaders>) -> io::Result<Spawner> {
+        let (tx, rx) = mpsc::channel::<Request>();
+        let thread_exe = exe.clone();
+        std::thread::Builder::new()
+            .name("airlock-spawner".into())
+            .spawn(move || {
+                let (exe, leaders) = (thread_exe, leaders);
+                let mut process: Option<Process> = None;
+                for req in rx {
+                    match req {
+                        Request::WarmUp => {
+                            if let Err(e) = running(&mut process, &exe, &leaders) {
+                                tracing::warn!("cannot start the spawner process: {e}");
+                            }
                         }
-                    }
-                    Request::Spawn {
-                        exe,
-                        channel,
-                        progress,
-                        reply,
-                    } => {
-                        let result = spawn_now(&mut process, &exe, channel, progress);
-                        if let Err(Ok(orphan)) = reply.send(result) {
-                            // The caller went away: the launcher must not outlive the request.
-                            abandon(orphan);
+                        Request::Spawn {
+                            channel,
+                            progress,
+                            reply,
+                        } => {
+                            let result = spawn_now(&mut process, &exe, &leaders, channel, progress);
+                            if let Err(Ok(orphan)) = reply.send(result) {
+                                // The caller went away: the launcher must not outlive the
+                                // request.
+                                abandon(&leaders, orphan);
+                            }
                         }
                     }
                 }
-            }
-        })?;
-    let stored = THREAD.get_or_init(|| Mutex::new(tx));
-    Ok(stored.lock().unwrap_or_else(|p| p.into_inner()).clone())
-}
-
-/// Starts the spawner process now (daemon start), so the first call does not pay for it.
-pub(crate) fn warm_up(exe: PathBuf) -> io::Result<()> {
-    thread()?
-        .send(Request::WarmUp(exe))
-        .map_err(|_| io::Error::other("the spawner thread is gone"))
-}
-
-/// Starts a worker's leader, running the launcher with `channel` as its channel to us, and
-/// `progress` (the write end of the progress pipe) as the one extra descriptor the tool keeps.
-pub(crate) async fn spawn_launcher(
-    exe: PathBuf,
-    channel: OwnedFd,
-    progress: Option<OwnedFd>,
-) -> io::Result<Spawned> {
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    thread()?
-        .send(Request::Spawn {
+            })?;
+        tx.send(Request::WarmUp)
+            .map_err(|_| io::Error::other("the spawner thread is gone"))?;
+        Ok(Spawner {
+            tx: Mutex::new(tx),
             exe,
+        })
+    }
+
+    fn send(&self, req: Request) -> io::Result<()> {
+        self.tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(req)
+            .map_err(|_| io::Error::other("the spawner thread is gone"))
+    }
+
+    /// Starts a worker's leader, running the launcher with `channel` as its channel to us,
+    /// and `progress` (the write end of the progress pipe) as the one extra descriptor the
+    /// tool keeps.
+    pub(crate) async fn spawn_launcher(
+        &self,
+        channel: OwnedFd,
+        progress: Option<OwnedFd>,
+    ) -> io::Result<Spawned> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Request::Spawn {
             channel,
             progress,
             reply,
-        })
-        .map_err(|_| io::Error::other("the spawner thread is gone"))?;
-    answer
-        .await
-        .map_err(|_| io::Error::other("the spawner thread dropped the request"))?
+        })?;
+        answer
+            .await
+            .map_err(|_| io::Error::other("the spawner thread dropped the request"))?
+    }
 }
 
 /// The running spawner process.
@@ -136,7 +148,7 @@ struct Process {
 }
 
 impl Process {
-    fn start(exe: &Path) -> io::Result<Process> {
+    fn start(exe: &Path, leaders: &Leaders) -> io::Result<Process> {
         let (ours, theirs) = rustix::net::socketpair(
             AddressFamily::UNIX,
             SocketType::SEQPACKET,
@@ -146,7 +158,7 @@ impl Process {
         let me = rustix::process::getpid().as_raw_nonzero().get();
         // Held until the pidfd is open: the orphan reaper reaps only under this lock, so the
         // spawner's pid cannot be reaped and recycled in between.
-        let registry = leaders();
+        let registry = leaders.lock();
         // The socket is the spawner's stdin: std dup2s it there in the child, so it is never
         // inheritable in the daemon.
         let child = Command::new(exe)
@@ -295,9 +307,13 @@ enum Failed {
 }
 
 /// The running spawner, started if there is none.
-fn running<'a>(process: &'a mut Option<Process>, exe: &Path) -> io::Result<&'a Process> {
+fn running<'a>(
+    process: &'a mut Option<Process>,
+    exe: &Path,
+    leaders: &Leaders,
+) -> io::Result<&'a Process> {
     if process.is_none() {
-        *process = Some(Process::start(exe)?);
+        *process = Some(Process::start(exe, leaders)?);
     }
     process
         .as_ref()
@@ -307,6 +323,7 @@ fn running<'a>(process: &'a mut Option<Process>, exe: &Path) -> io::Result<&'a P
 fn spawn_now(
     process: &mut Option<Process>,
     exe: &Path,
+    registry: &Leaders,
     channel: OwnedFd,
     progress: Option<OwnedFd>,
 ) -> io::Result<Spawned> {
@@ -315,8 +332,8 @@ fn spawn_now(
     let (stderr_r, stderr_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     let mut retried = false;
     loop {
-        let spawner = running(process, exe)?;
-        let mut leaders = leaders();
+        let spawner = running(process, exe, registry)?;
+        let mut leaders = registry.lock();
         let error = match spawner.spawn(&channel, &stdin_r, &stdout_w, &stderr_w, progress.as_ref())
         {
             Ok((leader, pidfd)) => {
@@ -356,9 +373,9 @@ fn spawn_now(
 
 /// For a launcher nobody will use (it has no children yet: it waits for its spec): SIGKILL
 /// and a blocking reap.
-fn abandon(s: Spawned) {
+fn abandon(registry: &Leaders, s: Spawned) {
     signal_group(s.leader, &s.pidfd, Signal::KILL);
-    let mut leaders = leaders();
+    let mut leaders = registry.lock();
     let _ = rustix::process::waitid(
         rustix::process::WaitId::PidFd(s.pidfd.as_fd()),
         rustix::process::WaitIdOptions::EXITED,
