@@ -366,6 +366,10 @@ struct RawDaemon {
     max_concurrent_calls: Option<usize>,
     audit_ring: Option<usize>,
     audit_ring_bytes: Option<Spanned<Size>>,
+    audit_log: Option<PathBuf>,
+    audit_log_size: Option<Spanned<Size>>,
+    audit_log_keep: Option<usize>,
+    audit_hash_limit: Option<Spanned<Size>>,
     max_connections_per_uid: Option<usize>,
     max_requests_per_connection: Option<usize>,
     max_queued_bytes: Option<Spanned<Size>>,
@@ -430,6 +434,39 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
     }
     if let Some(v) = r.audit_ring {
         d.audit_ring = v.max(1);
+    }
+    if let Some(v) = r.audit_log {
+        d.audit_log = v;
+    }
+    if let Some(v) = r.audit_log_keep {
+        d.audit_log_keep = v;
+    }
+    let big_sizes = [
+        (
+            "audit_log_size",
+            r.audit_log_size,
+            4 << 10,
+            &mut d.audit_log_bytes,
+        ),
+        (
+            "audit_hash_limit",
+            r.audit_hash_limit,
+            0,
+            &mut d.audit_hash_limit,
+        ),
+    ];
+    for (name, v, floor, slot) in big_sizes {
+        let Some(v) = v else { continue };
+        match v.get_ref().bytes(&text, v.span()) {
+            Ok(n) if n >= floor => *slot = n,
+            Ok(_) => cx.at(
+                path,
+                &text,
+                v.span(),
+                format!("{name} must be at least {}KiB", floor >> 10),
+            ),
+            Err(m) => cx.at(path, &text, v.span(), m),
+        }
     }
     if let Some(v) = r.max_connections_per_uid {
         d.max_connections_per_uid = v.max(1);

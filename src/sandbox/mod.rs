@@ -467,6 +467,12 @@ impl Worker {
         self.pid
     }
 
+    /// What the launcher reported enforcing (Landlock status and ABI, containment), while
+    /// the worker runs.
+    pub fn enforcement(&self) -> Option<&Enforcement> {
+        self.live.as_ref().map(|l| &l.enforcement)
+    }
+
     /// Kills and confirms the group, reaps the leader: for a worker that failed to start.
     async fn abort(&mut self) {
         if let Some(live) = self.live.take() {
