@@ -589,6 +589,32 @@ mod tests {
         );
     }
 
+    /// README's lifecycle table names every event kind and no other.
+    #[test]
+    fn readme_lifecycle_table_matches_the_enum() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+            .expect("README.md");
+        let start = readme
+            .find("| call | events |")
+            .expect("README has a `| call | events |` table");
+        let mut named = std::collections::BTreeSet::new();
+        for line in readme[start..].lines().skip(2) {
+            if !line.starts_with('|') {
+                break;
+            }
+            let events = line.split('|').nth(2).unwrap_or("");
+            // The backticked single words are kinds (`phase: "queued"` is a field).
+            for (i, part) in events.split('`').enumerate() {
+                if i % 2 == 1 && part.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                    named.insert(part.to_string());
+                }
+            }
+        }
+        let all: std::collections::BTreeSet<String> =
+            EventKind::ALL.iter().map(|k| k.as_str().to_string()).collect();
+        assert_eq!(named, all, "README's lifecycle table and EventKind differ");
+    }
+
     #[test]
     fn every_event_kind_has_one_name() {
         for k in EventKind::ALL {
