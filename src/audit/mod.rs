@@ -610,8 +610,10 @@ mod tests {
                 }
             }
         }
-        let all: std::collections::BTreeSet<String> =
-            EventKind::ALL.iter().map(|k| k.as_str().to_string()).collect();
+        let all: std::collections::BTreeSet<String> = EventKind::ALL
+            .iter()
+            .map(|k| k.as_str().to_string())
+            .collect();
         assert_eq!(named, all, "README's lifecycle table and EventKind differ");
     }
 

@@ -202,6 +202,16 @@ impl Handler {
         })
     }
 
+    /// The audit's resource (or template) entry as a list: listed only to a principal that
+    /// may read it.
+    fn audit_listing(&self, entry: Value) -> Value {
+        if self.may_read_audit(&self.exec.policy()) {
+            json!([entry])
+        } else {
+            json!([])
+        }
+    }
+
     /// Refuses (and records a `deny`) a principal that may not read the audit.
     fn check_audit_reader(
         &self,
@@ -399,17 +409,12 @@ impl ServerHandler for Handler {
         _request: Option<PaginatedRequestParams>,
         _cx: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        // The audit is listed only to a principal that may read it.
-        let resources = if self.may_read_audit(&self.exec.policy()) {
-            json!([{
-                "uri": AUDIT_URI,
-                "name": "audit-events",
-                "description": "Lifecycle events of every call (allow, start, commit, rollback, timeout, cancel, ...), oldest first; the newest that fit the read budget. Filter with the template airlock://audit/events{?job,session,tool,since,limit}",
-                "mimeType": "application/json",
-            }])
-        } else {
-            json!([])
-        };
+        let resources = self.audit_listing(json!({
+            "uri": AUDIT_URI,
+            "name": "audit-events",
+            "description": "Lifecycle events of every call (allow, start, commit, rollback, timeout, cancel, ...), oldest first; the newest that fit the read budget. Filter with the template airlock://audit/events{?job,session,tool,since,limit}",
+            "mimeType": "application/json",
+        }));
         wire(json!({ "resultType": "complete", "resources": resources }))
     }
 
@@ -418,16 +423,12 @@ impl ServerHandler for Handler {
         _request: Option<PaginatedRequestParams>,
         _cx: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, McpError> {
-        let templates = if self.may_read_audit(&self.exec.policy()) {
-            json!([{
-                "uriTemplate": AUDIT_TEMPLATE,
-                "name": "audit-events-filtered",
-                "description": "Audit events of one job, session or tool, at or after `since` (RFC 3339 UTC or milliseconds since the epoch), at most `limit` (the newest), oldest first",
-                "mimeType": "application/json",
-            }])
-        } else {
-            json!([])
-        };
+        let templates = self.audit_listing(json!({
+            "uriTemplate": AUDIT_TEMPLATE,
+            "name": "audit-events-filtered",
+            "description": "Audit events of one job, session or tool, at or after `since` (RFC 3339 UTC or milliseconds since the epoch), at most `limit` (the newest), oldest first",
+            "mimeType": "application/json",
+        }));
         wire(json!({ "resultType": "complete", "resourceTemplates": templates }))
     }
 
