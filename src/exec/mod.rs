@@ -575,6 +575,16 @@ impl Executor {
         tool: &Tool,
         values: &Map<String, Value>,
     ) -> Result<Vec<(String, PathRole, PathBuf)>, Stop> {
+        // Off the async threads: resolution walks each path, and an input directory is
+        // listed and checked against the mount table.
+        tokio::task::block_in_place(|| self.resolve_paths_blocking(tool, values))
+    }
+
+    fn resolve_paths_blocking(
+        &self,
+        tool: &Tool,
+        values: &Map<String, Value>,
+    ) -> Result<Vec<(String, PathRole, PathBuf)>, Stop> {
         let mut out = Vec::new();
         for (name, p) in &tool.params {
             let (Some(role), Some(raw)) = (p.path, values.get(name).and_then(Value::as_str)) else {
