@@ -21,6 +21,19 @@ pub fn atomic_write(
     mode: u32,
     point: &'static str,
 ) -> std::io::Result<()> {
+    atomic_write_no_dir_sync(dir, name, bytes, mode, point)?;
+    File::open(dir)?.sync_all()
+}
+
+/// [`atomic_write`] but for the fsync of the dir, which the caller owes before it relies on
+/// the new content surviving a crash (the session store group-commits it).
+pub fn atomic_write_no_dir_sync(
+    dir: &Path,
+    name: &str,
+    bytes: &[u8],
+    mode: u32,
+    point: &'static str,
+) -> std::io::Result<()> {
     let tmp = dir.join(format!(".{name}.tmp"));
     failpoint::hit(point)?;
     let mut f = OpenOptions::new()
@@ -34,8 +47,7 @@ pub fn atomic_write(
     f.sync_all()?;
     drop(f);
     failpoint::hit(point)?;
-    std::fs::rename(&tmp, dir.join(name))?;
-    File::open(dir)?.sync_all()
+    std::fs::rename(&tmp, dir.join(name))
 }
 
 /// Why [`lock_dir`] failed.

@@ -910,6 +910,9 @@ impl Executor {
             .finish(timeout, cancel.clone())
             .await
             .map_err(CallError::from)?;
+        // When the worker's group was gone, in ms since the call began: the terminal event's
+        // `duration_ms` minus this is what came after it (publication, for a commit).
+        call.note("worker_ms", json!(call.t0.elapsed().as_millis() as u64));
         // The kill is confirmed when `finish` returns: every process of the group (or the
         // cgroup) is gone.
         let terminated = json!({

@@ -11,7 +11,7 @@ use rustix::io::Errno;
 use super::journal::{Journal, Phase, TargetRecord, JOURNAL, VERSION};
 use super::sys::{
     describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, stat_at,
-    FileId,
+    sync_point, FileId,
 };
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
@@ -109,8 +109,9 @@ fn seal(fd: BorrowedFd<'_>, st: &rustix::fs::Stat, mode: u32) -> Result<(), Errn
 
 impl Job {
     /// Creates `.airlock-job-<id>/` (0700, or 0711 for a worker with its own uid) with its
-    /// staging dir (the worker's, when it has its own uid) and its journal in phase
-    /// `worker_running`.
+    /// staging dir (the worker's, when it has its own uid). No journal and no fsync: until
+    /// publication journals the job, recovery reads the dir as "never published" and only
+    /// removes it, whether or not it survived a crash.
     pub fn create(ws: &Workspace, spec: JobSpec) -> Result<Job, PublishError> {
         check_spec(&spec)?;
         let name = format!("{JOB_DIR_PREFIX}{}", spec.id);
@@ -120,6 +121,15 @@ impl Job {
             path: ws.root().into(),
             source: e,
         })?;
+        // No journal is written here any more, so nothing would notice a full filesystem
+        // before the worker does (and many tools report ENOSPC vaguely): say it now.
+        if rustix::fs::fstatvfs(root.as_fd()).is_ok_and(|v| v.f_bavail == 0) {
+            return Err(PublishError::Io {
+                op: "check free space in the workspace",
+                path: ws.root().into(),
+                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+            });
+        }
         let job_mode = if spec.stage_owner.is_some() {
             0o711
         } else {
@@ -176,7 +186,6 @@ impl Job {
                     new: None,
                 });
             }
-            fsync_dir(stage_fd.as_fd(), &stage)?;
             let journal = Journal {
                 version: VERSION,
                 job: spec.id.clone(),
@@ -187,8 +196,6 @@ impl Job {
                 targets,
                 created_dirs: Vec::new(),
             };
-            journal.write(fd.as_fd(), &dir)?;
-            fsync_dir(root.as_fd(), ws.root())?;
             Ok((fd, journal))
         })();
         match made {
@@ -236,9 +243,11 @@ impl Job {
         self.hash_limit = bytes;
     }
 
+    /// Records the worker's pid in the journal to be written at publication (the registry
+    /// of live workers, not the journal, is what startup uses to kill leftovers).
     pub fn record_worker(&mut self, pid: u32) -> Result<(), PublishError> {
         self.journal.worker_pid = Some(pid);
-        self.journal.write(self.fd.as_fd(), &self.dir)
+        Ok(())
     }
 
     /// Validates and publishes every staged output, then runs `commit` (which writes the
@@ -272,22 +281,27 @@ impl Job {
             return Err(self.fail(PublishError::Commit(e)));
         }
         self.journal.phase = Phase::Committed;
-        if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {
-            // A `committing_state` journal left behind would make recovery ask the session
-            // again, long after other commits; the cleanup below drops the journal first, so
-            // what may remain reads as "never published", which is right here.
-            tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not journal it");
-        }
-        if let Err(e) = self.remove_dir() {
+        // The unlink of the journal is made durable here, under the session's lock: a
+        // `publishing_outputs` journal left behind would make recovery ask the session again,
+        // after later commits of it no longer record this job.
+        if let Err(e) = self.remove_dir(true) {
             tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not remove the job dir; startup recovery will");
+            let left = matches!(stat_at(self.fd.as_fd(), OsStr::new(JOURNAL)), Ok(Some(_)));
+            if left {
+                if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {
+                    tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not journal it");
+                }
+            }
         }
         Ok(())
     }
 
     /// Removes the job dir once the targets are final (all-new after the commit, all-old
     /// after a rollback): the journal first, so that a job dir left half-removed reads as
-    /// "never published" and recovery only deletes it.
-    fn remove_dir(&self) -> Result<(), PublishError> {
+    /// "never published" and recovery only deletes it. `durable`: the journal's unlink is
+    /// fsynced (after a commit; after a rollback a journal that comes back is harmless, its
+    /// rollback by identity being idempotent). The rest of the tree goes without fsync.
+    fn remove_dir(&self, durable: bool) -> Result<(), PublishError> {
         let journal = self.dir.join(JOURNAL);
         let unlink = || {
             mutate("publish.cleanup_unlink", &journal, || {
@@ -310,7 +324,8 @@ impl Job {
             done = unlink();
         }
         match done {
-            Ok(()) => fsync_dir(self.fd.as_fd(), &self.dir)?,
+            Ok(()) if durable => sync_point("publish.fsync_unlink", self.fd.as_fd(), &self.dir)?,
+            Ok(()) => {}
             Err(e) if errno(&e) == Some(libc::ENOENT) => {}
             Err(e) => return Err(e),
         }
@@ -363,8 +378,8 @@ impl Job {
         remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
     }
 
-    /// Everything before the commit point: validate, journal, create parents, rename, make
-    /// durable, journal `committing_state`.
+    /// Everything before the commit point: validate, journal (the job's one journal), create
+    /// parents, rename, make durable.
     fn publish(&mut self) -> Result<(), PublishError> {
         // 1. Validate and fsync every staged output before anything is journaled or moved:
         //    a bad output fails the call with the workspace untouched.
@@ -374,7 +389,12 @@ impl Job {
         // 3. Journal the identities and the dirs to create before touching the workspace.
         self.journal.created_dirs = created;
         self.journal.phase = Phase::PublishingOutputs;
-        self.journal.write(self.fd.as_fd(), &self.dir)?;
+        self.journal.create(
+            self.fd.as_fd(),
+            &self.dir,
+            self.root.as_fd(),
+            &self.root_path,
+        )?;
         // 4. Create missing parents, one component at a time beneath the root.
         let mut synced_dirs = self.make_parents()?;
         // 5. Rename each staged file into place.
@@ -383,14 +403,13 @@ impl Job {
             synced_dirs.push(parent_fd);
             synced_dirs.push(slot_fd);
         }
-        // 6. Make the renames (and the mkdirs) durable before the journal says they happened:
-        //    `committing_state` on disk must imply every target holds its new file.
+        // 6. Make the renames (and the mkdirs) durable before the commit point: a session
+        //    that records this job must imply every target holds its new file. From here,
+        //    only the session commit decides between all-new and all-old.
         for fd in &synced_dirs {
-            fsync_dir(fd.as_fd(), &self.root_path)?;
+            sync_point("publish.fsync_renamed", fd.as_fd(), &self.root_path)?;
         }
-        // 7. From here, only the session commit decides between all-new and all-old.
-        self.journal.phase = Phase::CommittingState;
-        self.journal.write(self.fd.as_fd(), &self.dir)
+        Ok(())
     }
 
     fn validate_outputs(&mut self) -> Result<Vec<FileId>, PublishError> {
@@ -447,7 +466,7 @@ impl Job {
             if FileId::of(&st2) != FileId::of(&st) {
                 return Err(bad("it was replaced while being validated".into()));
             }
-            rustix::fs::fsync(fd.as_fd()).map_err(|e| io("fsync staged output", &staged, e))?;
+            sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
             let size = st2.st_size as u64;
             let sha256 = if size <= self.hash_limit {
                 Some(hash(fd.as_fd()).map_err(|e| io("read staged output", &staged, e))?)
@@ -640,7 +659,7 @@ impl Job {
         ) {
             Ok(n) => {
                 tracing::info!(job = %self.spec.id, restored = n, error = %error, "publication failed; targets restored");
-                if let Err(e) = self.remove_dir() {
+                if let Err(e) = self.remove_dir(false) {
                     tracing::warn!(job = %self.spec.id, error = %e, "could not remove the job dir; startup recovery will");
                 }
                 error

@@ -1,5 +1,11 @@
-//! `recovery.json`: what a job is doing, written atomically at each phase change so that
-//! startup recovery can finish or undo it after a crash at any instant.
+//! `recovery.json`: what recovery needs to finish or undo a job after a crash at any instant,
+//! written once per job, just before publication touches the workspace ([`Journal::create`]).
+//! A job dir without a readable journal was never published. A journal in phase
+//! `publishing_outputs` is settled by the session: the session file records the job's id
+//! only once every target durably holds its new file, so recovery completes the job if it
+//! does and rolls it back by identity otherwise. The journal is unlinked (and the unlink
+//! made durable) before the session's lock is released, so no later commit of the session
+//! can meet it; only if that unlink fails is the journal replaced by one in phase `committed`.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -22,9 +28,11 @@ pub(super) const VERSION: u32 = 1;
 pub enum Phase {
     /// The worker may be writing into `stage/`; nothing is published.
     WorkerRunning,
-    /// Targets are being renamed; identities below tell what each target holds.
+    /// Targets are being renamed, or renamed and the session commit decides; identities
+    /// below tell what each target holds.
     PublishingOutputs,
-    /// Every target holds its new file durably; the session commit decides.
+    /// Every target holds its new file durably; the session commit decides. Written by
+    /// earlier versions; recovery treats it as `publishing_outputs`.
     CommittingState,
     /// The session holds the commit; only cleanup remains.
     Committed,
@@ -71,7 +79,44 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// Writes the journal atomically: temp file, fsync, rename over `recovery.json`, fsync
+    /// Writes the job's one journal: `recovery.json` created (it must not exist), written,
+    /// fsynced, then the job dir and the workspace root fsynced, so that the journal and the
+    /// job dir holding it (and every backup to come) are durable before the first rename.
+    /// A crash mid-way leaves no journal or an unreadable one: the job never published.
+    pub fn create(
+        &self,
+        job_fd: BorrowedFd<'_>,
+        job_dir: &Path,
+        root_fd: BorrowedFd<'_>,
+        root: &Path,
+    ) -> Result<(), PublishError> {
+        let path = job_dir.join(JOURNAL);
+        let bytes = serde_json::to_vec_pretty(self).map_err(|e| PublishError::Io {
+            op: "serialize journal",
+            path: path.clone(),
+            source: std::io::Error::other(e),
+        })?;
+        let fd = mutate("publish.journal_write", &path, || {
+            rustix::fs::openat(
+                job_fd,
+                JOURNAL,
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )
+        })?;
+        let mut file = std::fs::File::from(fd);
+        file.write_all(&bytes).map_err(|e| PublishError::Io {
+            op: "write journal",
+            path: path.clone(),
+            source: e,
+        })?;
+        sys::sync_point("publish.fsync_journal", file.as_fd(), &path)?;
+        drop(file);
+        sys::sync_point("publish.fsync_job_dir", job_fd, job_dir)?;
+        sys::sync_point("publish.fsync_root", root_fd, root)
+    }
+
+    /// Replaces the journal atomically: temp file, fsync, rename over `recovery.json`, fsync
     /// of the job dir. A crash leaves either the previous journal or this one.
     pub fn write(&self, job_fd: BorrowedFd<'_>, job_dir: &Path) -> Result<(), PublishError> {
         let tmp_path = job_dir.join(JOURNAL_TMP);

@@ -19,8 +19,8 @@ use super::{PublishError, Recovered, Settled, Workspace, JOB_DIR_PREFIX, QUARANT
 ///
 /// Decisions, by the journaled phase:
 /// * none readable, `worker_running`: nothing was published; the dir is removed.
-/// * `publishing_outputs`: rolled back by identity, then removed.
-/// * `committing_state`: `committed` decides: completed (backups dropped) or rolled back.
+/// * `publishing_outputs` (or `committing_state`, written by earlier versions): `committed`
+///   decides: completed (backups dropped) or rolled back by identity.
 /// * `committed`: completed.
 ///
 /// Once a job's targets are settled its journal is unlinked first, so that whatever remains
@@ -178,21 +178,26 @@ fn recover_one(
                     settled = "never published";
                     "removed (worker never published)".to_string()
                 }
-                Phase::PublishingOutputs => roll_back(&j)?,
-                Phase::CommittingState => match committed(&j.session, &j.job) {
-                    Ok(true) => format!("completed {total} targets (session holds the commit)"),
-                    Ok(false) => {
-                        info.settled = Settled::RolledBack;
-                        roll_back(&j)?
+                // Renames may all be done and the session may hold the commit: it decides.
+                Phase::PublishingOutputs | Phase::CommittingState => {
+                    match committed(&j.session, &j.job) {
+                        Ok(true) => {
+                            info.settled = Settled::Completed;
+                            format!("completed {total} targets (session holds the commit)")
+                        }
+                        Ok(false) => {
+                            info.settled = Settled::RolledBack;
+                            roll_back(&j)?
+                        }
+                        Err(source) => {
+                            return Err(PublishError::Undecided {
+                                job: id,
+                                session: j.session.clone(),
+                                source,
+                            })
+                        }
                     }
-                    Err(source) => {
-                        return Err(PublishError::Undecided {
-                            job: id,
-                            session: j.session.clone(),
-                            source,
-                        })
-                    }
-                },
+                }
                 Phase::Committed => format!("completed {total} targets"),
             }
         }

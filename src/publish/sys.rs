@@ -141,6 +141,16 @@ pub(super) fn mutate<T>(
     f().map_err(|e| io(op, path, e))
 }
 
+/// An fsync on the write path, with its own failpoint: a crash or an injected error (EIO is
+/// how a failed writeback surfaces) between two mutations, where durability is decided.
+pub(super) fn sync_point(
+    op: &'static str,
+    fd: BorrowedFd<'_>,
+    path: &Path,
+) -> Result<(), PublishError> {
+    mutate(op, path, || rustix::fs::fsync(fd))
+}
+
 pub(super) fn fsync_dir(fd: BorrowedFd<'_>, path: &Path) -> Result<(), PublishError> {
     rustix::fs::fsync(fd).map_err(|e| io("fsync", path, e))
 }

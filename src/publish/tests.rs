@@ -168,24 +168,33 @@ fn create_makes_private_job_dir_and_journal() {
         fs::metadata(job.dir()).unwrap().permissions().mode() & 0o777,
         0o700
     );
+    // The journal is written once, at publication: none while the worker runs.
     let journal_path = job.dir().join("recovery.json");
-    assert_eq!(
-        fs::metadata(&journal_path).unwrap().permissions().mode() & 0o777,
-        0o600
-    );
+    assert!(!journal_path.exists());
     assert_eq!(job.staged_path(0), job.dir().join("stage/0/report.html"));
     assert_eq!(job.staged_path(1), job.dir().join("stage/1/b.txt"));
     assert!(job.staged_path(0).parent().unwrap().is_dir());
-    let j: serde_json::Value = serde_json::from_slice(&fs::read(&journal_path).unwrap()).unwrap();
-    assert_eq!(j["phase"], "worker_running");
-    assert_eq!(j["job"], "j1");
-    assert_eq!(j["session"], "s1");
-    assert_eq!(j["tool"], "render");
-    assert_eq!(j["targets"][0]["target"], "out/report.html");
     job.record_worker(4242).unwrap();
-    let j: serde_json::Value = serde_json::from_slice(&fs::read(&journal_path).unwrap()).unwrap();
-    assert_eq!(j["worker_pid"], 4242);
-    job.discard().unwrap();
+    assert!(!journal_path.exists());
+    stage(&job, 0, "report");
+    stage(&job, 1, "b");
+    let dir = job.dir().to_path_buf();
+    job.publish_and_commit(|| {
+        let path = dir.join("recovery.json");
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        let j: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(j["phase"], "publishing_outputs");
+        assert_eq!(j["job"], "j1");
+        assert_eq!(j["session"], "s1");
+        assert_eq!(j["tool"], "render");
+        assert_eq!(j["worker_pid"], 4242);
+        assert_eq!(j["targets"][0]["target"], "out/report.html");
+        Ok(())
+    })
+    .unwrap();
     assert!(job_dirs(tmp.path()).is_empty());
 }
 
@@ -322,7 +331,7 @@ fn replaces_an_existing_file_by_exchange() {
         assert_eq!(fs::metadata(&staged).unwrap().ino(), old_ino);
         let j: serde_json::Value =
             serde_json::from_slice(&fs::read(job_dir.join("recovery.json")).unwrap()).unwrap();
-        assert_eq!(j["phase"], "committing_state");
+        assert_eq!(j["phase"], "publishing_outputs");
         assert_eq!(j["targets"][0]["old"]["ino"], old_ino);
         assert_eq!(j["targets"][0]["new"]["ino"], staged_ino);
         Ok(())
@@ -566,29 +575,35 @@ fn failpoints_of_a_typical_call_are_named_and_ordered() {
         "publish.mkdir_slot",
         "publish.mkdir_slot",
         "publish.mkdir_slot",
-        "publish.journal_write",
-        "publish.journal_rename",
-        // record_worker
-        "publish.journal_write",
-        "publish.journal_rename",
-        // owner and mode of each staged output
+        // owner and mode of each staged output, and its fsync
         "publish.seal_output",
+        "publish.fsync_output",
         "publish.seal_output",
+        "publish.fsync_output",
         "publish.seal_output",
-        // publishing_outputs
+        "publish.fsync_output",
+        // the one journal (publishing_outputs), durable with its dir before any rename
         "publish.journal_write",
-        "publish.journal_rename",
+        "publish.fsync_journal",
+        "publish.fsync_job_dir",
+        "publish.fsync_root",
         "publish.mkdir_parent",
         "publish.mkdir_parent",
         "publish.exchange",
         "publish.rename_noreplace",
         "publish.rename_noreplace",
-        // committing_state
-        "publish.journal_write",
-        "publish.journal_rename",
-        // committed
-        "publish.journal_write",
-        "publish.journal_rename",
+        // the renamed entries' dirs (root, n, n/m's parent..., staging slots) made durable
+        "publish.fsync_renamed",
+        "publish.fsync_renamed",
+        "publish.fsync_renamed",
+        "publish.fsync_renamed",
+        "publish.fsync_renamed",
+        "publish.fsync_renamed",
+        "publish.fsync_renamed",
+        "publish.fsync_renamed",
+        // after the commit: the journal's unlink, made durable
+        "publish.cleanup_unlink",
+        "publish.fsync_unlink",
     ];
     assert_eq!(
         &names[..expected_prefix.len()],
@@ -751,10 +766,10 @@ fn recovery_reports_one_action_per_job() {
     let j2 = Job::create(&ws, spec("j2", &["a.txt", "new/b.txt"])).unwrap();
     stage(&j2, 0, "new a");
     stage(&j2, 1, "new b");
-    // Crash right before the committing_state journal: after the 2 seals, the mkdir and the
-    // 2 renames.
+    // Crash after the renames, before the commit point: after the 2 seals and fsyncs, the
+    // journal with its 3 fsyncs, the mkdir and the 2 renames.
     let mut seen = 0;
-    testsim::arm(Mode::Crash(7));
+    testsim::arm(Mode::Crash(11));
     let _ = j2.publish_and_commit(|| {
         seen += 1;
         Ok(())
@@ -762,16 +777,20 @@ fn recovery_reports_one_action_per_job() {
     let names = testsim::disarm();
     assert_eq!(seen, 0);
     assert_eq!(
-        names[..8],
+        names[..12],
         [
             "publish.seal_output",
+            "publish.fsync_output",
             "publish.seal_output",
+            "publish.fsync_output",
             "publish.journal_write",
-            "publish.journal_rename",
+            "publish.fsync_journal",
+            "publish.fsync_job_dir",
+            "publish.fsync_root",
             "publish.mkdir_parent",
             "publish.exchange",
             "publish.rename_noreplace",
-            "publish.journal_write",
+            "publish.fsync_renamed",
         ]
     );
     assert_eq!(
@@ -781,12 +800,12 @@ fn recovery_reports_one_action_per_job() {
 
     let j3 = Job::create(&ws, spec("j3", &["c.txt"])).unwrap();
     stage(&j3, 0, "new c");
-    testsim::arm(Mode::Crash(8)); // after the committed journal rename, before cleanup
+    testsim::arm(Mode::Crash(9)); // after the commit, before the journal's unlink
     let _ = j3.publish_and_commit(|| Ok(()));
     let names = testsim::disarm();
     assert_eq!(names[0], "publish.seal_output");
-    assert_eq!(names[7], "publish.journal_rename");
-    assert_eq!(names[8], "publish.cleanup_unlink");
+    assert_eq!(names[8], "publish.fsync_renamed");
+    assert_eq!(names[9], "publish.cleanup_unlink");
 
     let rec = recover(tmp.path(), &|_, job| Ok(job == "j3")).unwrap();
     let actions: Vec<(String, String)> = rec.into_iter().map(|r| (r.job, r.action)).collect();
@@ -801,7 +820,10 @@ fn recovery_reports_one_action_per_job() {
                 "j2".to_string(),
                 "rolled back 2 of 2 targets (phase publishing_outputs)".to_string()
             ),
-            ("j3".to_string(), "completed 1 targets".to_string()),
+            (
+                "j3".to_string(),
+                "completed 1 targets (session holds the commit)".to_string()
+            ),
         ]
     );
     assert_eq!(
@@ -821,14 +843,14 @@ fn recovery_reports_one_action_per_job() {
 fn recovery_refuses_to_guess_when_the_session_cannot_tell() {
     let s = Scenario::new();
     testsim::arm(Mode::Off);
-    // Run once to count, then crash right after committing_state is journaled.
+    // Run once to count, then crash right after the commit point, before the journal's
+    // unlink: the journal says publishing_outputs and only the session can tell.
     let _ = s.run(true);
     let names = testsim::disarm();
     let commit_at = names
         .iter()
-        .rposition(|n| *n == "publish.journal_rename")
-        .unwrap()
-        - 1; // the `committed` journal_write
+        .position(|n| *n == "publish.cleanup_unlink")
+        .unwrap();
     let s = Scenario::new();
     testsim::arm(Mode::Crash(commit_at));
     let _ = s.run(false);

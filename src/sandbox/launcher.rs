@@ -1,5 +1,5 @@
-//! Launcher mode: a fresh, single-threaded process that turns itself into the sandboxed worker
-//! and `execve`s the tool.
+//! The launcher: runs in a worker's leader just forked by the single-threaded spawner process
+//! ([`super::spawner`]), turns it into the sandboxed worker and `execve`s the tool.
 //!
 //! Like Firecracker's jailer, it first reads and validates everything ([`Plan::new`]), so
 //! that every later step is a plain system call, then runs the steps in a fixed order
@@ -9,7 +9,7 @@
 use std::convert::Infallible;
 use std::ffi::{CString, OsStr, OsString};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -46,42 +46,29 @@ impl Failure {
     }
 }
 
-/// Entry point of launcher mode (`argv = [exe, LAUNCHER_ARG, CHANNEL_FD]`); never returns.
-pub fn launcher_main() -> ! {
-    let Some(mut channel) = channel_from_args() else {
-        // Without a channel there is no one to report to; say so where a human may see it.
-        let _ = writeln!(
-            std::io::stderr(),
-            "airlock launcher: no channel descriptor in argv[2]"
-        );
-        std::process::exit(SETUP_FAILED);
-    };
-    let failure = match Plan::new(&mut channel) {
+/// Runs the launcher in a freshly forked worker leader (see [`super::spawner`]), with the
+/// daemon's channel and, when the caller asked for progress, the progress pipe's write end;
+/// never returns: it `execve`s the tool or reports the failed step and exits.
+pub(crate) fn run(mut channel: UnixStream, progress: Option<OwnedFd>) -> ! {
+    let failure = match Plan::new(&mut channel, progress) {
         Ok(plan) => match plan.run(&mut channel) {
             Ok(never) => match never {},
             Err(f) => f,
         },
         Err(f) => f,
     };
+    fail(&mut channel, failure.step, failure.errno, failure.message)
+}
+
+/// Reports a failed step on the channel and exits.
+pub(crate) fn fail(channel: &mut UnixStream, step: &str, errno: i32, message: String) -> ! {
     let report = Report::Failed {
-        step: failure.step.into(),
-        errno: failure.errno,
-        message: failure.message,
+        step: step.into(),
+        errno,
+        message,
     };
     let _ = channel.write_all(&report.line());
     std::process::exit(SETUP_FAILED);
-}
-
-fn channel_from_args() -> Option<UnixStream> {
-    let arg = std::env::args_os().nth(2)?;
-    let fd: RawFd = arg.to_str()?.parse().ok()?;
-    if fd <= 2 || !sys::fd_is_open(fd) {
-        return None;
-    }
-    // SAFETY: the daemon passed this descriptor to us for this purpose and nothing else in this
-    // fresh process refers to it, so the OwnedFd is its only owner.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    Some(UnixStream::from(owned))
 }
 
 /// Everything, parsed and checked, before the first irreversible step.
@@ -92,12 +79,13 @@ struct Plan {
     env: Vec<CString>,
     seccomp: Vec<seccompiler::BpfProgram>,
     channel_fd: RawFd,
-    /// Where the tool finds the progress pipe (3, or 4 if the channel is 3).
-    progress_fd: Option<RawFd>,
+    /// The progress pipe's write end, and where the tool finds it (3, or 4 if the channel
+    /// is 3).
+    progress: Option<(OwnedFd, RawFd)>,
 }
 
 impl Plan {
-    fn new(channel: &mut UnixStream) -> Result<Plan, Failure> {
+    fn new(channel: &mut UnixStream, progress: Option<OwnedFd>) -> Result<Plan, Failure> {
         let mut bytes = Vec::with_capacity(64 * 1024);
         channel
             .read_to_end(&mut bytes)
@@ -129,21 +117,17 @@ impl Plan {
 
         // The tool's environment: only `keep` (from ours) and `set`, nothing else inherited.
         let mut vars: Vec<(OsString, OsString)> = Vec::new();
-        for name in &spec.env_keep {
-            if let Some(value) = std::env::var_os(name) {
-                vars.push((OsString::from(name), value));
-            }
+        for (name, value) in &spec.env_kept {
+            vars.push((OsString::from(name), OsString::from_vec(value.clone())));
         }
         for (name, value) in &spec.env_set {
             vars.retain(|(n, _)| n != OsStr::new(name));
             vars.push((OsString::from(name), OsString::from(value)));
         }
-        let progress_fd = spec
-            .progress_fd
-            .map(|_| if channel.as_raw_fd() == 3 { 4 } else { 3 });
-        if let Some(fd) = progress_fd {
+        let progress = progress.map(|fd| (fd, if channel.as_raw_fd() == 3 { 4 } else { 3 }));
+        if let Some((_, to)) = &progress {
             vars.retain(|(n, _)| n != OsStr::new(super::PROGRESS_FD_ENV));
-            vars.push((super::PROGRESS_FD_ENV.into(), fd.to_string().into()));
+            vars.push((super::PROGRESS_FD_ENV.into(), to.to_string().into()));
         }
         let mut env = Vec::with_capacity(vars.len());
         for (name, value) in vars {
@@ -179,13 +163,13 @@ impl Plan {
             env,
             seccomp,
             channel_fd: channel.as_raw_fd(),
-            progress_fd,
+            progress,
         })
     }
 
     fn run(self, channel: &mut UnixStream) -> Result<Infallible, Failure> {
         // 1. We must lead our own process group: the daemon signals and confirms the worker
-        //    by group, and `process_group(0)` made it so before our first instruction.
+        //    by group, and the spawner's child made it so before anything else.
         let pid = rustix::process::getpid();
         if rustix::process::getpgrp() != pid {
             return Err(Failure::new(
@@ -239,13 +223,22 @@ impl Plan {
         //    of the daemon's leaks into the tool.
         //    The progress pipe moves to the lowest number past stdio the channel does not
         //    hold (3, or 4), so that any shell can name it (dash takes one digit only).
+        //    The pipe came over the spawner's socket close-on-exec: its copy at `to` is made
+        //    inheritable.
         let mut keep = vec![self.channel_fd as u32];
-        if let (Some(from), Some(to)) = (self.spec.progress_fd, self.progress_fd) {
-            if from != to {
+        if let Some((fd, to)) = self.progress {
+            if fd.as_raw_fd() == to {
+                rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::empty()).map_err(|e| {
+                    Failure::io("close_fds", "fcntl of the progress pipe", e.into())
+                })?;
+                // Kept open at `to` for the tool.
+                let _ = fd.into_raw_fd();
+            } else {
                 // SAFETY: dup2 takes two integers and touches no memory of ours; `to` is
-                // not the channel, and whatever it held is closed like every other
-                // inherited descriptor; nothing in this process owns it.
-                let rc = unsafe { libc::dup2(from, to) };
+                // not the channel (nor `fd`), and whatever it held is closed like every
+                // other inherited descriptor; nothing in this process owns it. The copy at
+                // `to` is not close-on-exec.
+                let rc = unsafe { libc::dup2(fd.as_raw_fd(), to) };
                 if rc < 0 {
                     return Err(Failure::io(
                         "close_fds",
@@ -253,6 +246,8 @@ impl Plan {
                         std::io::Error::last_os_error(),
                     ));
                 }
+                // `fd` itself is closed here, before the close_range below.
+                drop(fd);
             }
             keep.push(to as u32);
         }

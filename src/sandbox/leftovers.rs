@@ -28,7 +28,7 @@ use rustix::process::{Pid, Signal};
 use serde::{Deserialize, Serialize};
 
 use super::identity::lock_uid;
-use super::process::{all_processes, read_stat, ProcStat};
+use super::procfs::{all_processes, read_stat, ProcStat};
 
 /// The directory of live-worker records.
 #[derive(Debug, Clone)]

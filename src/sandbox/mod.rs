@@ -1,15 +1,18 @@
 //! Workers: the single-threaded launcher (Landlock, seccomp, capabilities, rlimits), spawn,
 //! pidfd, and kill-and-confirm of the whole process group.
 //!
-//! The daemon starts every worker as its own binary in launcher mode ([`LAUNCHER_ARG`]),
-//! dispatched in `main` before any runtime or thread exists, so nothing but `execve` of the
-//! launcher happens between fork and exec in the multi-threaded daemon.
+//! Every worker is forked by the spawner process ([`spawner`]): the daemon's own binary in
+//! spawner mode ([`SPAWNER_ARG`]), started once and dispatched in `main` before any runtime
+//! or thread exists, so the fork and every sandbox step happen in a single-threaded process,
+//! and no worker costs an `execve` of the daemon.
 //!
 //! Life of a worker:
 //! 1. [`Worker::spawn`] builds the seccomp filters and the spec (so a bad profile fails before
-//!    any fork), creates the worker's cgroup if one is delegated, and hands the fork to the
-//!    spawner thread ([`process`]), which starts the launcher in a new process group with a
-//!    channel descriptor, opens its pidfd and registers it as a live leader.
+//!    any fork), creates the worker's cgroup if one is delegated, and hands the request to
+//!    the daemon's spawner thread ([`spawn`]), which sends the launcher channel, the three
+//!    stream pipes and the progress pipe (if asked for) to the spawner; the spawner forks the
+//!    worker's leader (`CLONE_PARENT`: the daemon's child) in a new process group and sends
+//!    its pidfd back, which the thread registers as a live leader.
 //! 2. The launcher reads the spec, sets itself up step by step ([`launcher`]) and reports
 //!    `ok` (or `{step, errno, message}`, which becomes [`SandboxError::Setup`]) before
 //!    `execve`. `spawn` returns once it has read the channel to EOF.
@@ -20,18 +23,23 @@
 //! The daemon calls [`init_daemon`] once: it becomes a child subreaper, so double-forked
 //! descendants come back to it to be killed and reaped.
 
+mod cgroup;
 mod explain;
+mod group;
 mod identity;
 mod landlock;
 mod launcher;
 mod leftovers;
-mod process;
+mod procfs;
 mod progress;
+mod reaper;
 mod seccomp;
+mod spawn;
+mod spawner;
 mod sys;
 mod wire;
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -42,19 +50,18 @@ use tokio::net::unix::pipe;
 use tokio_util::sync::CancellationToken;
 
 use crate::policy::Profile;
+use group::Pgid;
 
+pub use cgroup::CgroupError;
 pub use explain::explain;
+pub use group::in_live_worker_group;
 pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
-pub use launcher::launcher_main;
 pub use leftovers::{sweep_cgroups, Registry};
-pub use process::{in_live_worker_group, CgroupError};
 pub use progress::{ProgressSender, WorkerProgress, PROGRESS_FD_ENV};
 pub use seccomp::SeccompError;
+pub use spawner::{spawner_main, SPAWNER_ARG};
 
-/// `argv[1]` that makes `main` run [`launcher_main`] instead of the CLI.
-pub const LAUNCHER_ARG: &str = "__airlock-launch";
-
-/// Overrides the launcher executable (default `/proc/self/exe`, the daemon's own binary).
+/// Overrides the spawner's executable (default `/proc/self/exe`, the daemon's own binary).
 pub const LAUNCHER_EXE_ENV: &str = "AIRLOCK_LAUNCHER_EXE";
 
 /// What one worker is to run, and with which rights.
@@ -161,7 +168,7 @@ pub struct Outcome {
 /// A started worker. Dropping it without [`Worker::finish`] kills its whole group (confirmed
 /// in the background when a runtime is available).
 pub struct Worker {
-    pid: u32,
+    leader: Pgid,
     live: Option<Live>,
 }
 
@@ -198,7 +205,7 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 static LAUNCHER_EXE: OnceLock<PathBuf> = OnceLock::new();
 
-/// Sets the launcher executable for this process (tests: the `airlock` binary). Only the
+/// Sets the spawner's executable for this process (tests: the `airlock` binary). Only the
 /// first call (or [`LAUNCHER_EXE_ENV`], read once) takes effect.
 pub fn set_launcher_exe(path: PathBuf) {
     let _ = LAUNCHER_EXE.set(path);
@@ -247,7 +254,14 @@ impl Worker {
         let spec = wire::Spec {
             argv,
             cwd,
-            env_keep: profile.env.keep.clone(),
+            env_kept: profile
+                .env
+                .keep
+                .iter()
+                .filter_map(|name| {
+                    std::env::var_os(name).map(|v| (name.clone(), v.into_encoded_bytes()))
+                })
+                .collect(),
             env_set: profile.env.set.clone(),
             parent: rustix::process::getpid().as_raw_nonzero().get(),
             cgroup: None,
@@ -270,7 +284,6 @@ impl Worker {
                 readable,
             },
             seccomp: seccomp.iter().map(seccomp::encode).collect(),
-            progress_fd: None,
         };
         // Serialize before creating anything that would need cleaning up.
         let probe = serde_json::to_vec(&spec)
@@ -280,7 +293,7 @@ impl Worker {
         let (cgroup, cgroup_limits) = match &cgroup_parent {
             Some(parent) => {
                 let (path, applied) =
-                    process::cgroup_create(parent, &job_id, limits.memory_bytes, limits.processes)?;
+                    cgroup::cgroup_create(parent, &job_id, limits.memory_bytes, limits.processes)?;
                 (Some(path), applied)
             }
             None => (None, Vec::new()),
@@ -301,7 +314,7 @@ impl Worker {
         .await;
         if started.is_err() {
             if let Some(path) = &cgroup {
-                process::cgroup_remove(path).await;
+                cgroup::cgroup_remove(path).await;
             }
         }
         started
@@ -321,7 +334,8 @@ impl Worker {
             exe: exe.clone(),
             source,
         };
-        // The progress pipe, close-on-exec until the spawner hands its write end on.
+        // The progress pipe: its write end goes to the spawner with the worker's other
+        // descriptors, and from there to the worker's leader only.
         let (progress_rx, progress_fd) = match &progress {
             Some(_) => {
                 let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
@@ -330,24 +344,21 @@ impl Worker {
             }
             None => (None, None),
         };
-        let spec = wire::Spec {
-            progress_fd: progress_fd.as_ref().map(|w| w.as_raw_fd()),
-            ..spec
-        };
         let bytes = serde_json::to_vec(&spec)
             .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
-        let spawned = process::spawn_launcher(exe.clone(), OwnedFd::from(theirs), progress_fd)
+        let spawned = spawn::spawn_launcher(exe.clone(), OwnedFd::from(theirs), progress_fd)
             .await
             .map_err(|source| SandboxError::Spawn {
                 exe: exe.clone(),
                 source,
             })?;
-        let pid = spawned.pid as u32;
+        let leader = spawned.leader;
+        let pid = leader.as_u32();
         let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };
         // Recorded before the launcher has its spec, so before the tool can fork anything a
         // restart would have to find.
-        let entry = match registry.as_ref().map(|r| r.record(spawned.pid)) {
+        let entry = match registry.as_ref().map(|r| r.record(leader.raw())) {
             None => None,
             Some(Ok(entry)) => Some(entry),
             Some(Err(e)) => {
@@ -362,7 +373,7 @@ impl Worker {
             Err(e) => {
                 // Nothing to wait with: kill the group now and leave the leader to the reaper.
                 let (fd, source) = e.into_parts();
-                process::kill_and_forget(spawned.pid, &fd);
+                group::kill_and_forget(leader, &fd);
                 return Err(SandboxError::Io {
                     pid,
                     what: "watch the pidfd",
@@ -376,14 +387,14 @@ impl Worker {
             "process_group"
         };
         let mut worker = Worker {
-            pid,
+            leader,
             live: Some(Live {
                 pidfd,
                 stdin: None,
                 stdin_data,
-                stdout: pipe::Receiver::from_owned_fd(OwnedFd::from(spawned.stdout))
+                stdout: pipe::Receiver::from_owned_fd(spawned.stdout)
                     .map_err(io("watch stdout"))?,
-                stderr: pipe::Receiver::from_owned_fd(OwnedFd::from(spawned.stderr))
+                stderr: pipe::Receiver::from_owned_fd(spawned.stderr)
                     .map_err(io("watch stderr"))?,
                 output_cap,
                 grace,
@@ -408,10 +419,8 @@ impl Worker {
             }),
         };
         if let Some(live) = worker.live.as_mut() {
-            live.stdin = Some(
-                pipe::Sender::from_owned_fd(OwnedFd::from(spawned.stdin))
-                    .map_err(io("feed stdin"))?,
-            );
+            live.stdin =
+                Some(pipe::Sender::from_owned_fd(spawned.stdin).map_err(io("feed stdin"))?);
         }
 
         // The spec out, the report back. A launcher that died early makes the write fail;
@@ -464,7 +473,7 @@ impl Worker {
     }
 
     pub fn pid(&self) -> u32 {
-        self.pid
+        self.leader.as_u32()
     }
 
     /// What the launcher reported enforcing (Landlock status and ABI, containment), while
@@ -473,15 +482,10 @@ impl Worker {
         self.live.as_ref().map(|l| &l.enforcement)
     }
 
-    /// Kills and confirms the group, reaps the leader: for a worker that failed to start.
+    /// For a worker that failed to start.
     async fn abort(&mut self) {
         if let Some(live) = self.live.take() {
-            let pgid = self.pid as i32;
-            process::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref()).await;
-            let _ = reap_leader(pgid, &live.pidfd).await;
-            if let Some(path) = &live.cgroup {
-                process::cgroup_remove(path).await;
-            }
+            let _ = teardown(self.leader, &live.pidfd, live.cgroup.as_deref()).await;
         }
     }
 
@@ -493,7 +497,8 @@ impl Worker {
         timeout: Duration,
         cancel: CancellationToken,
     ) -> Result<Outcome, SandboxError> {
-        let pid = self.pid;
+        let leader = self.leader;
+        let pid = leader.as_u32();
         let Some(live) = self.live.take() else {
             return Err(SandboxError::Other(format!(
                 "worker {pid} is already finished"
@@ -512,7 +517,6 @@ impl Worker {
             enforcement,
             held,
         } = live;
-        let pgid = pid as i32;
         let mut out = Captured::default();
         let mut err = Captured::default();
 
@@ -520,7 +524,7 @@ impl Worker {
             let feed = feed(stdin, stdin_data);
             let read_out = capture(&mut stdout, output_cap, &mut out);
             let read_err = capture(&mut stderr, output_cap, &mut err);
-            let control = control(pgid, &pidfd, timeout, cancel, grace, cgroup.as_deref());
+            let control = control(leader, &pidfd, timeout, cancel, grace, cgroup.as_deref());
             // Read while the worker runs, never waited for: dropped with this block.
             let reports = async {
                 match progress {
@@ -555,9 +559,6 @@ impl Worker {
             }
             end
         };
-        if let Some(path) = &cgroup {
-            process::cgroup_remove(path).await;
-        }
         match &end {
             // The group is confirmed gone: the uid may serve another worker.
             Some(Ok(_)) => drop(held),
@@ -589,34 +590,29 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         let Some(live) = self.live.take() else { return };
-        let pgid = self.pid as i32;
+        let leader = self.leader;
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    process::kill_and_confirm(pgid, live.pidfd.get_ref(), live.cgroup.as_deref())
-                        .await;
-                    let _ = reap_leader(pgid, &live.pidfd).await;
-                    if let Some(path) = &live.cgroup {
-                        process::cgroup_remove(path).await;
-                    }
+                    let _ = teardown(leader, &live.pidfd, live.cgroup.as_deref()).await;
                 });
             }
-            Err(_) => process::kill_and_forget(pgid, live.pidfd.get_ref()),
+            Err(_) => group::kill_and_forget(leader, live.pidfd.get_ref()),
         }
     }
 }
 
-/// Waits for the leader's exit, the timeout or the cancellation; terminates and confirms the
-/// group; reaps the leader last.
+/// Waits for the leader's exit, the timeout or the cancellation; terminates the group, then
+/// tears it down.
 async fn control(
-    pgid: i32,
+    pgid: Pgid,
     pidfd: &AsyncFd<OwnedFd>,
     timeout: Duration,
     cancel: CancellationToken,
     grace: Duration,
     cgroup: Option<&Path>,
 ) -> Result<End, SandboxError> {
-    let pid = pgid as u32;
+    let pid = pgid.as_u32();
     let stopped = tokio::select! {
         biased;
         r = pidfd.readable() => {
@@ -628,26 +624,41 @@ async fn control(
         _ = cancel.cancelled() => Some(End::Cancelled),
     };
     if stopped.is_some() {
-        process::terminate(pgid, pidfd.get_ref(), grace).await;
+        group::terminate(pgid, pidfd.get_ref(), grace).await;
     }
     // Also after a plain exit: background children of the tool must not outlive the call.
-    process::kill_and_confirm(pgid, pidfd.get_ref(), cgroup).await;
-    let exit = reap_leader(pgid, pidfd).await?;
+    let exit = teardown(pgid, pidfd, cgroup).await?;
     Ok(stopped.unwrap_or(match exit {
         sys::Exit::Code(c) => End::Exited(c),
         sys::Exit::Signal(s) => End::Signaled(s),
     }))
 }
 
-async fn reap_leader(pgid: i32, pidfd: &AsyncFd<OwnedFd>) -> Result<sys::Exit, SandboxError> {
-    let pid = pgid as u32;
+/// The one teardown of every worker, whether it finished, failed to start or was dropped:
+/// SIGKILL to the group until it is confirmed empty, the leader reaped last, the cgroup
+/// removed.
+async fn teardown(
+    pgid: Pgid,
+    pidfd: &AsyncFd<OwnedFd>,
+    cgroup: Option<&Path>,
+) -> Result<sys::Exit, SandboxError> {
+    group::kill_and_confirm(pgid, pidfd.get_ref(), cgroup).await;
+    let exit = reap_leader(pgid, pidfd).await;
+    if let Some(path) = cgroup {
+        cgroup::cgroup_remove(path).await;
+    }
+    exit
+}
+
+async fn reap_leader(pgid: Pgid, pidfd: &AsyncFd<OwnedFd>) -> Result<sys::Exit, SandboxError> {
+    let pid = pgid.as_u32();
     loop {
         let mut guard = pidfd.readable().await.map_err(|source| SandboxError::Io {
             pid,
             what: "wait for the leader",
             source,
         })?;
-        match process::reap_leader(pgid, pidfd.get_ref()) {
+        match group::reap_leader(pgid, pidfd.get_ref()) {
             Ok(Some(exit)) => return Ok(exit),
             Ok(None) => guard.clear_ready(),
             Err(source) => {
@@ -694,6 +705,9 @@ async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
 /// Makes the daemon a child subreaper and starts reaping orphans that are in no worker's
 /// group. Call once, inside the runtime, before the first worker starts.
 pub fn init_daemon() -> Result<(), SandboxError> {
-    process::start_reaper()
-        .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))
+    reaper::start_reaper()
+        .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))?;
+    // The spawner process now, so the first call does not pay for its start.
+    spawn::warm_up(launcher_exe())
+        .map_err(|e| SandboxError::Other(format!("cannot start the spawner: {e}")))
 }

@@ -226,12 +226,6 @@ pub(crate) fn unblock_all_signals() -> io::Result<()> {
     .map_err(io::Error::from)
 }
 
-/// Whether `fd` is an open descriptor (`fcntl(F_GETFD)`).
-pub(crate) fn fd_is_open(fd: RawFd) -> bool {
-    // SAFETY: F_GETFD only reads the descriptor flags; an invalid fd yields EBADF.
-    unsafe { libc::fcntl(fd, libc::F_GETFD) >= 0 }
-}
-
 /// `waitid(P_PID, pid, WEXITED | WNOHANG)`: reaps `pid` if it is a zombie child of ours.
 /// `Ok(None)` when it has not exited yet; `Err(ECHILD)` when it is not (or no longer) our child.
 pub(crate) fn reap_pid_nohang(pid: i32) -> io::Result<Option<Exit>> {

@@ -21,9 +21,10 @@ pub(crate) struct Spec {
     /// `argv[0]` is the absolute path of the tool.
     pub argv: Vec<String>,
     pub cwd: PathBuf,
-    /// Variables copied from the launcher's own environment when present.
-    pub env_keep: Vec<String>,
-    /// Variables set to fixed values (override `env_keep`).
+    /// Variables kept from the daemon's environment (those present there at the call), with
+    /// their values: the spawner's own environment is the daemon's at the spawner's start.
+    pub env_kept: Vec<(String, Vec<u8>)>,
+    /// Variables set to fixed values (override `env_kept`).
     pub env_set: BTreeMap<String, String>,
     /// The daemon's pid: the launcher's parent, checked after PR_SET_PDEATHSIG.
     pub parent: i32,
@@ -35,10 +36,6 @@ pub(crate) struct Spec {
     pub landlock: LandlockSpec,
     /// Classic BPF programs `(code, jt, jf, k)`, in installation order.
     pub seccomp: Vec<Vec<(u16, u8, u8, u32)>>,
-    /// The inherited write end of the progress pipe, kept open for the tool and named in
-    /// its environment (`AIRLOCK_PROGRESS_FD`); `None`: the caller wants no progress.
-    #[serde(default)]
-    pub progress_fd: Option<i32>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]

@@ -88,6 +88,59 @@ pub struct SessionStore {
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     /// Destroyed ids and the owner each had.
     tombstones: Mutex<HashMap<String, Option<u32>>>,
+    dir_sync: DirSync,
+}
+
+/// Group commit of the sessions dir: every commit renames its own file into place, then
+/// needs the dir fsynced. Concurrent commits share one fsync: a commit returns once an fsync
+/// of the dir that began after its rename has succeeded, and while one runs, the commits
+/// renamed meanwhile wait for the next one, which one of them runs for all.
+#[derive(Default)]
+struct DirSync {
+    state: Mutex<SyncState>,
+    synced: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct SyncState {
+    /// Renames done so far (each commit's ticket).
+    renamed: u64,
+    /// Every rename up to this ticket is durable.
+    durable: u64,
+    /// An fsync of the dir is running.
+    running: bool,
+}
+
+impl DirSync {
+    /// Called right after a rename into `dir`; returns once that rename is durable (or the
+    /// fsync that was to make it so failed: then this commit fails, as before).
+    fn after_rename(&self, dir: &Path) -> std::io::Result<()> {
+        let mut s = lock(&self.state);
+        s.renamed += 1;
+        let mine = s.renamed;
+        loop {
+            if s.durable >= mine {
+                return Ok(());
+            }
+            if !s.running {
+                // Every ticket up to `upto` has finished its rename: this fsync covers them.
+                let upto = s.renamed;
+                s.running = true;
+                drop(s);
+                let r = std::fs::File::open(dir).and_then(|f| f.sync_all());
+                s = lock(&self.state);
+                s.running = false;
+                if r.is_ok() {
+                    s.durable = s.durable.max(upto);
+                }
+                self.synced.notify_all();
+                // A failed fsync fails its runner; the others try again themselves.
+                r?;
+                continue;
+            }
+            s = self.synced.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -203,6 +256,7 @@ impl SessionStore {
             dir,
             sessions: Mutex::new(sessions),
             tombstones: Mutex::new(tombstones),
+            dir_sync: DirSync::default(),
         })
     }
 
@@ -353,18 +407,14 @@ impl SessionStore {
             path: self.path(&snap.id),
             reason: e.to_string(),
         })?;
-        fsutil::atomic_write(
-            &self.dir,
-            &format!("{}.json", snap.id),
-            &bytes,
-            0o600,
-            "session.write",
-        )
-        .map_err(|source| SessionError::Io {
-            op: "write",
-            path: self.path(&snap.id),
-            source,
-        })
+        let name = format!("{}.json", snap.id);
+        fsutil::atomic_write_no_dir_sync(&self.dir, &name, &bytes, 0o600, "session.write")
+            .and_then(|()| self.dir_sync.after_rename(&self.dir))
+            .map_err(|source| SessionError::Io {
+                op: "write",
+                path: self.path(&snap.id),
+                source,
+            })
     }
 }
 
@@ -393,6 +443,48 @@ fn read_file(path: &Path) -> Result<SessionFile, SessionError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn concurrent_commits_through_the_group_dir_sync_all_persist() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(SessionStore::open(dir.path()).unwrap());
+        for i in 0..16 {
+            store.create(&format!("s{i}"), Map::new(), 0).unwrap();
+        }
+        let mut guards = Vec::new();
+        for i in 0..16 {
+            guards.push(store.lock(&format!("s{i}")).await.unwrap());
+        }
+        // 16 threads commit 20 times each, all at once, through the group-committed dir sync.
+        std::thread::scope(|scope| {
+            for (i, g) in guards.iter().enumerate() {
+                let store = &store;
+                scope.spawn(move || {
+                    for n in 1..=20u64 {
+                        let mut st = Map::new();
+                        st.insert("n".into(), n.into());
+                        let snap = store.commit(g, st, &format!("job-{i}-{n}")).unwrap();
+                        assert_eq!(snap.version, n);
+                    }
+                });
+            }
+        });
+        let sync = lock(&store.dir_sync.state);
+        assert_eq!(sync.renamed, 16 + 16 * 20, "one ticket per write");
+        assert_eq!(sync.durable, sync.renamed, "every write made durable");
+        assert!(!sync.running);
+        drop(sync);
+        drop(guards);
+        let reopened = SessionStore::open(dir.path()).unwrap();
+        for i in 0..16 {
+            let snap = reopened.snapshot(&format!("s{i}")).unwrap();
+            assert_eq!(snap.version, 20);
+            assert_eq!(snap.state["n"], 20);
+            assert!(reopened
+                .committed(&format!("s{i}"), &format!("job-{i}-20"))
+                .unwrap());
+        }
+    }
 
     #[tokio::test]
     async fn commit_persists_and_destroy_tombstones() {

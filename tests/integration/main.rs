@@ -16,5 +16,7 @@ mod robust_args;
 mod robust_mcp;
 mod robust_publish;
 mod sandbox;
+mod soak;
+mod spawner;
 mod systemd;
 mod uid_separation;

@@ -46,18 +46,18 @@ required = false
     d
 }
 
-async fn started(d: &mut Daemon) -> Client {
+pub(crate) async fn started(d: &mut Daemon) -> Client {
     d.start();
     let c = d.client().await;
     session(&c, "h").await;
     c
 }
 
-async fn sh(c: &Client, script: &str) -> Value {
+pub(crate) async fn sh(c: &Client, script: &str) -> Value {
     call(c, "run_sh", json!({"session": "h", "script": script})).await
 }
 
-async fn py(c: &Client, code: &str) -> Value {
+pub(crate) async fn py(c: &Client, code: &str) -> Value {
     call(c, "run_py", json!({"session": "h", "code": code})).await
 }
 

@@ -1,0 +1,960 @@
+//! The benchmark table of issue #11, in one run: `bench/run` (full) or `bench/run --short`
+//! (what CI runs, only to check that it works). It starts the release `airlock` on a
+//! temporary socket, measures each row against its baseline side by side, and prints a
+//! Markdown table ready for BENCHMARKS.md. Nothing here asserts a time: a missed target is
+//! reported as "missed", never as a failure. The soak (tests/integration/soak.rs) is run
+//! last, at full size, and its checks do fail the command.
+
+#[path = "../tests/integration/harness.rs"]
+mod harness;
+#[path = "../tests/integration/soak.rs"]
+mod soak;
+
+use std::ffi::CString;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use harness::{Daemon, Raw};
+use soak::{children, fd_count, percentile, rss_kib};
+
+/// Sizes of one run: `--short` shrinks every count so the whole run takes a few seconds.
+struct Plan {
+    short: bool,
+    iters: usize,
+    cancel_iters: usize,
+    big_iters: usize,
+    big_bytes: u64,
+    per_conn: usize,
+    idle: Duration,
+    sessions: usize,
+    soak_calls: usize,
+}
+
+impl Plan {
+    fn new(short: bool) -> Plan {
+        if short {
+            Plan {
+                short,
+                iters: 10,
+                cancel_iters: 3,
+                big_iters: 2,
+                big_bytes: 1 << 20,
+                per_conn: 2,
+                idle: Duration::from_secs(2),
+                sessions: 200,
+                soak_calls: 200,
+            }
+        } else {
+            Plan {
+                short,
+                iters: 200,
+                cancel_iters: 50,
+                big_iters: 5,
+                big_bytes: 1 << 30,
+                per_conn: 25,
+                idle: Duration::from_secs(10),
+                sessions: 10_000,
+                soak_calls: 10_000,
+            }
+        }
+    }
+}
+
+/// SIGTERM to SIGKILL for the bench tools' profile.
+const GRACE: Duration = Duration::from_millis(200);
+
+/// The bench's tools, on a copy of the default profile with a short grace and room for a
+/// 1 GiB output.
+fn tools(d: &Daemon) {
+    let profiles = d.policies.join("profiles");
+    let default = std::fs::read_to_string(profiles.join("default.toml")).expect("default.toml");
+    let mut bench = String::new();
+    for line in default.lines() {
+        let key = line.split('=').next().unwrap_or("").trim();
+        match key {
+            "grace" => bench.push_str(&format!("grace = \"{}ms\"\n", GRACE.as_millis())),
+            "file_size" => bench.push_str("file_size = \"4GiB\"\n"),
+            "staging_size" => bench.push_str("staging_size = \"4GiB\"\n"),
+            _ => {
+                bench.push_str(line);
+                bench.push('\n');
+            }
+        }
+    }
+    std::fs::write(profiles.join("bench.toml"), bench).expect("bench.toml");
+    let tool = |name: &str, body: &str| {
+        d.add_tool(
+            name,
+            &format!("name = \"{name}\"\ndescription = \"bench\"\nprofile = \"bench\"\n{body}"),
+        )
+    };
+    tool(
+        "bench_true",
+        "capability = \"read\"\ntimeout = \"10s\"\ncommand = [\"/bin/true\"]\n",
+    );
+    tool(
+        "bench_cat",
+        "capability = \"read\"\ntimeout = \"10s\"\ncommand = [\"/bin/cat\", \"--\", \"{src}\"]\n\
+         [params.src]\ntype = \"string\"\npath = \"input\"\n",
+    );
+    tool(
+        "bench_copy",
+        "capability = \"write\"\ntimeout = \"10s\"\ncommand = [\"/bin/cp\", \"--\", \"{src}\", \"{out}\"]\n\
+         [params.src]\ntype = \"string\"\npath = \"input\"\n[params.out]\ntype = \"string\"\npath = \"output\"\n",
+    );
+    tool(
+        "bench_fill",
+        "capability = \"write\"\ntimeout = \"600s\"\n\
+         command = [\"/bin/sh\", \"-c\", \"head -c \\\"$1\\\" /dev/zero > \\\"$2\\\"\", \"bench-fill\", \"{bytes}\", \"{out}\"]\n\
+         [params.bytes]\ntype = \"integer\"\n[params.out]\ntype = \"string\"\npath = \"output\"\n",
+    );
+    tool(
+        "bench_sleep",
+        "capability = \"read\"\ntimeout = \"60s\"\ncommand = [\"/bin/sleep\", \"{secs}\"]\n\
+         [params.secs]\ntype = \"string\"\n",
+    );
+    tool(
+        "bench_stubborn",
+        "capability = \"read\"\ntimeout = \"60s\"\n\
+         command = [\"/bin/sh\", \"-c\", \"trap '' TERM; sleep \\\"$1\\\"; :\", \"bench-stubborn\", \"{secs}\"]\n\
+         [params.secs]\ntype = \"string\"\n",
+    );
+}
+
+fn start(extra: impl FnOnce(&Daemon)) -> Daemon {
+    let mut d = Daemon::new();
+    tools(&d);
+    extra(&d);
+    // The harness logs at debug for the tests; a benchmark measures the default.
+    d.env.push(("AIRLOCK_LOG".into(), "warn".into()));
+    d.start();
+    d
+}
+
+/// A connection that has said `initialize`, with its own id counter.
+struct Conn {
+    raw: Raw,
+    id: i64,
+}
+
+impl Conn {
+    fn open(d: &Daemon) -> Conn {
+        let mut raw = d.raw();
+        raw.initialize();
+        Conn { raw, id: 1 }
+    }
+
+    fn send(&mut self, tool: &str, args: Value) -> i64 {
+        self.id += 1;
+        self.raw.call(self.id, tool, args);
+        self.id
+    }
+
+    /// One call, its reply checked to be a success.
+    fn call(&mut self, tool: &str, args: Value) -> Value {
+        let id = self.send(tool, args);
+        let r = self.raw.response(id);
+        assert!(
+            r["result"]["isError"] != json!(true) && r["error"].is_null(),
+            "{tool}: {r}"
+        );
+        r
+    }
+}
+
+/// From the daemon's own audit: for the newest `n` commits of `tool`, the time from the
+/// worker's end to the `commit` event (its `duration_ms` minus its `worker_ms`), in whole
+/// ms: validation, fsync of the outputs, journal, renames and their fsyncs, and the durable
+/// commit event itself (the session write follows it).
+fn publish_times(c: &mut Conn, tool: &str, n: usize) -> Series {
+    c.id += 1;
+    let id = c.id;
+    c.raw.send(
+        &json!({"jsonrpc": "2.0", "id": id, "method": "resources/read",
+        "params": {"uri": format!("airlock://audit/events?tool={tool}")}}),
+    );
+    let r = c.raw.response(id);
+    let events: Vec<Value> = r["result"]["contents"][0]["text"]
+        .as_str()
+        .and_then(|t| serde_json::from_str(t).ok())
+        .unwrap_or_default();
+    let mut v: Vec<Duration> = events
+        .iter()
+        .rev()
+        .filter(|e| e["kind"] == "commit")
+        .filter_map(|e| {
+            let d = &e["detail"];
+            let after = d["duration_ms"]
+                .as_u64()?
+                .checked_sub(d["worker_ms"].as_u64()?)?;
+            Some(Duration::from_millis(after))
+        })
+        .take(n)
+        .collect();
+    v.sort();
+    Series(v)
+}
+
+/// The cost of the durable audit event each commit waits for (`Audit::record_durable`: one
+/// JSON line written and fsynced), in process, on a log in the daemon's state dir (its
+/// filesystem): alone, and per event with 16 threads writing at once, which share fsyncs
+/// (group commit).
+fn audit_commit_cost(state: &Path, n: usize) -> (Series, Duration) {
+    use airlock::audit::{log::Log, Audit, CallRef, EventKind};
+    let path = state.join("bench-audit.jsonl");
+    let (log, head) = Log::open(&path, 1 << 40, 1).expect("bench audit log");
+    let audit = Audit::with_log(1024, 1 << 20, log, head);
+    let call = CallRef {
+        call: "bench-audit".into(),
+        tool: "bench_copy".into(),
+        session: Some("bench".into()),
+        principal: None,
+        secrets: Default::default(),
+        request_id: None,
+    };
+    let detail = json!({"version": 1, "duration_ms": 1, "outputs": [
+        {"path": "out-1k", "size": 1024, "dev": 1, "ino": 1, "sha256": "0".repeat(64)}]});
+    let record = || {
+        audit
+            .record_durable(&call, EventKind::Commit, detail.clone())
+            .expect("durable audit event");
+    };
+    let alone = Series::measure(n, || timed(record));
+    let (writers, per) = (16, n.div_ceil(16).max(4));
+    let all = timed(|| {
+        std::thread::scope(|s| {
+            for _ in 0..writers {
+                s.spawn(|| (0..per).for_each(|_| record()));
+            }
+        })
+    });
+    let _ = std::fs::remove_file(&path);
+    (alone, all / (writers * per) as u32)
+}
+
+/// Medians and p99 of one measured series.
+struct Series(Vec<Duration>);
+
+impl Series {
+    fn measure(n: usize, mut f: impl FnMut() -> Duration) -> Series {
+        // One unmeasured round first: page cache, lazy binding, the daemon's first call.
+        f();
+        let mut v: Vec<Duration> = (0..n).map(|_| f()).collect();
+        v.sort();
+        Series(v)
+    }
+    fn p50(&self) -> Duration {
+        percentile(&self.0, 0.5)
+    }
+    fn p99(&self) -> Duration {
+        percentile(&self.0, 0.99)
+    }
+}
+
+fn timed(f: impl FnOnce()) -> Duration {
+    let t = Instant::now();
+    f();
+    t.elapsed()
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3}", d.as_secs_f64() * 1e3)
+}
+
+/// The printed table: one row per measurement.
+struct Table {
+    rows: Vec<[String; 5]>,
+    missed: Vec<String>,
+}
+
+impl Table {
+    fn row(&mut self, what: &str, s: &Series, vs: &str, target: &str) {
+        self.rows.push([
+            what.to_string(),
+            format!("{} / {}", ms(s.p50()), ms(s.p99())),
+            s.0.len().to_string(),
+            vs.to_string(),
+            target.to_string(),
+        ]);
+    }
+    fn text(&mut self, what: &str, value: String, vs: &str, target: &str) {
+        self.rows.push([
+            what.to_string(),
+            value,
+            String::new(),
+            vs.to_string(),
+            target.to_string(),
+        ]);
+    }
+    /// "met" or "**missed**"; a miss is also listed under the table.
+    fn verdict(&mut self, what: &str, met: bool) -> &'static str {
+        if met {
+            "met"
+        } else {
+            self.missed.push(what.to_string());
+            "**missed**"
+        }
+    }
+    fn print(&self) {
+        println!("| measurement | p50 / p99 ms (or value) | n | baseline, ratio | target |");
+        println!("|---|---|---|---|---|");
+        for r in &self.rows {
+            println!("| {} | {} | {} | {} | {} |", r[0], r[1], r[2], r[3], r[4]);
+        }
+        if self.missed.is_empty() {
+            println!("\nEvery target met in this run.");
+        } else {
+            println!("\nTargets missed in this run: {}.", self.missed.join("; "));
+        }
+    }
+}
+
+fn ratio(a: &Series, b: &Series) -> f64 {
+    a.p50().as_secs_f64() / b.p50().as_secs_f64().max(1e-9)
+}
+
+/// fork, execv, waitpid of `/bin/true`: the floor any sandboxed spawn is compared with.
+fn bare_fork_exec() -> Duration {
+    let path = CString::new("/bin/true").expect("cstring");
+    let argv = [path.as_ptr(), std::ptr::null()];
+    let t = Instant::now();
+    // SAFETY: the child only calls execv and _exit, both async-signal-safe, on memory
+    // prepared before the fork.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: see above; argv is NULL-terminated.
+        unsafe {
+            libc::execv(path.as_ptr(), argv.as_ptr());
+            libc::_exit(127);
+        }
+    }
+    assert!(pid > 0, "fork failed");
+    let mut status = 0;
+    // SAFETY: waits for the child just forked.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    t.elapsed()
+}
+
+fn run_direct(cmd: &mut Command) -> Duration {
+    timed(|| {
+        let st = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .output()
+            .expect("run directly");
+        assert!(st.status.success(), "{cmd:?}: {:?}", st.status);
+    })
+}
+
+/// Per thread of the daemon: (times scheduled, context switches).
+fn wakeups(pid: u32) -> std::collections::BTreeMap<String, (u64, u64)> {
+    let mut out = std::collections::BTreeMap::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            let p = t.path();
+            let runs = std::fs::read_to_string(p.join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().nth(2)?.parse::<u64>().ok())
+                .unwrap_or(0);
+            let switches = std::fs::read_to_string(p.join("status"))
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum();
+            out.insert(
+                t.file_name().to_string_lossy().into_owned(),
+                (runs, switches),
+            );
+        }
+    }
+    out
+}
+
+/// Over `over`, with nothing running: (times scheduled, context switches) of the daemon's
+/// threads, and how many threads ended meanwhile (a thread pool's idle timeout is a wake-up
+/// too).
+fn idle_wakeups(pid: u32, over: Duration) -> (u64, u64, usize) {
+    std::thread::sleep(Duration::from_millis(500));
+    let a = wakeups(pid);
+    std::thread::sleep(over);
+    let b = wakeups(pid);
+    let (mut runs, mut switches) = (0, 0);
+    for (tid, (r, s)) in &b {
+        let (r0, s0) = a.get(tid).copied().unwrap_or((0, 0));
+        runs += r.saturating_sub(r0);
+        switches += s.saturating_sub(s0);
+    }
+    let ended = a.keys().filter(|t| !b.contains_key(*t)).count();
+    (runs, switches, ended)
+}
+
+/// With `AIRLOCK_BENCH_STRACE=FILE`: `strace -c -f` attached to the daemon while `f` runs
+/// (50 more calls after the measured ones: strace slows what it traces), its syscall
+/// summary written to `FILE.<what>` (the profile of a missed target).
+fn traced(pid: u32, what: &str, f: impl FnOnce()) {
+    let Ok(file) = std::env::var("AIRLOCK_BENCH_STRACE") else {
+        return;
+    };
+    let out = format!("{file}.{what}");
+    let child = Command::new("strace")
+        .args(["-c", "-f", "-o", &out, "-p", &pid.to_string()])
+        .stderr(Stdio::null())
+        .spawn();
+    std::thread::sleep(Duration::from_millis(500));
+    f();
+    if let Ok(mut c) = child {
+        // SAFETY: SIGINT to the strace we started: it detaches and writes its summary.
+        unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+        let _ = c.wait();
+        println!("strace -c -f of the daemon during {what}: {out}");
+    }
+}
+
+/// The daemon's children that run `argv0` (workers are the daemon's children).
+fn worker_running(daemon: u32, argv: &str) -> Option<i32> {
+    children(daemon).into_iter().find(|c| {
+        std::fs::read(format!("/proc/{c}/cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " ").trim() == argv)
+            .unwrap_or(false)
+    })
+}
+
+/// From the cancel being sent to the worker's pid gone (reaped: kill(pid, 0) says ESRCH).
+fn cancel_to_exit(
+    d: &Daemon,
+    c: &mut Conn,
+    tool: &str,
+    argv_prefix: &str,
+    wants_child: bool,
+    i: usize,
+) -> Duration {
+    let secs = format!("30.{i:04}");
+    let id = c.send(tool, json!({"secs": secs}));
+    let argv = format!("{argv_prefix} {secs}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // For the shell that traps SIGTERM: only once it has forked `sleep` is the trap set.
+    let ready = |p: i32| !wants_child || !children(p as u32).is_empty();
+    let pid = loop {
+        if let Some(p) = worker_running(d.pid(), &argv).filter(|p| ready(*p)) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "no worker running {argv:?}");
+        std::thread::sleep(Duration::from_micros(200));
+    };
+    let t = Instant::now();
+    c.raw.send(
+        &json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": {"requestId": id, "reason": "bench"}}),
+    );
+    loop {
+        // SAFETY: kill with signal 0 only checks for existence.
+        if unsafe { libc::kill(pid, 0) } != 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    let took = t.elapsed();
+    // The id stays in flight until the call's silence has passed: ping until it is free.
+    loop {
+        c.raw
+            .send(&json!({"jsonrpc": "2.0", "id": id, "method": "ping"}));
+        let m = c.raw.response(id);
+        if m["result"] == json!({}) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    took
+}
+
+/// Write calls of `bench_copy` from 16 connections, connection `i` on session `i % sessions`.
+fn throughput(d: &Daemon, sessions: usize, per_conn: usize, peak_rss: &mut u64) -> f64 {
+    let prefix = format!("tp{sessions}");
+    let mut setup = Conn::open(d);
+    for s in 0..sessions {
+        setup.call("session_create", json!({"id": format!("{prefix}-{s}")}));
+    }
+    let conns: Vec<Conn> = (0..16).map(|_| Conn::open(d)).collect();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let t = Instant::now();
+    std::thread::scope(|scope| {
+        let sampler = scope.spawn(|| {
+            let mut peak = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(rss_kib(d.pid()));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            peak
+        });
+        let hs: Vec<_> = conns
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut c)| {
+                let session = format!("{prefix}-{}", i % sessions);
+                scope.spawn(move || {
+                    for _ in 0..per_conn {
+                        c.call(
+                            "bench_copy",
+                            json!({"session": session, "src": "in-1k", "out": format!("tp-{i}")}),
+                        );
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().expect("throughput connection");
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        *peak_rss = (*peak_rss).max(sampler.join().unwrap_or(0));
+    });
+    (16 * per_conn) as f64 / t.elapsed().as_secs_f64()
+}
+
+fn machine() {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|s| s.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_default();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "machine: {cores} cores, {cpu}, Linux {}; load average at start: {}",
+        kernel.trim(),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+}
+
+fn which(cmd: &str) -> Option<String> {
+    std::env::var("PATH").ok()?.split(':').find_map(|dir| {
+        let p = Path::new(dir).join(cmd);
+        p.is_file().then(|| p.display().to_string())
+    })
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let short = args.iter().any(|a| a == "--short");
+    let plan = Plan::new(short);
+    machine();
+    println!(
+        "mode: {} (p50 / p99 in ms over n runs after one warm-up; ratios of medians)\n",
+        if short {
+            "--short (a check that the command works: figures meaningless)"
+        } else {
+            "full"
+        }
+    );
+    let mut t = Table {
+        rows: Vec::new(),
+        missed: Vec::new(),
+    };
+
+    // --- Spawn: bare fork/exec, bwrap, sandboxed.
+    let d = start(|_| {});
+    let pid = d.pid();
+    let idle_rss = rss_kib(pid);
+    let (idle_runs, idle_switches, _) = idle_wakeups(pid, plan.idle);
+    d.write("in-1k", &"x".repeat(1024));
+    let src = d.workspace.join("in-1k");
+    let mut c = Conn::open(&d);
+    c.call("session_create", json!({"id": "bench"}));
+
+    let bare = Series::measure(plan.iters, bare_fork_exec);
+    t.row("bare fork/exec/wait of /bin/true", &bare, "", "");
+    let bwrap = which("bwrap").map(|bw| {
+        Series::measure(plan.iters, || {
+            run_direct(Command::new(&bw).args([
+                "--unshare-all",
+                "--ro-bind",
+                "/",
+                "/",
+                "/bin/true",
+            ]))
+        })
+    });
+    match &bwrap {
+        Some(b) => t.row(
+            "`bwrap --unshare-all --ro-bind / / /bin/true`",
+            b,
+            &format!("{:.1}x bare", ratio(b, &bare)),
+            "",
+        ),
+        None => t.text(
+            "`bwrap --unshare-all`",
+            "not installed (apt-get install bubblewrap)".into(),
+            "",
+            "",
+        ),
+    }
+    let builtin = Series::measure(plan.iters, || {
+        timed(|| {
+            c.call("session_get", json!({"session": "bench"}));
+        })
+    });
+    let ext_true = Series::measure(plan.iters, || {
+        timed(|| {
+            c.call("bench_true", json!({}));
+        })
+    });
+    t.row(
+        "built-in read call (`session_get`), the MCP round trip",
+        &builtin,
+        "",
+        "reported",
+    );
+    t.row(
+        "external read call of /bin/true (spawn + MCP + audit)",
+        &ext_true,
+        "",
+        "",
+    );
+    let spawn = Series(
+        ext_true
+            .0
+            .iter()
+            .map(|x| x.saturating_sub(builtin.p50()))
+            .collect(),
+    );
+    let r_bare = ratio(&spawn, &bare);
+    let v = t.verdict(
+        "sandboxed spawn within 1.5x of bare fork/exec",
+        r_bare <= 1.5,
+    );
+    t.row(
+        "sandboxed spawn of /bin/true (the call above minus the built-in median)",
+        &spawn,
+        &format!("{r_bare:.1}x bare"),
+        &format!("<= 1.5x bare: {v}"),
+    );
+    if let Some(b) = &bwrap {
+        let r = ratio(b, &spawn);
+        let v = t.verdict("sandboxed spawn 3x cheaper than bwrap", r >= 3.0);
+        t.text(
+            "bwrap / sandboxed spawn",
+            format!("{r:.1}x"),
+            "",
+            &format!(">= 3x: {v}"),
+        );
+    }
+
+    // --- Durable write vs direct; external read vs direct.
+    let direct_out = d.dir.path().join("direct-out");
+    let direct_cp = Series::measure(plan.iters, || {
+        run_direct(Command::new("/bin/cp").arg("--").arg(&src).arg(&direct_out))
+    });
+    t.row("direct run: `cp` of 1 KiB", &direct_cp, "", "");
+    let write = Series::measure(plan.iters, || {
+        timed(|| {
+            c.call(
+                "bench_copy",
+                json!({"session": "bench", "src": "in-1k", "out": "out-1k"}),
+            );
+        })
+    });
+    traced(pid, "durable-write", || {
+        for _ in 0..50 {
+            c.call(
+                "bench_copy",
+                json!({"session": "bench", "src": "in-1k", "out": "out-1k"}),
+            );
+        }
+    });
+    let r = ratio(&write, &direct_cp);
+    let v = t.verdict("durable write call within 3x of direct", r <= 3.0);
+    t.row(
+        "durable write call: `cp` 1 KiB published, state committed, audited",
+        &write,
+        &format!("{r:.1}x direct"),
+        &format!("<= 3x: {v}"),
+    );
+    let direct_cat = Series::measure(plan.iters, || {
+        run_direct(Command::new("/bin/cat").arg("--").arg(&src))
+    });
+    t.row("direct run: `cat` of 1 KiB", &direct_cat, "", "");
+    let read = Series::measure(plan.iters, || {
+        timed(|| {
+            c.call("bench_cat", json!({"src": "in-1k"}));
+        })
+    });
+    traced(pid, "external-read", || {
+        for _ in 0..50 {
+            c.call("bench_cat", json!({"src": "in-1k"}));
+        }
+    });
+    let r = ratio(&read, &direct_cat);
+    let v = t.verdict("external read call within 1.5x of direct", r <= 1.5);
+    t.row(
+        "external read call: `cat` of 1 KiB",
+        &read,
+        &format!("{r:.1}x direct"),
+        &format!("<= 1.5x: {v}"),
+    );
+
+    // --- Publication cost, 1 KiB vs big: the call minus the same command run directly.
+    let fill = |bytes: u64, iters: usize, c: &mut Conn| {
+        let direct = Series::measure(iters, || {
+            run_direct(
+                Command::new("/bin/sh")
+                    .arg("-c")
+                    .arg("head -c \"$1\" /dev/zero > \"$2\"")
+                    .arg("bench-fill")
+                    .arg(bytes.to_string())
+                    .arg(&direct_out),
+            )
+        });
+        let call = Series::measure(iters, || {
+            timed(|| {
+                c.call(
+                    "bench_fill",
+                    json!({"session": "bench", "bytes": bytes, "out": "out-fill"}),
+                );
+            })
+        });
+        let cost = Series(
+            call.0
+                .iter()
+                .map(|x| x.saturating_sub(direct.p50()))
+                .collect(),
+        );
+        (direct, call, cost)
+    };
+    let (_, small_call, small) = fill(1024, plan.iters, &mut c);
+    let small_audit = publish_times(&mut c, "bench_fill", plan.iters);
+    let (big_direct, big_call, big) = fill(plan.big_bytes, plan.big_iters, &mut c);
+    let big_audit = publish_times(&mut c, "bench_fill", plan.big_iters);
+    let _ = std::fs::remove_file(&direct_out);
+    let big_name = if plan.big_bytes >= 1 << 30 {
+        format!("{} GiB", plan.big_bytes >> 30)
+    } else {
+        format!("{} MiB", plan.big_bytes >> 20)
+    };
+    t.row(
+        "publication of 1 KiB (write call minus direct run)",
+        &small,
+        &format!("call {} ms", ms(small_call.p50())),
+        "",
+    );
+    t.row(
+        "publication of 1 KiB, worker end to commit (daemon's audit, ms resolution)",
+        &small_audit,
+        "",
+        "",
+    );
+    let r_audit = big_audit.p50().as_secs_f64() / small_audit.p50().as_secs_f64().max(1e-3);
+    let v = t.verdict(
+        "publication flat in output size (big within 1.5x of 1 KiB)",
+        r_audit <= 1.5,
+    );
+    t.row(
+        &format!("publication of {big_name}, worker end to commit (daemon's audit)"),
+        &big_audit,
+        &format!("{r_audit:.1}x the 1 KiB cost"),
+        &format!("<= 1.5x: {v}"),
+    );
+    let r = ratio(&big, &small);
+    t.row(
+        &format!("publication of {big_name} (write call minus direct run)"),
+        &big,
+        &format!(
+            "call {} ms, direct {} ms; {r:.1}x the 1 KiB cost",
+            ms(big_call.p50()),
+            ms(big_direct.p50())
+        ),
+        "",
+    );
+
+    // --- The durable audit event every commit waits for (#9's group commit).
+    let (alone, shared) = audit_commit_cost(&d.state, plan.iters);
+    t.row(
+        "durable audit event (`commit`: a line written and fsynced), one writer",
+        &alone,
+        "",
+        "reported",
+    );
+    t.text(
+        "durable audit event, 16 writers at once (group commit), per event",
+        format!("{} ms", ms(shared)),
+        &format!(
+            "{:.1}x cheaper than alone",
+            alone.p50().as_secs_f64() / shared.as_secs_f64().max(1e-9)
+        ),
+        "reported",
+    );
+
+    // --- Cancellation to confirmed worker exit.
+    let honours = Series::measure(plan.cancel_iters, || {
+        cancel_to_exit(&d, &mut c, "bench_sleep", "/bin/sleep", false, 0)
+    });
+    let v = t.verdict(
+        "cancel p99 under 20 ms (worker honours SIGTERM)",
+        honours.p99() < Duration::from_millis(20),
+    );
+    t.row(
+        "cancel to confirmed worker exit, worker honours SIGTERM",
+        &honours,
+        "",
+        &format!("p99 < 20 ms: {v}"),
+    );
+    let mut i = 0;
+    let stubborn = Series::measure(plan.cancel_iters, || {
+        i += 1;
+        cancel_to_exit(
+            &d,
+            &mut c,
+            "bench_stubborn",
+            "/bin/sh -c trap '' TERM; sleep \"$1\"; : bench-stubborn",
+            true,
+            i,
+        )
+    });
+    let v = t.verdict(
+        "cancel p99 under grace + 20 ms (worker ignores SIGTERM)",
+        stubborn.p99() < GRACE + Duration::from_millis(20),
+    );
+    t.row(
+        &format!(
+            "cancel to confirmed worker exit, worker ignores SIGTERM (grace {} ms)",
+            GRACE.as_millis()
+        ),
+        &stubborn,
+        "",
+        &format!("p99 < grace + 20 ms: {v}"),
+    );
+
+    // --- Throughput across sessions, 16 connections.
+    let mut peak_rss = 0;
+    let mut rates = Vec::new();
+    for sessions in [1, 2, 4, 8, 16] {
+        rates.push((
+            sessions,
+            throughput(&d, sessions, plan.per_conn, &mut peak_rss),
+        ));
+    }
+    for (s, r) in &rates {
+        let target = if *s == 16 {
+            let v = t.verdict("300 durable write calls/s with 16 sessions", *r >= 300.0);
+            format!(">= 300/s: {v}")
+        } else {
+            String::new()
+        };
+        t.text(
+            &format!("durable write calls/s, {s} session(s) on 16 connections"),
+            format!("{r:.0}/s"),
+            &format!("{} calls", 16 * plan.per_conn),
+            &target,
+        );
+    }
+
+    // --- Idle after load, then memory with many sessions.
+    // Twice: the first period after the load may see a thread pool wind down.
+    let (after_runs, after_switches, ended) = idle_wakeups(pid, plan.idle);
+    let (quiet_runs, quiet_switches, quiet_ended) = idle_wakeups(pid, plan.idle);
+    let v = t.verdict(
+        "idle daemon does no periodic work",
+        idle_runs == 0 && quiet_runs == 0 && quiet_ended == 0,
+    );
+    t.text(
+        &format!(
+            "idle daemon: times scheduled (context switches) over {} s",
+            plan.idle.as_secs()
+        ),
+        format!(
+            "{idle_runs} ({idle_switches}) fresh; {after_runs} ({after_switches}), {ended} threads ended, right after the load; {quiet_runs} ({quiet_switches}) in the next period"
+        ),
+        "/proc/PID/task/*/schedstat",
+        &format!("0: {v}"),
+    );
+    let mut setup = Conn::open(&d);
+    let t_sessions = Instant::now();
+    for s in 0..plan.sessions {
+        setup.call("session_create", json!({"id": format!("many-{s}")}));
+    }
+    let took = t_sessions.elapsed();
+    std::thread::sleep(Duration::from_millis(300));
+    t.text(
+        "daemon RSS: idle / under load (peak) / with many sessions",
+        format!(
+            "{} / {} / {} MiB",
+            idle_rss / 1024,
+            peak_rss / 1024,
+            rss_kib(pid) / 1024
+        ),
+        &format!(
+            "{} sessions created in {:.1} s; {} fds",
+            plan.sessions,
+            took.as_secs_f64(),
+            fd_count(pid)
+        ),
+        "reported",
+    );
+    drop(setup);
+    drop(c);
+    drop(d);
+
+    // --- The soak at full size, on its own daemon.
+    let mut sd = soak::daemon();
+    sd.env.push(("AIRLOCK_LOG".into(), "warn".into()));
+    sd.start();
+    let cfg = soak::Config {
+        calls: plan.soak_calls,
+        sessions: 32,
+        connections: 8,
+        seed: 0x5eed_1234,
+    };
+    let r = soak::run(&sd, &cfg);
+    t.text(
+        &format!(
+            "soak: {} mixed calls, 32 sessions, 8 connections ({} cancels, {} disconnects)",
+            r.sent, r.cancels, r.disconnects
+        ),
+        format!("{:.0} calls/s", r.sent as f64 / r.elapsed.as_secs_f64()),
+        &format!(
+            "RSS {} idle / {} peak / {} after MiB; fds {} / {}",
+            r.idle_rss_kib / 1024,
+            r.peak_rss_kib / 1024,
+            r.after_rss_kib / 1024,
+            r.idle_fds,
+            r.after_fds
+        ),
+        if r.problems.is_empty() {
+            "nothing lost or leaked"
+        } else {
+            "**PROBLEMS** (below)"
+        },
+    );
+    for (kind, v) in r.latencies {
+        let mut v = v;
+        v.sort();
+        let s = Series(v);
+        t.row(&format!("soak latency under load: {kind:?}"), &s, "", "");
+    }
+    drop(sd);
+
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    t.print();
+    println!(
+        "\nload average at the end: {}",
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    if !r.problems.is_empty() {
+        eprintln!("soak problems:\n{}", r.problems.join("\n"));
+        std::process::exit(1);
+    }
+    if plan.short {
+        println!("(--short: the command works; run bench/run for figures)");
+    }
+}

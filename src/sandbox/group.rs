@@ -1,0 +1,208 @@
+//! The registry of live worker leaders and kill-and-confirm of a worker's process group.
+//!
+//! Invariants:
+//! - A worker's leader is reaped last, by `finish` (or the worker's drop), through its pidfd:
+//!   until then its pid, which is also the group id, cannot be recycled, so signalling the
+//!   group (`kill(-pgid)`) never reaches a stranger.
+//! - Nothing here calls `waitpid(-1)`: children are reaped by pid, and never a registered
+//!   leader except by its own worker. The registry lock is held across `fork` and the
+//!   registration, and across every reap by pid, so a reap can never hit a leader that is
+//!   being registered.
+//! - All the daemon's children are workers (it uses no `tokio::process`), so a zombie child
+//!   that is not a registered leader is an orphan reparented to us, the subreaper.
+
+use std::collections::BTreeSet;
+use std::io;
+use std::num::NonZeroI32;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rustix::process::{Pid, Signal};
+
+use super::cgroup::{cgroup_is_empty, cgroup_kill};
+use super::procfs::{all_processes, read_stat, ProcStat};
+use super::reaper::is_subreaper;
+use super::sys::{self, Exit};
+
+/// A worker's process group id, which is its leader's pid (always positive). The leader stays
+/// unreaped until its group is confirmed gone, so while a worker holds its `Pgid` the id
+/// cannot be recycled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Pgid(NonZeroI32);
+
+impl Pgid {
+    /// `None` for 0 and negative numbers, which name no single group.
+    pub(crate) fn from_raw(raw: i32) -> Option<Pgid> {
+        NonZeroI32::new(raw).filter(|n| n.get() > 0).map(Pgid)
+    }
+
+    pub(crate) fn raw(self) -> i32 {
+        self.0.get()
+    }
+
+    /// The leader's pid (the same number).
+    pub(crate) fn leader(self) -> Pid {
+        Pid::from_raw(self.0.get()).unwrap_or_else(|| unreachable!("a Pgid is positive"))
+    }
+
+    /// The same number as the `u32` the worker's callers know it by.
+    pub(crate) fn as_u32(self) -> u32 {
+        self.0.unsigned_abs().get()
+    }
+}
+
+impl std::fmt::Display for Pgid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The leaders of live workers. Its lock is also the spawn lock.
+static LEADERS: Mutex<BTreeSet<Pgid>> = Mutex::new(BTreeSet::new());
+
+pub(crate) fn leaders() -> MutexGuard<'static, BTreeSet<Pgid>> {
+    // The set stays consistent even if a holder panicked: every update is one insert/remove.
+    LEADERS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Whether `pid` is in the process group of a live worker (its leader registered here).
+pub fn in_live_worker_group(pid: i32) -> bool {
+    read_stat(pid)
+        .and_then(|s| Pgid::from_raw(s.pgrp))
+        .is_some_and(|g| leaders().contains(&g))
+}
+
+/// Reaps `pid` if it is a zombie child of ours and not a registered leader.
+pub(crate) fn reap_if_not_leader(pid: i32) -> bool {
+    let leaders = leaders();
+    if Pgid::from_raw(pid).is_some_and(|g| leaders.contains(&g)) {
+        return false;
+    }
+    matches!(sys::reap_pid_nohang(pid), Ok(Some(_)))
+}
+
+/// One pass over the group: reaps what is ours to reap, and says whether any process of it
+/// other than the leader's zombie is still there.
+fn group_is_empty(group: Pgid, me: i32) -> bool {
+    let pgid = group.raw();
+    // The leader first: while it runs, the group is not empty, whatever else is in it.
+    match read_stat(pgid) {
+        Some(leader) if leader.pgrp == pgid && !leader.dead() => return false,
+        _ => {}
+    }
+    let candidates = match orphan_candidates(me) {
+        Some(children) => children,
+        None => all_processes(),
+    };
+    let mut empty = true;
+    for p in candidates
+        .into_iter()
+        .filter(|p| p.pgrp == pgid && p.pid != pgid)
+    {
+        if p.ppid == me && reap_if_not_leader(p.pid) {
+            continue;
+        }
+        // A dead process that is someone else's child has released everything it held.
+        empty &= p.dead();
+    }
+    empty
+}
+
+/// Where the survivors of a group whose leader is dead can be, when the daemon is the child
+/// subreaper: every process of a worker's group descends from its leader (setsid and setpgid
+/// are denied), so once the leader has exited, the topmost survivors have been reparented to
+/// the daemon, to its main thread (the kernel picks the subreaper's first live thread, and
+/// the main thread of a Rust program lives as long as the process). They stay listed there
+/// until reaped, and only their worker reaps members of a live worker's group (see
+/// [`reap_orphans`]), so one read of that list sees every survivor or its ancestor.
+/// `None` when that shortcut does not hold: then the whole of `/proc` is scanned.
+fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
+    // Only once init_daemon made us the subreaper.
+    if !is_subreaper() {
+        return None;
+    }
+    let children = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")).ok()?;
+    Some(
+        children
+            .split_ascii_whitespace()
+            .filter_map(|c| c.parse().ok())
+            .filter_map(read_stat)
+            .collect(),
+    )
+}
+
+pub(crate) fn signal_group(pgid: Pgid, pidfd: &OwnedFd, sig: Signal) {
+    // The leader through its pidfd (it cannot be a recycled pid), then the whole group, which
+    // the unreaped leader keeps from being recycled. ESRCH (already exited) is fine.
+    let _ = rustix::process::pidfd_send_signal(pidfd, sig);
+    let _ = rustix::process::kill_process_group(pgid.leader(), sig);
+}
+
+/// Timeout or cancellation: SIGCONT (stopped processes cannot act on SIGTERM) and SIGTERM to
+/// the group, then up to `grace` for it to empty.
+pub(crate) async fn terminate(pgid: Pgid, pidfd: &OwnedFd, grace: Duration) {
+    signal_group(pgid, pidfd, Signal::CONT);
+    signal_group(pgid, pidfd, Signal::TERM);
+    let me = rustix::process::getpid().as_raw_nonzero().get();
+    let deadline = Instant::now() + grace;
+    let mut delay = Duration::from_millis(2);
+    while !group_is_empty(pgid, me) {
+        let now = Instant::now();
+        if now >= deadline {
+            return;
+        }
+        tokio::time::sleep(delay.min(deadline - now)).await;
+        delay = (delay * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// SIGKILL to the group (and `cgroup.kill`), until no process of it is left but the leader's
+/// zombie; children of ours in the group are reaped on the way.
+pub(crate) async fn kill_and_confirm(pgid: Pgid, pidfd: &OwnedFd, cgroup: Option<&Path>) {
+    let me = rustix::process::getpid().as_raw_nonzero().get();
+    let started = Instant::now();
+    let mut warned = false;
+    let mut delay = Duration::from_millis(1);
+    loop {
+        signal_group(pgid, pidfd, Signal::KILL);
+        if let Some(cg) = cgroup {
+            cgroup_kill(cg);
+        }
+        if group_is_empty(pgid, me) && cgroup.is_none_or(cgroup_is_empty) {
+            return;
+        }
+        if !warned && started.elapsed() > Duration::from_secs(10) {
+            warned = true;
+            tracing::warn!(
+                pgid = pgid.raw(),
+                "worker processes survive SIGKILL for 10 s (uninterruptible sleep?); still waiting"
+            );
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Reaps the leader through its pidfd and unregisters it, under the registry lock.
+/// `Ok(None)` if it has not exited yet.
+pub(crate) fn reap_leader(pgid: Pgid, pidfd: &OwnedFd) -> io::Result<Option<Exit>> {
+    let mut leaders = leaders();
+    let exit = sys::reap_pidfd_nohang(pidfd.as_raw_fd())?;
+    if exit.is_some() {
+        leaders.remove(&pgid);
+    }
+    Ok(exit)
+}
+
+/// A worker dropped without `finish` and no runtime to confirm in: kill its group and hand
+/// the leader to the orphan reaper.
+pub(crate) fn kill_and_forget(pgid: Pgid, pidfd: &OwnedFd) {
+    signal_group(pgid, pidfd, Signal::KILL);
+    leaders().remove(&pgid);
+    // Its group's zombies were skipped while it was live, and may send no further SIGCHLD.
+    super::reaper::reap_soon();
+}

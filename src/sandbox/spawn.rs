@@ -1,0 +1,367 @@
+//! The daemon's side of spawning: one long-lived thread owns the spawner process
+//! ([`super::spawner`]) and asks it for every worker.
+//!
+//! The spawner is started by that thread (lazily, or by [`warm_up`] at daemon start), because
+//! PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
+//! blocking threads come and go: the spawner and, through `CLONE_PARENT`, every worker are
+//! children of this thread, and die with it only when the daemon dies.
+//!
+//! The registry lock is held from the request to the registration of the worker's pid, so the
+//! orphan reaper (which reaps under that lock) cannot reap a worker that just exited before
+//! it is registered. A spawner that is gone (killed, crashed) is noticed at the next request:
+//! a request that could not be delivered is retried once on a new spawner; one that was
+//! delivered fails the call ("the spawner died while starting the worker") and the next call
+//! starts a new spawner. A spawner that does not answer within [`ANSWER_TIMEOUT`] (2 s) is
+//! killed and replaced the same way.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{mpsc, Mutex, OnceLock};
+use std::time::Duration;
+
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
+};
+use rustix::process::{Pid, PidfdFlags, Signal};
+
+use super::group::{leaders, signal_group, Pgid};
+use super::spawner::{self, SPAWNER_ARG};
+
+/// A launcher just started.
+pub(crate) struct Spawned {
+    pub leader: Pgid,
+    pub pidfd: OwnedFd,
+    pub stdin: OwnedFd,
+    pub stdout: OwnedFd,
+    pub stderr: OwnedFd,
+}
+
+enum Request {
+    /// Start the spawner now, if it is not running.
+    WarmUp(PathBuf),
+    Spawn {
+        exe: PathBuf,
+        channel: OwnedFd,
+        /// The write end of the progress pipe, when the caller asked for progress.
+        progress: Option<OwnedFd>,
+        reply: tokio::sync::oneshot::Sender<io::Result<Spawned>>,
+    },
+}
+
+/// How long the spawner may take to answer one request before it is replaced.
+///
+/// The answer is a clone and a message, microseconds; while it is awaited the registry lock
+/// is held (see the module comment), so a spawner that was stopped must not stall the
+/// daemon's process management for long.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long the spawner may take to start and say it is ready.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+static THREAD: OnceLock<Mutex<mpsc::Sender<Request>>> = OnceLock::new();
+
+fn thread() -> io::Result<mpsc::Sender<Request>> {
+    if let Some(tx) = THREAD.get() {
+        return Ok(tx.lock().unwrap_or_else(|p| p.into_inner()).clone());
+    }
+    let (tx, rx) = mpsc::channel::<Request>();
+    std::thread::Builder::new()
+        .name("airlock-spawner".into())
+        .spawn(move || {
+            let mut process: Option<Process> = None;
+            for req in rx {
+                match req {
+                    Request::WarmUp(exe) => {
+                        if let Err(e) = running(&mut process, &exe) {
+                            tracing::warn!("cannot start the spawner process: {e}");
+                        }
+                    }
+                    Request::Spawn {
+                        exe,
+                        channel,
+                        progress,
+                        reply,
+                    } => {
+                        let result = spawn_now(&mut process, &exe, channel, progress);
+                        if let Err(Ok(orphan)) = reply.send(result) {
+                            // The caller went away: the launcher must not outlive the request.
+                            abandon(orphan);
+                        }
+                    }
+                }
+            }
+        })?;
+    let stored = THREAD.get_or_init(|| Mutex::new(tx));
+    Ok(stored.lock().unwrap_or_else(|p| p.into_inner()).clone())
+}
+
+/// Starts the spawner process now (daemon start), so the first call does not pay for it.
+pub(crate) fn warm_up(exe: PathBuf) -> io::Result<()> {
+    thread()?
+        .send(Request::WarmUp(exe))
+        .map_err(|_| io::Error::other("the spawner thread is gone"))
+}
+
+/// Starts a worker's leader, running the launcher with `channel` as its channel to us, and
+/// `progress` (the write end of the progress pipe) as the one extra descriptor the tool keeps.
+pub(crate) async fn spawn_launcher(
+    exe: PathBuf,
+    channel: OwnedFd,
+    progress: Option<OwnedFd>,
+) -> io::Result<Spawned> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    thread()?
+        .send(Request::Spawn {
+            exe,
+            channel,
+            progress,
+            reply,
+        })
+        .map_err(|_| io::Error::other("the spawner thread is gone"))?;
+    answer
+        .await
+        .map_err(|_| io::Error::other("the spawner thread dropped the request"))?
+}
+
+/// The running spawner process.
+struct Process {
+    sock: OwnedFd,
+    pidfd: OwnedFd,
+    pid: i32,
+}
+
+impl Process {
+    fn start(exe: &Path) -> io::Result<Process> {
+        let (ours, theirs) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )?;
+        let me = rustix::process::getpid().as_raw_nonzero().get();
+        // Held until the pidfd is open: the orphan reaper reaps only under this lock, so the
+        // spawner's pid cannot be reaped and recycled in between.
+        let registry = leaders();
+        // The socket is the spawner's stdin: std dup2s it there in the child, so it is never
+        // inheritable in the daemon.
+        let child = Command::new(exe)
+            .arg(SPAWNER_ARG)
+            .arg(me.to_string())
+            .process_group(0)
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", exe.display())))?;
+        let pid = child.id() as i32;
+        let pidfd = Pid::from_raw(pid)
+            .ok_or_else(|| io::Error::other("the spawner has pid 0"))
+            .and_then(|p| Ok(rustix::process::pidfd_open(p, PidfdFlags::empty())?));
+        drop(registry);
+        // `child` is dropped without waiting: std never reaps on drop; the orphan reaper (or
+        // `stop`) reaps the spawner once it exits.
+        drop(child);
+        let process = Process {
+            sock: ours,
+            pidfd: pidfd?,
+            pid,
+        };
+        let timeout = |t| {
+            rustix::net::sockopt::set_socket_timeout(
+                &process.sock,
+                rustix::net::sockopt::Timeout::Recv,
+                Some(t),
+            )
+        };
+        // The start is an execve of the daemon's binary: a loaded host may take a while.
+        timeout(START_TIMEOUT)?;
+        let mut ready = [0u8; 1];
+        let n = rustix::net::recv(&process.sock, &mut ready, RecvFlags::empty())
+            .map_err(io::Error::from)
+            .and_then(|n| Ok((n, timeout(ANSWER_TIMEOUT)?)));
+        match n {
+            Ok(((1, _), ())) if ready[0] == spawner::READY => Ok(process),
+            Ok(_) => {
+                process.stop();
+                Err(io::Error::other(
+                    "the spawner process exited at start (see its message on stderr)",
+                ))
+            }
+            Err(e) => {
+                process.stop();
+                Err(io::Error::new(
+                    e.kind(),
+                    format!("the spawner did not start: {e}"),
+                ))
+            }
+        }
+    }
+
+    /// One request: the worker's pid and pidfd.
+    fn spawn(
+        &self,
+        channel: &OwnedFd,
+        stdin: &OwnedFd,
+        stdout: &OwnedFd,
+        stderr: &OwnedFd,
+        progress: Option<&OwnedFd>,
+    ) -> Result<(Pgid, OwnedFd), Failed> {
+        let fds = spawner::request_fds(channel, stdin, stdout, stderr, progress);
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(spawner::MAX_FDS))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        control.push(SendAncillaryMessage::ScmRights(&fds));
+        rustix::net::sendmsg(
+            &self.sock,
+            &[IoSlice::new(&[spawner::SPAWN])],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        )
+        .map_err(|e| Failed::Undelivered(e.into()))?;
+
+        let mut answer = [0u8; 5];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = loop {
+            match rustix::net::recvmsg(
+                &self.sock,
+                &mut [IoSliceMut::new(&mut answer)],
+                &mut control,
+                RecvFlags::CMSG_CLOEXEC,
+            ) {
+                Err(rustix::io::Errno::INTR) => continue,
+                other => break other,
+            }
+        };
+        let got = got.map_err(|e| {
+            let e = io::Error::from(e);
+            let what = if e.kind() == io::ErrorKind::WouldBlock {
+                format!("the spawner did not answer within {ANSWER_TIMEOUT:?}")
+            } else {
+                format!("cannot read the spawner's answer: {e}")
+            };
+            Failed::Lost(io::Error::new(e.kind(), what))
+        })?;
+        let mut pidfd = None;
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received) = message {
+                for fd in received {
+                    pidfd.get_or_insert(fd);
+                }
+            }
+        }
+        let number = i32::from_le_bytes([answer[1], answer[2], answer[3], answer[4]]);
+        match (got.bytes, answer[0], pidfd) {
+            (0, _, _) => Err(Failed::Lost(io::Error::other(
+                "the spawner process died while starting the worker",
+            ))),
+            (5, spawner::OK, Some(pidfd)) => match Pgid::from_raw(number) {
+                Some(leader) => Ok((leader, pidfd)),
+                None => Err(Failed::Lost(io::Error::other(format!(
+                    "the spawner answered pid {number}"
+                )))),
+            },
+            (5, spawner::ERR, _) => Err(Failed::Refused(io::Error::from_raw_os_error(number))),
+            _ => Err(Failed::Lost(io::Error::other(
+                "the spawner's answer is malformed",
+            ))),
+        }
+    }
+
+    /// Kills the spawner (through its pidfd: never a recycled pid) and reaps it if the orphan
+    /// reaper has not already.
+    fn stop(self) {
+        let _ = rustix::process::pidfd_send_signal(&self.pidfd, Signal::KILL);
+        let _ = rustix::process::waitid(
+            rustix::process::WaitId::PidFd(self.pidfd.as_fd()),
+            rustix::process::WaitIdOptions::EXITED,
+        );
+        tracing::debug!(pid = self.pid, "spawner process stopped");
+    }
+}
+
+/// How a request failed.
+enum Failed {
+    /// The spawner is alive and said no (its clone failed): it stays.
+    Refused(io::Error),
+    /// Not delivered (the spawner is gone): safe to retry on a new one.
+    Undelivered(io::Error),
+    /// Delivered, but no answer (the spawner died or hangs): the call fails.
+    Lost(io::Error),
+}
+
+/// The running spawner, started if there is none.
+fn running<'a>(process: &'a mut Option<Process>, exe: &Path) -> io::Result<&'a Process> {
+    if process.is_none() {
+        *process = Some(Process::start(exe)?);
+    }
+    process
+        .as_ref()
+        .ok_or_else(|| io::Error::other("no spawner process"))
+}
+
+fn spawn_now(
+    process: &mut Option<Process>,
+    exe: &Path,
+    channel: OwnedFd,
+    progress: Option<OwnedFd>,
+) -> io::Result<Spawned> {
+    let (stdin_r, stdin_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let (stdout_r, stdout_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let (stderr_r, stderr_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let mut retried = false;
+    loop {
+        let spawner = running(process, exe)?;
+        let mut leaders = leaders();
+        let error = match spawner.spawn(&channel, &stdin_r, &stdout_w, &stderr_w, progress.as_ref())
+        {
+            Ok((leader, pidfd)) => {
+                leaders.insert(leader);
+                return Ok(Spawned {
+                    leader,
+                    pidfd,
+                    stdin: stdin_w,
+                    stdout: stdout_r,
+                    stderr: stderr_r,
+                });
+            }
+            Err(Failed::Refused(e)) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("the spawner cannot fork the worker: {e}"),
+                ));
+            }
+            Err(Failed::Undelivered(e)) if !retried => e,
+            Err(Failed::Undelivered(e) | Failed::Lost(e)) => {
+                drop(leaders);
+                tracing::warn!("the spawner process is gone or stuck ({e}); replacing it");
+                if let Some(old) = process.take() {
+                    old.stop();
+                }
+                return Err(e);
+            }
+        };
+        drop(leaders);
+        tracing::warn!("the spawner process is gone ({error}); replacing it");
+        if let Some(old) = process.take() {
+            old.stop();
+        }
+        retried = true;
+    }
+}
+
+/// For a launcher nobody will use (it has no children yet: it waits for its spec): SIGKILL
+/// and a blocking reap.
+fn abandon(s: Spawned) {
+    signal_group(s.leader, &s.pidfd, Signal::KILL);
+    let mut leaders = leaders();
+    let _ = rustix::process::waitid(
+        rustix::process::WaitId::PidFd(s.pidfd.as_fd()),
+        rustix::process::WaitIdOptions::EXITED,
+    );
+    leaders.remove(&s.leader);
+}

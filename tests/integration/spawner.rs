@@ -1,0 +1,212 @@
+//! Issue #11 point 2: the spawner process that forks every worker. Hostile tools against it
+//! (signals, ptrace, its socket), a spawner that dies or hangs (the daemon replaces it and
+//! keeps serving), and a daemon killed with SIGKILL (the spawner and the workers die with it).
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::*;
+use crate::sandbox::{hostile_daemon, py, sh, started};
+
+/// `(pid, ppid, state)` from `/proc/PID/stat`, if the process exists.
+fn stat(pid: i32) -> Option<(i32, i32, char)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = s.rsplit_once(')')?;
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    let ppid = f.next()?.parse().ok()?;
+    Some((pid, ppid, state))
+}
+
+/// The live spawner processes of the daemon `daemon` (its children in spawner mode).
+fn spawners_of(daemon: i32) -> Vec<i32> {
+    processes_with("__airlock-spawner")
+        .into_iter()
+        .filter(|&p| matches!(stat(p), Some((_, ppid, st)) if ppid == daemon && st != 'Z'))
+        .collect()
+}
+
+/// The daemon's one spawner, waiting for it to be started.
+async fn the_spawner(daemon: i32) -> i32 {
+    wait_until("the daemon's spawner process", || {
+        spawners_of(daemon).len() == 1
+    })
+    .await;
+    spawners_of(daemon)[0]
+}
+
+/// A call that must succeed (and write `ok` to `out`).
+async fn works(c: &Client, out: &str) {
+    let r = call(
+        c,
+        "run_sh",
+        json!({"session": "h", "script": "printf ok > \"$1\"", "out": out}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+}
+
+#[tokio::test]
+async fn the_spawner_is_out_of_a_workers_reach() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    let spawner = the_spawner(daemon).await;
+    // Signals: the Landlock signal scope, as for the daemon.
+    let r = sh(
+        &c,
+        &format!("kill -STOP {spawner} 2>&1; kill -KILL {spawner} 2>&1; echo end"),
+    )
+    .await;
+    assert_eq!(
+        text(&r).matches("Operation not permitted").count(),
+        2,
+        "{r}"
+    );
+    // ptrace, and the files ptrace guards (environ, mem, fd).
+    let r = py(
+        &c,
+        &format!(
+            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nr = libc.ptrace(16, {spawner}, 0, 0)\nprint('attach', r, ctypes.get_errno())\nfor f in ('environ', 'mem', 'fd/0'):\n    try:\n        open('/proc/{spawner}/' + f, 'rb').read(1)\n        print('read', f)\n    except OSError as e:\n        print('denied', f, e.errno)\n"
+        ),
+    )
+    .await;
+    let out = text(&r);
+    assert!(out.contains("attach -1 1"), "{out}");
+    for f in ["environ", "mem", "fd/0"] {
+        assert!(
+            out.contains(&format!("denied {f}")) && !out.contains(&format!("read {f}")),
+            "{out}"
+        );
+    }
+    // The worker holds no socket at all (the spawner's socket, the daemon's, the launcher
+    // channel): only its three pipes.
+    let r = py(
+        &c,
+        "import os\nfor fd in sorted(os.listdir('/proc/self/fd')):\n    try:\n        print(fd, os.readlink('/proc/self/fd/' + fd))\n    except OSError as e:\n        print(fd, 'gone', e.errno)\n",
+    )
+    .await;
+    let out = text(&r);
+    assert!(
+        !out.contains("socket:"),
+        "a socket reached the worker: {out}"
+    );
+    for fd in 0..3 {
+        assert!(out.contains(&format!("{fd} pipe:")), "{out}");
+    }
+    // The same spawner is alive, still the daemon's child, and still spawning.
+    assert_eq!(spawners_of(daemon), vec![spawner]);
+    works(&c, "after.txt").await;
+    assert_eq!(d.read("after.txt").as_deref(), Some("ok"));
+    assert_eq!(spawners_of(daemon), vec![spawner]);
+}
+
+#[tokio::test]
+async fn a_killed_spawner_is_replaced() {
+    require_root();
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    let first = the_spawner(daemon).await;
+    works(&c, "one.txt").await;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(first).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill the spawner");
+    // The next call is served by a new spawner, and the dead one is reaped.
+    works(&c, "two.txt").await;
+    assert_eq!(d.read("two.txt").as_deref(), Some("ok"));
+    let second = the_spawner(daemon).await;
+    assert_ne!(first, second);
+    wait_until(
+        "the dead spawner reaped",
+        || !matches!(stat(first), Some((_, ppid, _)) if ppid == daemon),
+    )
+    .await;
+    assert!(
+        d.log_text().contains("spawner process is gone"),
+        "{}",
+        d.log_text()
+    );
+    assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_stuck_spawner_fails_the_call_and_is_replaced() {
+    require_root();
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    let first = the_spawner(daemon).await;
+    let pid = rustix::process::Pid::from_raw(first).expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("stop");
+    // The call's request was delivered to a spawner that never answers: it fails, clearly,
+    // as a sandbox error, after the answer timeout; nothing of it is published.
+    let r = call(
+        &c,
+        "run_sh",
+        json!({"session": "h", "script": "printf no > \"$1\"", "out": "stuck.txt"}),
+    )
+    .await;
+    assert!(is_error(&r), "{r}");
+    assert!(text(&r).contains("spawner"), "{r}");
+    assert_eq!(d.read("stuck.txt"), None);
+    // The stuck spawner was killed (SIGKILL reaches a stopped process) and reaped; the next
+    // call gets a new one.
+    wait_until(
+        "the stuck spawner gone",
+        || !matches!(stat(first), Some((_, ppid, _)) if ppid == daemon),
+    )
+    .await;
+    works(&c, "three.txt").await;
+    assert_eq!(d.read("three.txt").as_deref(), Some("ok"));
+    assert_ne!(the_spawner(daemon).await, first);
+}
+
+#[tokio::test]
+async fn the_spawner_and_the_workers_die_with_the_daemon() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    let spawner = the_spawner(daemon).await;
+    let socket = d.socket.clone();
+    let call = tokio::spawn(async move {
+        let stream = tokio::net::UnixStream::connect(&socket)
+            .await
+            .expect("connect");
+        let c2 = rmcp::ServiceExt::serve((), stream)
+            .await
+            .expect("handshake");
+        let _ = call(
+            &c2,
+            "run_sh",
+            json!({"session": "h", "script": "exec sleep 29.7531"}),
+        )
+        .await;
+    });
+    wait_for_exact("sleep 29.7531").await;
+    let workers = processes_with("sleep 29.7531");
+    assert!(!workers.is_empty());
+    for w in &workers {
+        // The worker is the daemon's child (CLONE_PARENT), not the spawner's.
+        assert_eq!(stat(*w).map(|s| s.1), Some(daemon), "worker {w}");
+    }
+    d.kill9();
+    wait_no_process("sleep 29.7531").await;
+    // Gone, or a zombie waiting for whoever inherited it: not running.
+    wait_until("the spawner gone with the daemon", || {
+        stat(spawner).is_none_or(|(_, _, st)| st == 'Z')
+    })
+    .await;
+    assert!(
+        processes_with("__airlock-spawner")
+            .into_iter()
+            .all(|p| p != spawner),
+        "the spawner survived the daemon"
+    );
+    call.abort();
+    drop(c);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}
