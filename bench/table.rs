@@ -165,50 +165,74 @@ impl Conn {
     }
 }
 
-/// From the daemon's own audit: for the newest `n` calls of `tool`, the time from the
-/// worker's end (`sandbox` event) to the commit (`commit` event), in whole ms: publication
-/// (validation, fsync of the output, journal, renames, their fsyncs) plus the session commit.
+/// From the daemon's own audit: for the newest `n` commits of `tool`, the time from the
+/// worker's end to the `commit` event (its `duration_ms` minus its `worker_ms`), in whole
+/// ms: validation, fsync of the outputs, journal, renames and their fsyncs, and the durable
+/// commit event itself (the session write follows it).
 fn publish_times(c: &mut Conn, tool: &str, n: usize) -> Series {
     c.id += 1;
     let id = c.id;
     c.raw.send(
         &json!({"jsonrpc": "2.0", "id": id, "method": "resources/read",
-        "params": {"uri": "airlock://audit/events"}}),
+        "params": {"uri": format!("airlock://audit/events?tool={tool}")}}),
     );
     let r = c.raw.response(id);
     let events: Vec<Value> = r["result"]["contents"][0]["text"]
         .as_str()
         .and_then(|t| serde_json::from_str(t).ok())
         .unwrap_or_default();
-    let mut by: std::collections::BTreeMap<u64, (Option<u64>, Option<u64>)> =
-        std::collections::BTreeMap::new();
-    let mut calls: Vec<(u64, String)> = Vec::new();
-    for e in events.iter().filter(|e| e["tool"] == tool) {
-        let call = e["call"].as_str().unwrap_or("").to_string();
-        let first = calls.iter().position(|(_, c)| *c == call);
-        let key = match first {
-            Some(i) => calls[i].0,
-            None => {
-                let k = e["seq"].as_u64().unwrap_or(0);
-                calls.push((k, call));
-                k
-            }
-        };
-        let slot = by.entry(key).or_default();
-        match e["kind"].as_str() {
-            Some("sandbox") => slot.0 = e["time_ms"].as_u64(),
-            Some("commit") => slot.1 = e["time_ms"].as_u64(),
-            _ => {}
-        }
-    }
-    let mut v: Vec<Duration> = by
-        .values()
+    let mut v: Vec<Duration> = events
+        .iter()
         .rev()
-        .filter_map(|(a, b)| Some(Duration::from_millis(b.as_ref()? - a.as_ref()?)))
+        .filter(|e| e["kind"] == "commit")
+        .filter_map(|e| {
+            let d = &e["detail"];
+            let after = d["duration_ms"]
+                .as_u64()?
+                .checked_sub(d["worker_ms"].as_u64()?)?;
+            Some(Duration::from_millis(after))
+        })
         .take(n)
         .collect();
     v.sort();
     Series(v)
+}
+
+/// The cost of the durable audit event each commit waits for (`Audit::record_durable`: one
+/// JSON line written and fsynced), in process, on a log in the daemon's state dir (its
+/// filesystem): alone, and per event with 16 threads writing at once, which share fsyncs
+/// (group commit).
+fn audit_commit_cost(state: &Path, n: usize) -> (Series, Duration) {
+    use airlock::audit::{log::Log, Audit, CallRef, EventKind};
+    let path = state.join("bench-audit.jsonl");
+    let (log, head) = Log::open(&path, 1 << 40, 1).expect("bench audit log");
+    let audit = Audit::with_log(1024, 1 << 20, log, head);
+    let call = CallRef {
+        call: "bench-audit".into(),
+        tool: "bench_copy".into(),
+        session: Some("bench".into()),
+        principal: None,
+        secrets: Default::default(),
+        request_id: None,
+    };
+    let detail = json!({"version": 1, "duration_ms": 1, "outputs": [
+        {"path": "out-1k", "size": 1024, "dev": 1, "ino": 1, "sha256": "0".repeat(64)}]});
+    let record = || {
+        audit
+            .record_durable(&call, EventKind::Commit, detail.clone())
+            .expect("durable audit event");
+    };
+    let alone = Series::measure(n, || timed(record));
+    let (writers, per) = (16, n.div_ceil(16).max(4));
+    let all = timed(|| {
+        std::thread::scope(|s| {
+            for _ in 0..writers {
+                s.spawn(|| (0..per).for_each(|_| record()));
+            }
+        })
+    });
+    let _ = std::fs::remove_file(&path);
+    (alone, all / (writers * per) as u32)
 }
 
 /// Medians and p99 of one measured series.
@@ -748,6 +772,24 @@ fn main() {
             ms(big_direct.p50())
         ),
         "",
+    );
+
+    // --- The durable audit event every commit waits for (#9's group commit).
+    let (alone, shared) = audit_commit_cost(&d.state, plan.iters);
+    t.row(
+        "durable audit event (`commit`: a line written and fsynced), one writer",
+        &alone,
+        "",
+        "reported",
+    );
+    t.text(
+        "durable audit event, 16 writers at once (group commit), per event",
+        format!("{} ms", ms(shared)),
+        &format!(
+            "{:.1}x cheaper than alone",
+            alone.p50().as_secs_f64() / shared.as_secs_f64().max(1e-9)
+        ),
+        "reported",
     );
 
     // --- Cancellation to confirmed worker exit.

@@ -6,6 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
+use serde_json::json;
+
+use crate::audit::{Audit, CallRef, EventKind};
 use crate::policy::DaemonConfig;
 use crate::publish::{self, Workspace};
 use crate::sandbox::{Identities, Registry};
@@ -24,6 +27,8 @@ pub enum StartupError {
     Sessions(#[from] SessionError),
     #[error("startup recovery failed: {0}")]
     Recovery(#[source] crate::publish::PublishError),
+    #[error(transparent)]
+    AuditLog(#[from] crate::audit::log::LogError),
     #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
     Busy { what: &'static str, path: PathBuf },
     #[error("{path}: cannot lock the {what}: {source}")]
@@ -67,7 +72,8 @@ pub enum StartupError {
 }
 
 /// What the startup path holds when it is done: the locks (held as long as this lives), the
-/// opened workspace and store, who workers run as, the worker registry, and what recovery did.
+/// opened workspace and store, who workers run as, the worker registry, the audit log, and
+/// what recovery did.
 pub struct Opened {
     pub workspace_lock: std::fs::File,
     pub state_lock: std::fs::File,
@@ -75,6 +81,7 @@ pub struct Opened {
     pub sessions: SessionStore,
     pub identities: Identities,
     pub registry: Registry,
+    pub audit: Audit,
     pub recovered: Vec<publish::Recovered>,
 }
 
@@ -125,7 +132,9 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
     };
     // Before recovery touches a job dir, nothing a dead daemon's workers left may run.
     let registry = sweep_leftovers(d, identities.range())?;
-    let recovered = recover(&workspace, &sessions)?;
+    // Recovery records in the audit log what became of each job it settles.
+    let audit = open_audit(d)?;
+    let recovered = recover(&workspace, &sessions, &audit)?;
     Ok(Opened {
         workspace_lock,
         state_lock,
@@ -133,6 +142,7 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
         sessions,
         identities,
         registry,
+        audit,
         recovered,
     })
 }
@@ -252,14 +262,59 @@ fn check_layout(
     Ok(())
 }
 
-/// Brings every leftover job dir to all-old or all-new before serving.
+/// Opens the durable audit log (`audit_log`, beneath the state dir) and the ring in front of
+/// it, continuing the log's hash chain.
+fn open_audit(d: &DaemonConfig) -> Result<Audit, StartupError> {
+    let (log, head) =
+        crate::audit::log::Log::open(&d.audit_log_path(), d.audit_log_bytes, d.audit_log_keep)?;
+    Ok(Audit::with_log(d.audit_ring, d.audit_ring_bytes, log, head))
+}
+
+/// Brings every leftover job dir to all-old or all-new before serving, and appends to the
+/// audit log the event that tells what became of each job (durably: the log's last word on
+/// every job matches the workspace).
 fn recover(
     workspace: &Workspace,
     sessions: &SessionStore,
+    audit: &Audit,
 ) -> Result<Vec<publish::Recovered>, StartupError> {
-    let done = publish::recover(workspace.root(), &|s, j| {
-        sessions.committed(s, j).map_err(Into::into)
-    })
+    // Each job's event is durable before its journal is dropped: a crash between the two
+    // makes the next recovery settle the job and record it again.
+    let record = |r: &publish::Recovered| -> Result<(), publish::CallbackError> {
+        let kind = match (r.settled, r.phase) {
+            (publish::Settled::Completed, _) => EventKind::Commit,
+            (publish::Settled::RolledBack, _) => EventKind::Rollback,
+            // Journaled `worker_running`: nothing was published.
+            (publish::Settled::NeverPublished, Some(_)) => EventKind::Rollback,
+            // No journal: either the job never got past creation (its last word is not a
+            // commit) or a committed job's cleanup was cut short (its last word is its
+            // commit); recovery changes no target either way, and the log already says so.
+            (publish::Settled::NeverPublished, None) | (publish::Settled::Quarantine, _) => {
+                return Ok(())
+            }
+        };
+        let call = CallRef {
+            call: r.job.clone(),
+            tool: r.tool.clone().unwrap_or_default(),
+            session: r.session.clone(),
+            principal: None,
+            secrets: Default::default(),
+            request_id: None,
+        };
+        let detail = json!({
+            "recovery": true,
+            "phase": r.phase,
+            "action": r.action,
+        });
+        audit
+            .record_durable(&call, kind, detail)
+            .map_err(|e| format!("cannot record what recovery did in the audit log: {e}").into())
+    };
+    let done = publish::recover_with(
+        workspace.root(),
+        &|s, j| sessions.committed(s, j).map_err(Into::into),
+        &record,
+    )
     .map_err(StartupError::Recovery)?;
     for r in &done {
         tracing::info!(job = %r.job, "recovery: {}", r.action);

@@ -1,20 +1,29 @@
-//! Audit evidence: one event per step of each call, kept in an in-memory ring and served as
-//! the `airlock://audit/events` resource.
+//! Audit evidence: one event per step of each call, in the order of the execution model
+//! (see [`EventKind`]), written to a durable, hash-chained JSON Lines log ([`log`]) and kept
+//! in an in-memory ring served as the `airlock://audit/events` resource.
 //!
 //! Bounded by construction: every string an event carries is truncated (with a marker) to
 //! [`MAX_STRING`] bytes before it is stored, an event is at most [`MAX_EVENT`] bytes, the ring
 //! keeps at most `audit_ring` events and `audit_ring_bytes` bytes (the oldest go first), and
 //! a reader gets the newest events up to a byte budget, never a copy of the whole ring.
+//!
+//! Durability: every event is written to the log as it happens (one `write(2)`); the events a
+//! decision depends on (the `commit` of a mutating call, before its commit point, and what
+//! recovery appends) are also fsynced before [`Audit::record_durable`] returns. Concurrent
+//! durable events share one fsync (group commit): a caller whose line an fsync already
+//! covered returns without one.
+
+pub mod log;
+mod time;
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use time::{format_rfc3339, now_ms, parse_since};
 /// The longest string an audit event keeps; longer ones are cut and marked.
 pub const MAX_STRING: usize = 1024;
 /// The largest serialized event; an event whose detail makes it larger keeps a marker instead.
@@ -84,74 +93,277 @@ impl Principal {
     }
 }
 
-/// One step of one call.
+/// Every kind of audit event, in the order of the execution model. A mutating call is one
+/// of: `allow, start, commit` (success); `allow, start, timeout, worker_terminated, rollback`;
+/// `allow, start, cancel, worker_terminated, rollback` (cancelled in flight); `allow, start,
+/// error, rollback` (worker or coordinator failure); `allow, cancel` with `phase: "queued"`
+/// (cancelled before its worker started); `deny`. A read call is `allow, start, done|error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// The call is authorized; its job id is from now on its `job`.
+    Allow,
+    /// The call is refused before anything ran.
+    Deny,
+    /// Its locks are held and its work begins (the worker is spawned, or a built-in runs).
+    Start,
+    /// A mutating call's outputs and state are committed (durable before the commit point).
+    Commit,
+    /// The worker outlived the tool's timeout.
+    Timeout,
+    /// The call was cancelled: cause, request id, phase, and whether it came too late.
+    Cancel,
+    /// The worker's whole process group (or cgroup) is confirmed gone after a kill.
+    WorkerTerminated,
+    /// Nothing the call did stays: every target holds its old file, the state its version.
+    Rollback,
+    /// The call failed (its error code says why).
+    Error,
+    /// A read call returned its result.
+    Done,
+}
+
+impl EventKind {
+    pub const ALL: [EventKind; 10] = [
+        EventKind::Allow,
+        EventKind::Deny,
+        EventKind::Start,
+        EventKind::Commit,
+        EventKind::Timeout,
+        EventKind::Cancel,
+        EventKind::WorkerTerminated,
+        EventKind::Rollback,
+        EventKind::Error,
+        EventKind::Done,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Allow => "allow",
+            EventKind::Deny => "deny",
+            EventKind::Start => "start",
+            EventKind::Commit => "commit",
+            EventKind::Timeout => "timeout",
+            EventKind::Cancel => "cancel",
+            EventKind::WorkerTerminated => "worker_terminated",
+            EventKind::Rollback => "rollback",
+            EventKind::Error => "error",
+            EventKind::Done => "done",
+        }
+    }
+}
+
+impl std::fmt::Display for EventKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One step of one call: one line of the log.
 #[derive(Debug, Clone, Serialize)]
 pub struct Event {
+    /// Position in the log, from 0, never reused across restarts.
     pub seq: u64,
-    /// Milliseconds since the Unix epoch.
+    /// RFC 3339, UTC, milliseconds.
+    pub time: String,
+    /// Milliseconds since the Unix epoch (what `since` compares).
     pub time_ms: u64,
-    /// The call's id (also its job id for mutating calls).
-    pub call: String,
+    /// The execution job id: one per call (the job dir's name for a mutating call).
+    pub job: String,
+    /// The MCP request id the client gave the call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<Value>,
     pub tool: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub principal: Option<Principal>,
-    /// `allow`, `deny`, `locked`, `spawned`, `sandbox`, `published`, `commit`, `rollback`,
-    /// `timeout`, `cancelled`, `failed`, `done`.
-    pub kind: &'static str,
+    pub kind: EventKind,
     #[serde(skip_serializing_if = "Value::is_null")]
     pub detail: Value,
+    /// SHA-256 (hex) of the previous line of the log.
+    pub prev: String,
 }
 
 /// What every event of one call shares.
 #[derive(Debug, Clone)]
 pub struct CallRef {
+    /// The execution job id.
     pub call: String,
     pub tool: String,
     pub session: Option<String>,
     pub principal: Option<Principal>,
     /// The call's secret argument values: scrubbed from every event's detail.
     pub secrets: crate::policy::redact::Secrets,
+    /// The client's JSON-RPC id of the `tools/call`.
+    pub request_id: Option<Value>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    #[error(transparent)]
+    Log(#[from] log::LogError),
+    #[error("audit write refused by a failpoint: {0}")]
+    Failpoint(std::io::Error),
+}
+
+/// Which events a reader wants: the resource's template variables and `airlock audit`'s
+/// flags.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filter {
+    pub job: Option<String>,
+    pub session: Option<String>,
+    pub tool: Option<String>,
+    /// Events at or after this time (milliseconds since the epoch).
+    pub since_ms: Option<u64>,
+    /// At most this many (the newest).
+    pub limit: Option<usize>,
+}
+
+impl Filter {
+    fn accepts(&self, job: &str, tool: &str, session: Option<&str>, time_ms: u64) -> bool {
+        self.job.as_deref().is_none_or(|j| j == job)
+            && self.tool.as_deref().is_none_or(|t| t == tool)
+            && self.session.as_deref().is_none_or(|s| Some(s) == session)
+            && self.since_ms.is_none_or(|t| time_ms >= t)
+    }
+
+    /// Whether a parsed event (a line of the log) passes.
+    pub fn matches(&self, v: &Value) -> bool {
+        let s = |k: &str| v.get(k).and_then(Value::as_str);
+        self.accepts(
+            s("job").unwrap_or(""),
+            s("tool").unwrap_or(""),
+            s("session"),
+            v.get("time_ms").and_then(Value::as_u64).unwrap_or(0),
+        )
+    }
+}
+
+/// One event in the ring, with what filters compare.
+struct Entry {
+    text: Box<str>,
+    job: Box<str>,
+    tool: Box<str>,
+    session: Option<Box<str>>,
+    time_ms: u64,
+}
+
+impl Entry {
+    /// What the entry costs the ring's byte budget: its text and its keys.
+    fn bytes(&self) -> usize {
+        self.text.len()
+            + self.job.len()
+            + self.tool.len()
+            + self.session.as_ref().map_or(0, |s| s.len())
+            + std::mem::size_of::<Entry>()
+    }
 }
 
 /// The ring: serialized events, oldest first, and their total size.
 struct Ring {
-    events: VecDeque<Box<str>>,
+    events: VecDeque<Entry>,
     bytes: usize,
+}
+
+/// The writer: the chain's head and the log file, behind one lock so that seq, `prev` and
+/// the order of lines agree.
+struct Writer {
+    head: log::Head,
+    log: Option<log::Log>,
+    /// Lines written to the log so far (this run), for group commit.
+    written: u64,
 }
 
 pub struct Audit {
     ring: Mutex<Ring>,
+    writer: Mutex<Writer>,
+    /// Lines known durable (group commit): one fsync covers every line written before it.
+    synced: Mutex<u64>,
     capacity: usize,
     max_bytes: usize,
-    seq: AtomicU64,
+    /// The newest seq, for `notifications/resources/updated`.
+    updates: tokio::sync::watch::Sender<u64>,
 }
 
 impl Audit {
-    /// A ring of at most `capacity` events and `max_bytes` bytes of serialized events.
+    /// A ring of at most `capacity` events and `max_bytes` bytes of serialized events, with
+    /// no log (unit tests, and tools that only read).
     pub fn new(capacity: usize, max_bytes: usize) -> Audit {
+        Audit::build(capacity, max_bytes, None, log::Head::default())
+    }
+
+    /// As [`Audit::new`], writing every event to `log` from where its chain stands.
+    pub fn with_log(capacity: usize, max_bytes: usize, log: log::Log, head: log::Head) -> Audit {
+        Audit::build(capacity, max_bytes, Some(log), head)
+    }
+
+    fn build(capacity: usize, max_bytes: usize, log: Option<log::Log>, head: log::Head) -> Audit {
         Audit {
             ring: Mutex::new(Ring {
                 events: VecDeque::with_capacity(capacity.min(1024)),
                 bytes: 0,
             }),
+            writer: Mutex::new(Writer {
+                head,
+                log,
+                written: 0,
+            }),
+            synced: Mutex::new(0),
             capacity: capacity.max(1),
             max_bytes: max_bytes.max(MAX_EVENT),
-            seq: AtomicU64::new(0),
+            updates: tokio::sync::watch::channel(0).0,
         }
     }
 
-    pub fn record(&self, call: &CallRef, kind: &'static str, mut detail: Value) {
+    /// Watches the newest seq (changes with every event).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.updates.subscribe()
+    }
+
+    /// Records one event. A log write failure is logged and the event still reaches the
+    /// ring: only [`Audit::record_durable`] events decide anything.
+    pub fn record(&self, call: &CallRef, kind: EventKind, detail: Value) {
+        if let Err(e) = self.append(call, kind, detail, false) {
+            tracing::error!(call = %call.call, %kind, error = %e, "cannot write an audit event to the log");
+        }
+    }
+
+    /// Records one event and returns once it is durable in the log (fsynced, possibly by
+    /// another caller's fsync). On `Err` the caller must not act on the event (a `commit`
+    /// rolls back, and its `rollback` follows): when the write failed, the event is in neither
+    /// the log nor the ring; when the fsync failed, it may be in both, not durable.
+    pub fn record_durable(
+        &self,
+        call: &CallRef,
+        kind: EventKind,
+        detail: Value,
+    ) -> Result<(), AuditError> {
+        self.append(call, kind, detail, true)
+    }
+
+    fn append(
+        &self,
+        call: &CallRef,
+        kind: EventKind,
+        mut detail: Value,
+        durable: bool,
+    ) -> Result<(), AuditError> {
         call.secrets.scrub(&mut detail);
         bound_strings(&mut detail, 0);
         let bound = |s: &str| truncate(s, MAX_STRING).into_owned();
+        let mut request_id = call.request_id.clone();
+        if let Some(r) = &mut request_id {
+            bound_strings(r, 0);
+        }
+        let time_ms = now_ms();
+        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let mut event = Event {
-            seq: self.seq.fetch_add(1, Ordering::SeqCst),
-            time_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
-            call: bound(&call.call),
+            seq: w.head.next_seq,
+            time: format_rfc3339(time_ms),
+            time_ms,
+            job: bound(&call.call),
+            request_id,
             tool: bound(&call.tool),
             session: call.session.as_deref().map(bound),
             principal: call.principal.as_ref().map(|p| Principal {
@@ -160,45 +372,106 @@ impl Audit {
             }),
             kind,
             detail,
+            prev: w.head.prev.clone(),
         };
-        tracing::debug!(call = %event.call, tool = %event.tool, kind, "audit");
+        tracing::debug!(job = %event.job, tool = %event.tool, %kind, "audit");
         let mut text = serde_json::to_string(&event).unwrap_or_default();
         if text.len() > MAX_EVENT {
             event.detail =
                 serde_json::json!({"truncated": format!("detail of {} bytes dropped", text.len())});
             text = serde_json::to_string(&event).unwrap_or_default();
         }
-        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-        ring.bytes += text.len();
-        ring.events.push_back(text.into_boxed_str());
-        while ring.events.len() > self.capacity || ring.bytes > self.max_bytes {
-            match ring.events.pop_front() {
-                Some(old) => ring.bytes -= old.len(),
-                None => break,
+        if let Some(log) = &mut w.log {
+            if durable {
+                crate::failpoint::hit("audit.durable_write").map_err(AuditError::Failpoint)?;
+            }
+            log.write_line(&text)?;
+            w.written += 1;
+        }
+        w.head = log::Head {
+            next_seq: event.seq + 1,
+            prev: log::sha256_hex(text.as_bytes()),
+        };
+        let entry = Entry {
+            text: text.into_boxed_str(),
+            job: event.job.into_boxed_str(),
+            tool: event.tool.into_boxed_str(),
+            session: event.session.map(String::into_boxed_str),
+            time_ms,
+        };
+        {
+            // Under the writer's lock: the ring's order is the log's.
+            let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+            ring.bytes += entry.bytes();
+            ring.events.push_back(entry);
+            while ring.events.len() > self.capacity || ring.bytes > self.max_bytes {
+                match ring.events.pop_front() {
+                    Some(old) => ring.bytes -= old.bytes(),
+                    None => break,
+                }
             }
         }
+        let mine = w.written;
+        drop(w);
+        self.updates.send_replace(event.seq);
+        if durable {
+            self.sync(mine)?;
+        }
+        Ok(())
     }
 
-    /// The newest events whose serialized size fits `budget` bytes, as a JSON array, oldest
-    /// first. Only the returned text is built; the ring is not copied.
-    pub fn newest_json(&self, budget: usize) -> String {
+    /// Makes every line up to the `upto`-th durable: one fsync covers every line written
+    /// before it, so concurrent callers share it.
+    fn sync(&self, upto: u64) -> Result<(), AuditError> {
+        let mut synced = self.synced.lock().unwrap_or_else(|p| p.into_inner());
+        if *synced >= upto {
+            return Ok(());
+        }
+        let (file, path, written) = {
+            let w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+            match &w.log {
+                Some(l) => (l.file(), l.path().to_path_buf(), w.written),
+                None => return Ok(()),
+            }
+        };
+        // Rotation fsyncs the file it retires, so this file's fsync covers every line up to
+        // `written`.
+        file.sync_data().map_err(|source| log::LogError::Io {
+            op: "fsync",
+            path,
+            source,
+        })?;
+        *synced = written;
+        Ok(())
+    }
+
+    /// The newest events that pass `filter` and whose serialized size fits `budget` bytes,
+    /// as a JSON array, oldest first. Only the returned text is built; the ring is not copied.
+    pub fn newest_json(&self, budget: usize, filter: &Filter) -> String {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let mut size = 2;
-        let mut first = ring.events.len();
+        let mut picked: Vec<&Entry> = Vec::new();
+        let limit = filter.limit.unwrap_or(usize::MAX);
         for e in ring.events.iter().rev() {
-            if size + e.len() + 1 > budget {
+            if picked.len() >= limit {
                 break;
             }
-            size += e.len() + 1;
-            first -= 1;
+            if !filter.accepts(&e.job, &e.tool, e.session.as_deref(), e.time_ms) {
+                continue;
+            }
+            if size + e.text.len() + 1 > budget {
+                break;
+            }
+            size += e.text.len() + 1;
+            picked.push(e);
         }
         let mut out = String::with_capacity(size);
         out.push('[');
-        for (i, e) in ring.events.range(first..).enumerate() {
+        for (i, e) in picked.iter().rev().enumerate() {
             if i > 0 {
                 out.push(',');
             }
-            out.push_str(e);
+            out.push_str(&e.text);
         }
         out.push(']');
         out
@@ -222,11 +495,13 @@ mod tests {
             session: None,
             principal: None,
             secrets: Default::default(),
+            request_id: None,
         }
     }
 
     fn seqs(a: &Audit, budget: usize) -> Vec<u64> {
-        let v: Vec<Value> = serde_json::from_str(&a.newest_json(budget)).unwrap();
+        let v: Vec<Value> =
+            serde_json::from_str(&a.newest_json(budget, &Filter::default())).unwrap();
         v.iter().map(|e| e["seq"].as_u64().unwrap()).collect()
     }
 
@@ -234,16 +509,165 @@ mod tests {
     fn ring_keeps_the_newest() {
         let a = Audit::new(2, 1 << 20);
         for _ in 0..3 {
-            a.record(&call(), "allow", Value::Null);
+            a.record(&call(), EventKind::Allow, Value::Null);
         }
         assert_eq!(seqs(&a, usize::MAX), vec![1, 2]);
+    }
+
+    #[test]
+    fn the_ring_stays_within_its_byte_bound_over_100000_events() {
+        // 100,000 events of 100,000 jobs, details of varying size; the bound is checked
+        // after every one.
+        let bound = 256 * 1024;
+        let a = Audit::new(usize::MAX, bound);
+        let mut peak = 0;
+        for i in 0..100_000u64 {
+            let c = CallRef {
+                call: format!("job-{i}"),
+                ..call()
+            };
+            let kind = EventKind::ALL[(i % 10) as usize];
+            a.record(
+                &c,
+                kind,
+                serde_json::json!({"text": "x".repeat((i % 700) as usize)}),
+            );
+            peak = peak.max(a.usage().1);
+        }
+        assert!(peak <= bound, "the ring held {peak} bytes, over {bound}");
+        let (n, _) = a.usage();
+        assert!(n > 100, "only {n} events kept");
+        let newest: Vec<Value> =
+            serde_json::from_str(&a.newest_json(usize::MAX, &Filter::default())).unwrap();
+        assert_eq!(newest.last().unwrap()["job"], "job-99999");
+        assert_eq!(newest.last().unwrap()["seq"], 99_999);
+    }
+
+    #[test]
+    fn filters_pick_job_tool_session_since_and_limit() {
+        let a = Audit::new(1000, 1 << 20);
+        for i in 0..10 {
+            let c = CallRef {
+                call: format!("j{}", i % 3),
+                tool: if i % 2 == 0 {
+                    "even".into()
+                } else {
+                    "odd".into()
+                },
+                session: Some(format!("s{}", i % 2)),
+                ..call()
+            };
+            a.record(&c, EventKind::Allow, Value::Null);
+        }
+        let get = |f: Filter| -> Vec<u64> {
+            let v: Vec<Value> = serde_json::from_str(&a.newest_json(usize::MAX, &f)).unwrap();
+            v.iter().map(|e| e["seq"].as_u64().unwrap()).collect()
+        };
+        let f = |job: Option<&str>, tool: Option<&str>, session: Option<&str>| Filter {
+            job: job.map(Into::into),
+            tool: tool.map(Into::into),
+            session: session.map(Into::into),
+            ..Filter::default()
+        };
+        assert_eq!(get(f(Some("j1"), None, None)), vec![1, 4, 7]);
+        assert_eq!(get(f(None, Some("odd"), None)), vec![1, 3, 5, 7, 9]);
+        assert_eq!(get(f(None, None, Some("s0"))), vec![0, 2, 4, 6, 8]);
+        assert_eq!(get(f(Some("j1"), Some("odd"), None)), vec![1, 7]);
+        assert_eq!(
+            get(Filter {
+                limit: Some(2),
+                ..Filter::default()
+            }),
+            vec![8, 9]
+        );
+        assert_eq!(
+            get(Filter {
+                since_ms: Some(now_ms() + 60_000),
+                ..Filter::default()
+            }),
+            Vec::<u64>::new()
+        );
+    }
+
+    /// README's lifecycle table names every event kind and no other.
+    #[test]
+    fn readme_lifecycle_table_matches_the_enum() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+            .expect("README.md");
+        let start = readme
+            .find("| call | events |")
+            .expect("README has a `| call | events |` table");
+        let mut named = std::collections::BTreeSet::new();
+        for line in readme[start..].lines().skip(2) {
+            if !line.starts_with('|') {
+                break;
+            }
+            let events = line.split('|').nth(2).unwrap_or("");
+            // The backticked single words are kinds (`phase: "queued"` is a field).
+            for (i, part) in events.split('`').enumerate() {
+                if i % 2 == 1 && part.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                    named.insert(part.to_string());
+                }
+            }
+        }
+        let all: std::collections::BTreeSet<String> = EventKind::ALL
+            .iter()
+            .map(|k| k.as_str().to_string())
+            .collect();
+        assert_eq!(named, all, "README's lifecycle table and EventKind differ");
+    }
+
+    #[test]
+    fn every_event_kind_has_one_name() {
+        for k in EventKind::ALL {
+            assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
+            let back: EventKind = serde_json::from_value(Value::from(k.as_str())).unwrap();
+            assert_eq!(back, k);
+        }
+    }
+
+    #[test]
+    fn the_log_gets_every_event_chained_and_durable_ones_fail_loudly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let (l, head) = log::Log::open(&path, 1 << 20, 2).unwrap();
+        let a = Audit::with_log(100, 1 << 20, l, head);
+        a.record(&call(), EventKind::Allow, Value::Null);
+        a.record_durable(&call(), EventKind::Commit, Value::Null)
+            .unwrap();
+        let v = log::verify(&path).unwrap();
+        assert_eq!((v.lines, v.first_seq, v.last_seq), (2, Some(0), Some(1)));
+        let ring: Vec<Value> =
+            serde_json::from_str(&a.newest_json(usize::MAX, &Filter::default())).unwrap();
+        let file: Vec<Value> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(ring, file);
+        // A sink that fails (a real device that refuses every write): the durable event
+        // is refused, and it is in neither the log nor the ring.
+        let full = std::fs::File::options()
+            .append(true)
+            .open("/dev/full")
+            .unwrap();
+        let (l2, head2) = log::Log::open(&dir.path().join("b.jsonl"), 1 << 20, 2).unwrap();
+        let b = Audit::with_log(100, 1 << 20, l2.replace_file_for_test(full), head2);
+        assert!(b
+            .record_durable(&call(), EventKind::Commit, Value::Null)
+            .is_err());
+        assert_eq!(b.usage().0, 0);
     }
 
     #[test]
     fn ring_is_bounded_in_bytes() {
         let a = Audit::new(1_000_000, 64 * 1024);
         for _ in 0..10_000 {
-            a.record(&call(), "allow", serde_json::json!({"x": "y".repeat(500)}));
+            a.record(
+                &call(),
+                EventKind::Allow,
+                serde_json::json!({"x": "y".repeat(500)}),
+            );
         }
         let (n, bytes) = a.usage();
         assert!(bytes <= 64 * 1024, "ring holds {bytes} bytes");
@@ -256,9 +680,9 @@ mod tests {
     fn a_reader_gets_the_newest_within_its_budget() {
         let a = Audit::new(100, 1 << 20);
         for _ in 0..100 {
-            a.record(&call(), "allow", Value::Null);
+            a.record(&call(), EventKind::Allow, Value::Null);
         }
-        let text = a.newest_json(1000);
+        let text = a.newest_json(1000, &Filter::default());
         assert!(text.len() <= 1000, "{} bytes", text.len());
         let s = seqs(&a, 1000);
         assert!(!s.is_empty() && s.len() < 100);
@@ -282,13 +706,14 @@ mod tests {
                 groups: Vec::new(),
             }),
             secrets: Default::default(),
+            request_id: Some(Value::String("r".repeat(1 << 20))),
         };
         a.record(
             &c,
-            "deny",
+            EventKind::Deny,
             serde_json::json!({"why": "w".repeat(1 << 20), "k".repeat(5000): 1}),
         );
-        let text = a.newest_json(usize::MAX);
+        let text = a.newest_json(usize::MAX, &Filter::default());
         assert!(text.len() < MAX_EVENT, "{} bytes", text.len());
         let v: Vec<Value> = serde_json::from_str(&text).unwrap();
         let session = v[0]["session"].as_str().unwrap();
@@ -309,8 +734,13 @@ mod tests {
     fn oversized_details_are_replaced_by_a_marker() {
         let a = Audit::new(10, 1 << 20);
         let many: Vec<String> = (0..100).map(|_| "x".repeat(1000)).collect();
-        a.record(&call(), "failed", serde_json::json!({ "list": many }));
-        let v: Vec<Value> = serde_json::from_str(&a.newest_json(usize::MAX)).unwrap();
+        a.record(
+            &call(),
+            EventKind::Error,
+            serde_json::json!({ "list": many }),
+        );
+        let v: Vec<Value> =
+            serde_json::from_str(&a.newest_json(usize::MAX, &Filter::default())).unwrap();
         assert!(v[0]["detail"]["truncated"]
             .as_str()
             .unwrap()

@@ -41,6 +41,8 @@ pub(super) enum Command {
     Policy(PolicyCommand),
     /// Roll back or complete every job a crashed daemon left, then exit.
     Recover(Dirs),
+    /// Read the durable audit log (filters, --follow, --json), or `verify` its hash chain.
+    Audit(super::audit::AuditArgs),
     /// Write the man pages and shell completions into DIR (used to build the package).
     #[command(hide = true)]
     GenerateAssets {

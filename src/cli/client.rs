@@ -277,10 +277,22 @@ pub(super) async fn call(a: CallArgs) -> Exit {
     };
     let request =
         rmcp::model::ClientRequest::CallToolRequest(rmcp::model::CallToolRequest::new(params));
-    let mut handle = match client
-        .send_cancellable_request(request, rmcp::service::PeerRequestOptions::no_options())
-        .await
-    {
+    // Sending may wait on a daemon that does not read: Ctrl-C and the deadline still work
+    // (the connection closes, which cancels whatever of the call reached the daemon).
+    let sent = tokio::select! {
+        r = client.send_cancellable_request(request, rmcp::service::PeerRequestOptions::no_options()) => r,
+        _ = sigint.recv() => {
+            eprintln!("airlock: {tool}: cancelled (interrupted while the call was being sent)");
+            let _ = tokio::time::timeout(Duration::from_millis(300), client.cancel()).await;
+            return Exit::Interrupted;
+        }
+        _ = &mut expired => {
+            eprintln!("airlock: {tool}: cancelled (no result within {}s, while the call was being sent)", timeout.unwrap_or(0.0));
+            let _ = tokio::time::timeout(Duration::from_millis(300), client.cancel()).await;
+            return Exit::Timeout;
+        }
+    };
+    let mut handle = match sent {
         Ok(h) => h,
         Err(e) => {
             eprintln!("airlock: {tool}: cannot send the call: {e}");

@@ -1,8 +1,9 @@
 //! The command line: `serve`, `recover` (the daemon's side, [`serve`]), `connect`, `call`
-//! (the client's side, [`client`]), `policy check|explain` ([`policy`]). Exit codes are
-//! one enum, [`Exit`].
+//! (the client's side, [`client`]), `policy check|explain` ([`policy`]), `audit [verify]`
+//! ([`audit`]). Exit codes are one enum, [`Exit`].
 
 mod args;
+mod audit;
 mod client;
 mod exit;
 mod policy;
@@ -31,6 +32,7 @@ pub fn main() -> Exit {
             policy::explain(&policies, &tool)
         }
         Command::Recover(a) => serve::recover(a),
+        Command::Audit(a) => audit::run(a),
         Command::GenerateAssets { out } => generate_assets(&out),
         Command::Serve(a) => runtime().map_or(Exit::Error, |rt| {
             let code = rt.block_on(serve::serve(a));

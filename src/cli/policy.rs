@@ -120,13 +120,7 @@ pub(super) fn explain(dir: &Path, name: &str) -> Exit {
             .map_or("built-in".into(), |p| p.display().to_string())
     );
     let need = policy::Right::for_capability(tool.capability);
-    let who: Vec<&policy::Grant> = policy
-        .grants
-        .iter()
-        .filter(|g| {
-            g.rights.contains(&need) && g.tools.as_ref().is_none_or(|t| t.contains(&tool.name))
-        })
-        .collect();
+    let who: Vec<&policy::Grant> = policy.grants_for(tool).collect();
     if who.is_empty() {
         println!(
             "  who may call it: nobody (no [[grant]] gives {:?} for it)",

@@ -29,12 +29,13 @@ pub enum ErrorCode {
     SandboxError,
     PublishFailed,
     StateError,
+    AuditFailed,
     Internal,
 }
 
 impl ErrorCode {
     /// Every code, in README's order.
-    pub const ALL: [ErrorCode; 14] = [
+    pub const ALL: [ErrorCode; 15] = [
         ErrorCode::InvalidArgument,
         ErrorCode::PathRejected,
         ErrorCode::OverlappingOutputs,
@@ -48,6 +49,7 @@ impl ErrorCode {
         ErrorCode::SandboxError,
         ErrorCode::PublishFailed,
         ErrorCode::StateError,
+        ErrorCode::AuditFailed,
         ErrorCode::Internal,
     ];
 
@@ -66,6 +68,7 @@ impl ErrorCode {
             ErrorCode::SandboxError => "SANDBOX_ERROR",
             ErrorCode::PublishFailed => "PUBLISH_FAILED",
             ErrorCode::StateError => "STATE_ERROR",
+            ErrorCode::AuditFailed => "AUDIT_FAILED",
             ErrorCode::Internal => "INTERNAL",
         }
     }
@@ -132,6 +135,9 @@ pub enum CallError {
         source: PublishError,
         restored: bool,
     },
+    /// The `commit` event could not be made durable in the audit log: the call rolled back.
+    #[error("the commit could not be recorded durably in the audit log; nothing was committed")]
+    AuditFailed(#[source] crate::audit::AuditError),
     #[error("{0}")]
     Internal(String),
 }
@@ -158,6 +164,7 @@ impl CallError {
             CallError::Job(_) | CallError::Staging(_) | CallError::Publish { .. } => {
                 ErrorCode::PublishFailed
             }
+            CallError::AuditFailed(_) => ErrorCode::AuditFailed,
             CallError::Internal(_) => ErrorCode::Internal,
         }
     }

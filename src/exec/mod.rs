@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use error::{CallError, ErrorCode};
 
-use crate::audit::{Audit, CallRef, Principal};
+use crate::audit::{Audit, CallRef, EventKind, Principal};
 use crate::policy::redact::{self, Secrets};
 use crate::policy::{
     Builtin, Capability, EnvProfile, ExternalTool, PathRole, Policy, Protocol, Right, Subject,
@@ -41,6 +41,57 @@ pub struct CallRequest {
     pub cancel: CancellationToken,
     /// Where the call reports its phases and its worker's progress, if the client asked.
     pub progress: Option<progress::Progress>,
+    /// The client's JSON-RPC id of the request, for the audit.
+    pub request_id: Option<Value>,
+    /// Whether `cancel` fired because the client asked (else its connection ended or the
+    /// daemon is shutting down): the cancel's recorded cause.
+    pub client_cancelled: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
+/// One call as the executor runs it: what its events share, and what the steps learned that
+/// the terminal event reports.
+struct Call {
+    r: CallRef,
+    t0: std::time::Instant,
+    /// `start` was recorded: the call is past its queue (locks, slot), its work begins.
+    started: std::sync::atomic::AtomicBool,
+    /// The wait recorded the `cancel` (with `worker_terminated`).
+    cancel_recorded: std::sync::atomic::AtomicBool,
+    /// The wait recorded `timeout` and `worker_terminated`.
+    timed_out: std::sync::atomic::AtomicBool,
+    /// Fields for the terminal event (the worker's exit, its enforcement).
+    extra: std::sync::Mutex<Map<String, Value>>,
+    client_cancelled: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
+impl std::ops::Deref for Call {
+    type Target = CallRef;
+    fn deref(&self) -> &CallRef {
+        &self.r
+    }
+}
+
+impl Call {
+    fn flag(&self, f: &std::sync::atomic::AtomicBool) -> bool {
+        f.load(Ordering::SeqCst)
+    }
+
+    fn note(&self, key: &str, v: Value) {
+        self.extra
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.to_string(), v);
+    }
+
+    /// The terminal event's fields so far, with the call's duration.
+    fn finish_detail(&self) -> Map<String, Value> {
+        let mut m = self.extra.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        m.insert(
+            "duration_ms".into(),
+            json!(self.t0.elapsed().as_millis() as u64),
+        );
+        m
+    }
 }
 
 /// The terminal result of a call.
@@ -146,6 +197,7 @@ impl Executor {
             sessions,
             identities,
             registry,
+            audit,
             recovered: _,
         } = opened;
         tracing::info!("workers run as {}", identities.describe());
@@ -158,7 +210,7 @@ impl Executor {
             registry,
             _lock: workspace_lock,
             _state_lock: state_lock,
-            audit: Audit::new(d.audit_ring, d.audit_ring_bytes),
+            audit,
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
             policy: std::sync::RwLock::new(policy),
             in_flight: AtomicUsize::new(0),
@@ -211,19 +263,30 @@ impl Executor {
         let Some(tool) = policy.tools.get(&req.tool) else {
             return Reply::UnknownTool(req.tool);
         };
+        // The session a call names (session_create names the one it creates).
+        let creates = matches!(tool.kind, ToolKind::Builtin(Builtin::SessionCreate));
         let session = req
             .args
-            .get("session")
+            .get(if creates { "id" } else { "session" })
             .and_then(Value::as_str)
             .filter(|s| crate::session::valid_id(s))
             .map(str::to_string);
         let secrets = Secrets::of(tool, &req.args);
-        let call = CallRef {
-            call: self.new_call_id(),
-            tool: tool.name.clone(),
-            session: session.clone().filter(|_| tool.takes_session()),
-            principal: Some(req.principal.clone()),
-            secrets: secrets.clone(),
+        let call = Call {
+            r: CallRef {
+                call: self.new_call_id(),
+                tool: tool.name.clone(),
+                session: session.clone().filter(|_| tool.takes_session() || creates),
+                principal: Some(req.principal.clone()),
+                secrets: secrets.clone(),
+                request_id: req.request_id.clone(),
+            },
+            t0: std::time::Instant::now(),
+            started: Default::default(),
+            cancel_recorded: Default::default(),
+            timed_out: Default::default(),
+            extra: Default::default(),
+            client_cancelled: req.client_cancelled.clone(),
         };
         // Cancelled by the client's request or by the daemon's shutdown.
         // The client's cancellation reaches `cancel` synchronously (a child token), so the
@@ -245,34 +308,27 @@ impl Executor {
             uid: who.uid,
             admin: policy.holds(who, Right::Admin),
         };
-        // The session the call names: `session`, or the id `session_create` would take (an
-        // id another principal holds or held is theirs: SESSION_FORBIDDEN, not a hint of
-        // whether it is alive).
-        let named = if matches!(tool.kind, ToolKind::Builtin(Builtin::SessionCreate)) {
-            req.args
-                .get("id")
-                .and_then(Value::as_str)
-                .filter(|s| crate::session::valid_id(s))
-        } else {
-            session.as_deref()
-        };
-        if let Err(e) = self.authorize(&policy, who, caller, tool, named) {
+        // The session checked is the one the call names: `session`, or the id
+        // `session_create` would take (an id another principal holds or held is theirs:
+        // SESSION_FORBIDDEN, not a hint of whether it is alive).
+        if let Err(e) = self.authorize(&policy, who, caller, tool, session.as_deref()) {
+            let code = e.code();
             let reply = e.reply(&secrets);
-            self.audit.record(
+            self.event(
                 &call,
-                "deny",
-                json!({"code": e.code().as_str(), "message": reply.structured.as_ref().map(|s| s["error"]["message"].clone())}),
+                EventKind::Deny,
+                json!({"code": code.as_str(), "message": reply.structured.as_ref().map(|s| s["error"]["message"].clone())}),
             );
             return Reply::Result(reply);
         }
-        self.audit.record(
-            &call,
-            "allow",
-            json!({
-                "capability": tool.capability.as_str(),
-                "arguments": redact::summary(tool, &req.args, ARGUMENT_SHOWN),
-            }),
-        );
+        let mut allow = json!({
+            "capability": tool.capability.as_str(),
+            "arguments": redact::summary(tool, &req.args, ARGUMENT_SHOWN),
+        });
+        if let ToolKind::External(ext) = &tool.kind {
+            allow["timeout_ms"] = json!(ext.timeout.as_millis() as u64);
+        }
+        self.event(&call, EventKind::Allow, allow);
         let outcome = match args::validate(tool, &req.args) {
             Err(e) => Err(e.into()),
             Ok(values) => match (&tool.kind, tool.capability) {
@@ -292,31 +348,115 @@ impl Executor {
                 }
             },
         };
+        self.finish(
+            &call,
+            tool.capability == Capability::Write,
+            &cancel,
+            outcome,
+        )
+    }
+
+    fn event(&self, call: &Call, kind: EventKind, detail: Value) {
+        self.audit.record(&call.r, kind, detail);
+    }
+
+    /// `start`: the call is past its queue and its work begins.
+    fn record_start(&self, call: &Call, detail: Value) {
+        call.started.store(true, Ordering::SeqCst);
+        self.event(call, EventKind::Start, detail);
+    }
+
+    /// A `cancel` event's detail: its cause (the client's request, with the request's id;
+    /// the daemon's shutdown; else the client's disconnect) and the call's phase.
+    fn cancel_detail(&self, call: &Call, phase: &str) -> Value {
+        let cause = if (call.client_cancelled)() {
+            "client"
+        } else if self.shutdown.is_cancelled() {
+            "shutdown"
+        } else {
+            "disconnect"
+        };
+        let mut d = json!({"cause": cause, "phase": phase});
+        if cause == "client" {
+            d["request_id"] = call.request_id.clone().unwrap_or(Value::Null);
+        }
+        d
+    }
+
+    /// Records how the call ended (see [`EventKind`] for the sequences) and makes its reply.
+    fn finish(
+        &self,
+        call: &Call,
+        mutating: bool,
+        cancel: &CancellationToken,
+        outcome: Result<ToolReply, Stop>,
+    ) -> Reply {
         // A cancel the call did not act on (it came past the point of no return, or the
         // call never waits on one): the result is sent, and the audit says so.
         let too_late = cancel.is_cancelled();
+        let started = call.flag(&call.started);
+        let mut fin = call.finish_detail();
         match outcome {
             Ok(reply) => {
-                let mut detail = json!({"is_error": false});
-                if too_late {
-                    detail["cancel_too_late"] = json!(true);
+                if mutating {
+                    // Its `commit` is recorded (durably, before the commit point).
+                    if too_late {
+                        let mut d = self.cancel_detail(call, "committed");
+                        d["too_late"] = json!(true);
+                        self.event(call, EventKind::Cancel, d);
+                    }
+                } else {
+                    if too_late {
+                        fin.insert("cancel_too_late".into(), json!(true));
+                    }
+                    self.event(call, EventKind::Done, Value::Object(fin));
                 }
-                self.audit.record(&call, "done", detail);
                 Reply::Result(reply)
             }
             Err(Stop::Fault(e)) => {
-                let reply = e.reply(&secrets);
-                let mut detail = reply.structured.clone().unwrap_or(Value::Null);
-                if too_late {
-                    if let Some(o) = detail.as_object_mut() {
-                        o.insert("cancel_too_late".into(), json!(true));
+                let reply = e.reply(&call.secrets);
+                let err = reply
+                    .structured
+                    .as_ref()
+                    .and_then(|s| s.get("error"))
+                    .cloned()
+                    .unwrap_or(Value::Null);
+                let code = json!(e.code().as_str());
+                let timed_out = call.flag(&call.timed_out);
+                // A mutating call's timeout reads `timeout, worker_terminated, rollback`.
+                if !(mutating && timed_out) {
+                    let mut d = fin.clone();
+                    d.insert("code".into(), code.clone());
+                    d.insert(
+                        "message".into(),
+                        err.get("message").cloned().unwrap_or(Value::Null),
+                    );
+                    d.insert(
+                        "phase".into(),
+                        json!(if started { "running" } else { "queued" }),
+                    );
+                    if too_late {
+                        d.insert("cancel_too_late".into(), json!(true));
                     }
+                    self.event(call, EventKind::Error, Value::Object(d));
                 }
-                self.audit.record(&call, "failed", detail);
+                if mutating && started {
+                    fin.insert("code".into(), code);
+                    self.event(call, EventKind::Rollback, Value::Object(fin));
+                }
                 Reply::Result(reply)
             }
             Err(Stop::Cancelled) => {
-                self.audit.record(&call, "cancelled", Value::Null);
+                if !call.flag(&call.cancel_recorded) {
+                    // Cancelled while queued (locks, a slot), or after its worker ended and
+                    // before publication began.
+                    let phase = if started { "before_publish" } else { "queued" };
+                    self.event(call, EventKind::Cancel, self.cancel_detail(call, phase));
+                }
+                if mutating && started {
+                    fin.insert("reason".into(), json!("cancelled"));
+                    self.event(call, EventKind::Rollback, Value::Object(fin));
+                }
                 Reply::Cancelled
             }
         }
@@ -351,7 +491,7 @@ impl Executor {
 
     async fn builtin(
         &self,
-        call: &CallRef,
+        call: &Call,
         caller: Caller,
         b: Builtin,
         raw: &Map<String, Value>,
@@ -369,15 +509,21 @@ impl Executor {
                     .and_then(Value::as_object)
                     .cloned()
                     .unwrap_or_default();
+                self.record_start(call, json!({}));
+                // The commit event is durable before the session exists; a create that fails
+                // anyway (the id is taken) is followed by its error and rollback.
+                let fresh = crate::session::valid_id(&id) && self.sessions.snapshot(&id).is_err();
+                let detail = json!({"version": 0, "created": true});
+                if fresh {
+                    self.commit_event(call, detail.clone())?;
+                }
                 let snap = self
                     .sessions
                     .create(&id, state, caller.uid)
                     .map_err(session_fault)?;
-                self.audit.record(
-                    call,
-                    "commit",
-                    json!({"session": id, "version": 0, "created": true}),
-                );
+                if !fresh {
+                    self.event(call, EventKind::Commit, detail);
+                }
                 Ok(ToolReply::ok(
                     format!("created session {id}"),
                     snap_json(&snap),
@@ -391,12 +537,10 @@ impl Executor {
                 let guard = self.lock_session(id, cancel).await?;
                 // Checked again under the lock: the id may have been created since step 1.
                 caller.check(id, guard.snapshot().owner)?;
-                let snap = self.sessions.destroy(guard).map_err(session_fault)?;
-                self.audit.record(
-                    call,
-                    "commit",
-                    json!({"session": id, "destroyed": true, "version": snap.version}),
-                );
+                self.record_start(call, json!({}));
+                let version = guard.snapshot().version;
+                self.commit_event(call, json!({"destroyed": true, "version": version}))?;
+                self.sessions.destroy(guard).map_err(session_fault)?;
                 Ok(ToolReply::ok(
                     format!("destroyed session {id}"),
                     json!({"id": id, "destroyed": true}),
@@ -407,6 +551,7 @@ impl Executor {
                     .get("session")
                     .and_then(Value::as_str)
                     .unwrap_or_default();
+                self.record_start(call, json!({}));
                 let snap = self.sessions.snapshot(id).map_err(session_fault)?;
                 caller.check(id, snap.owner)?;
                 Ok(ToolReply::ok(
@@ -416,6 +561,7 @@ impl Executor {
             }
             Builtin::SessionList => {
                 // A principal sees its own sessions; `admin` sees every one.
+                self.record_start(call, json!({}));
                 let list: Vec<Value> = self
                     .sessions
                     .list()
@@ -427,6 +573,23 @@ impl Executor {
                 Ok(ToolReply::ok(v.to_string(), v))
             }
         }
+    }
+
+    /// Records the call's `commit` durably (fsynced, possibly with others' events): called
+    /// before the commit point. A failure is `AUDIT_FAILED`, and the call does not commit.
+    fn commit_event(&self, call: &Call, detail: Value) -> Result<(), Stop> {
+        self.record_commit(call, detail)
+            .map_err(|e| CallError::AuditFailed(e).into())
+    }
+
+    /// [`Executor::commit_event`] inside publication, where the error goes back to the job.
+    fn record_commit(&self, call: &Call, detail: Value) -> Result<(), crate::audit::AuditError> {
+        let mut d = call.finish_detail();
+        if let Value::Object(m) = detail {
+            d.extend(m);
+        }
+        self.audit
+            .record_durable(&call.r, EventKind::Commit, Value::Object(d))
     }
 
     async fn lock_session(
@@ -442,6 +605,16 @@ impl Executor {
 
     /// Resolves every path parameter beneath the workspace.
     fn resolve_paths(
+        &self,
+        tool: &Tool,
+        values: &Map<String, Value>,
+    ) -> Result<Vec<(String, PathRole, PathBuf)>, Stop> {
+        // Off the async threads: resolution walks each path, and an input directory is
+        // listed and checked against the mount table.
+        tokio::task::block_in_place(|| self.resolve_paths_blocking(tool, values))
+    }
+
+    fn resolve_paths_blocking(
         &self,
         tool: &Tool,
         values: &Map<String, Value>,
@@ -472,7 +645,7 @@ impl Executor {
     async fn run_read(
         &self,
         policy: &Policy,
-        call: &CallRef,
+        call: &Call,
         tool: &Tool,
         ext: &ExternalTool,
         values: Map<String, Value>,
@@ -511,7 +684,7 @@ impl Executor {
     async fn run_write(
         &self,
         policy: &Policy,
-        call: &CallRef,
+        call: &Call,
         caller: Caller,
         tool: &Tool,
         ext: &ExternalTool,
@@ -540,8 +713,6 @@ impl Executor {
             _ = cancel.cancelled() => return Err(Stop::Cancelled),
         };
         let _slot = self.slot(cancel).await?;
-        self.audit
-            .record(call, "locked", json!({"targets": targets}));
 
         // 3. Clone the state.
         let before = guard.snapshot();
@@ -573,6 +744,7 @@ impl Executor {
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
         };
         let mut job = Job::create(&self.workspace, spec).map_err(CallError::Job)?;
+        job.hash_up_to(policy.daemon.audit_hash_limit);
         let root = self.workspace.root().to_path_buf();
         let bound = args::bind(&values, &paths, &root, Some(session), |i| {
             job.staged_path(i)
@@ -627,13 +799,25 @@ impl Executor {
             p.phase(progress::Phase::Publishing);
         }
 
-        // 7. Publish the outputs, then commit the state: the commit point.
+        // 7. Publish the outputs, then commit the state: the commit point. The `commit`
+        // event is durable in the audit log before it; if it cannot be, the call rolls back.
         let state = new_state.unwrap_or_else(|| before.state.clone());
         let mut committed = None;
+        let mut audit_failed = None;
+        let hash_limit = policy.daemon.audit_hash_limit;
         // Off the async threads: publication fsyncs, and its cleanup removes whatever the
         // worker left in staging.
         let published = tokio::task::block_in_place(|| {
-            job.publish_and_commit(|| {
+            job.publish_and_commit_with(|outputs| {
+                let version = before.version + 1;
+                let detail = json!({
+                    "version": version,
+                    "outputs": outputs.iter().map(|o| output_detail(o, hash_limit)).collect::<Vec<_>>(),
+                });
+                if let Err(e) = self.record_commit(call, detail) {
+                    audit_failed = Some(e);
+                    return Err("the commit event could not be recorded in the audit log".into());
+                }
                 self.sessions
                     .commit(&guard, state, &call.call)
                     .map(|snap| committed = Some(snap))
@@ -641,9 +825,10 @@ impl Executor {
             })
         });
         if let Err(e) = published {
-            self.audit
-                .record(call, "rollback", json!({"reason": e.to_string()}));
             let restored = !matches!(e, publish::PublishError::RollbackFailed { .. });
+            if let (Some(a), true) = (audit_failed, restored) {
+                return Err(CallError::AuditFailed(a).into());
+            }
             return Err(CallError::Publish {
                 source: e,
                 restored,
@@ -651,11 +836,6 @@ impl Executor {
             .into());
         }
         let version = committed.as_ref().map_or(before.version, |s| s.version);
-        self.audit.record(
-            call,
-            "commit",
-            json!({"session": session, "version": version, "outputs": targets}),
-        );
         reply.structured = Some(json!({
             "session": session,
             "version": version,
@@ -728,13 +908,14 @@ impl Executor {
 
     async fn spawn_and_wait(
         &self,
-        call: &CallRef,
+        call: &Call,
         launch: Launch,
         timeout: std::time::Duration,
         cancel: &CancellationToken,
         job: Option<&mut Job>,
         progress: Option<&progress::Progress>,
     ) -> Result<Outcome, Stop> {
+        let seccomp = launch.profile.seccomp.mode;
         let launch = Launch {
             progress: progress.map(progress::Progress::worker),
             ..launch
@@ -750,32 +931,59 @@ impl Executor {
                 tracing::warn!(call = %call.call, "cannot journal the worker pid: {e}");
             }
         }
-        self.audit
-            .record(call, "spawned", json!({"pid": worker.pid()}));
+        let mut start = json!({
+            "pid": worker.pid(),
+            "timeout_ms": timeout.as_millis() as u64,
+            "seccomp": seccomp,
+        });
+        if let Some(e) = worker.enforcement() {
+            start["landlock"] = json!(e.landlock);
+            start["landlock_abi"] = json!(e.landlock_abi);
+            start["containment"] = json!(e.containment);
+        }
+        self.record_start(call, start);
         let outcome = worker
             .finish(timeout, cancel.clone())
             .await
             .map_err(CallError::from)?;
-        self.audit.record(
-            call,
-            "sandbox",
-            json!({"end": format!("{:?}", outcome.end), "enforcement": outcome.enforcement}),
-        );
+        // When the worker's group was gone, in ms since the call began: the terminal event's
+        // `duration_ms` minus this is what came after it (publication, for a commit).
+        call.note("worker_ms", json!(call.t0.elapsed().as_millis() as u64));
+        // The kill is confirmed when `finish` returns: every process of the group (or the
+        // cgroup) is gone.
+        let terminated = json!({
+            "pid": outcome.pid,
+            "confirmed_by": outcome.enforcement.containment,
+        });
         match outcome.end {
             End::TimedOut => {
-                self.audit.record(
+                call.timed_out.store(true, Ordering::SeqCst);
+                self.event(
                     call,
-                    "timeout",
+                    EventKind::Timeout,
                     json!({"after_ms": timeout.as_millis() as u64}),
                 );
+                self.event(call, EventKind::WorkerTerminated, terminated);
                 Err(CallError::Timeout {
                     tool: call.tool.clone(),
                     after: timeout,
                 }
                 .into())
             }
-            End::Cancelled => Err(Stop::Cancelled),
-            End::Exited(_) | End::Signaled(_) => Ok(outcome),
+            End::Cancelled => {
+                call.cancel_recorded.store(true, Ordering::SeqCst);
+                self.event(call, EventKind::Cancel, self.cancel_detail(call, "running"));
+                self.event(call, EventKind::WorkerTerminated, terminated);
+                Err(Stop::Cancelled)
+            }
+            End::Exited(status) => {
+                call.note("exit", json!({"status": status}));
+                Ok(outcome)
+            }
+            End::Signaled(signal) => {
+                call.note("exit", json!({"signal": signal}));
+                Ok(outcome)
+            }
         }
     }
 
@@ -875,6 +1083,27 @@ impl Executor {
             }
         }
     }
+}
+
+/// One published output in the `commit` event: its path, size and SHA-256, or, above the
+/// hash limit, its size and identity only (and a note saying so).
+fn output_detail(o: &publish::Published, hash_limit: u64) -> Value {
+    let mut v = json!({
+        "path": o.target,
+        "size": o.size,
+        "dev": o.id.dev,
+        "ino": o.id.ino,
+    });
+    match &o.sha256 {
+        Some(h) => v["sha256"] = json!(h),
+        None => {
+            v["sha256"] = Value::Null;
+            v["not_hashed"] = json!(format!(
+                "larger than audit_hash_limit ({hash_limit} bytes): size and identity only"
+            ));
+        }
+    }
+    v
 }
 
 /// Turns a `json`-protocol worker's stdout into a reply and an optional new state. The whole

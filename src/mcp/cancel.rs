@@ -25,6 +25,8 @@ struct Entry {
     cancelled: bool,
     /// The call ended cancelled by its client: its reply is not sent.
     silent: bool,
+    /// The client's own id of the request (for the audit).
+    client_id: Option<serde_json::Value>,
 }
 
 /// The `tools/call` requests of one connection that a client may cancel.
@@ -50,6 +52,22 @@ impl Calls {
         }
         e.token = Some(token.clone());
         token
+    }
+
+    /// The framing passed on `tools/call` `id`, which the client sent as `client_id`.
+    pub fn note_client_id(&self, id: u64, client_id: serde_json::Value) {
+        self.lock().entry(id).or_default().client_id = Some(client_id);
+    }
+
+    /// The client's id of call `id`.
+    pub fn client_id(&self, id: u64) -> Option<serde_json::Value> {
+        self.lock().get(&id).and_then(|e| e.client_id.clone())
+    }
+
+    /// Whether the client cancelled call `id` (as opposed to its connection's end or the
+    /// daemon's shutdown).
+    pub fn cancelled_by_client(&self, id: u64) -> bool {
+        self.lock().get(&id).is_some_and(|e| e.cancelled)
     }
 
     /// The client cancelled call `id` (a request still in flight).

@@ -504,6 +504,9 @@ impl Ids {
         };
         self.next += 1;
         self.bytes += line.len();
+        if method == "tools/call" {
+            self.calls.note_client_id(internal, id.clone());
+        }
         self.by_client.insert(key, internal);
         self.by_internal
             .insert(internal, (id, line.len(), method == "tools/call"));

@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, InitializeResult,
-    ListResourcesResult, ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams,
-    ReadResourceResponse, ReadResourceResult, ServerCapabilities, ServerConfig,
+    ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
+    ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, ServerCapabilities,
+    ServerConfig, SubscribeRequestParams, UnsubscribeRequestParams,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -75,6 +76,72 @@ async fn forward_progress(
 
 /// The one resource: every call's lifecycle events.
 pub const AUDIT_URI: &str = "airlock://audit/events";
+/// The same, filtered (RFC 6570 form-style query): `airlock://audit/events?job=J&limit=10`.
+pub const AUDIT_TEMPLATE: &str = "airlock://audit/events{?job,session,tool,since,limit}";
+/// Resource subscriptions one connection may hold.
+const MAX_SUBSCRIPTIONS: usize = 16;
+/// A subscriber hears of new events at most this often.
+const NOTIFY_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// `%XX` escapes and `+` decoded; `None` for a malformed escape or bytes that are not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let h = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(h, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// The filter a resource URI asks for: [`AUDIT_URI`], optionally with a query of the
+/// template's variables. An unknown variable or a bad value is an error naming it.
+pub fn audit_filter(uri: &str) -> Result<crate::audit::Filter, String> {
+    let query = match uri.strip_prefix(AUDIT_URI) {
+        Some("") => return Ok(Default::default()),
+        Some(rest) => rest
+            .strip_prefix('?')
+            .ok_or_else(|| format!("no resource {uri:?}; resources/list names them"))?,
+        None => return Err(format!("no resource {uri:?}; resources/list names them")),
+    };
+    let mut f = crate::audit::Filter::default();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let v = percent_decode(v).ok_or_else(|| format!("{k}: malformed percent-encoding"))?;
+        match k {
+            "job" => f.job = Some(v),
+            "session" => f.session = Some(v),
+            "tool" => f.tool = Some(v),
+            "since" => f.since_ms = Some(crate::audit::parse_since(&v)?),
+            "limit" => {
+                f.limit = Some(
+                    v.parse()
+                        .map_err(|_| format!("limit {v:?} is not a count of events"))?,
+                )
+            }
+            k => {
+                return Err(format!(
+                    "unknown filter {k:?}; the template is {AUDIT_TEMPLATE}"
+                ))
+            }
+        }
+    }
+    Ok(f)
+}
 
 /// The `data.code` of the JSON-RPC error a principal without `admin` or `audit` gets for a
 /// read of the audit resource (a protocol error, not a tool fault, so not an `ErrorCode`).
@@ -87,17 +154,43 @@ pub fn audit_read_budget(ring_bytes: usize, queue_bytes: usize) -> usize {
     ring_bytes.min(queue_bytes / 4)
 }
 
+/// An unknown resource is "not found"; a known one with a bad filter is invalid params.
+fn uri_error(uri: &str, message: String) -> McpError {
+    if uri.starts_with(AUDIT_URI) {
+        McpError::invalid_params(message, None)
+    } else {
+        McpError::resource_not_found(message, None)
+    }
+}
+
 #[derive(Clone)]
 pub struct Handler {
     exec: Arc<Executor>,
     peer: Principal,
     /// The connection's calls a client may cancel (the framing's cancellations land here).
     calls: Arc<Calls>,
+    /// The connection's end: its subscriptions stop with it.
+    conn: tokio_util::sync::CancellationToken,
+    /// Subscribed resource URIs, each with the token that stops its notifier.
+    subs: Arc<
+        std::sync::Mutex<std::collections::HashMap<String, tokio_util::sync::CancellationToken>>,
+    >,
 }
 
 impl Handler {
-    pub fn new(exec: Arc<Executor>, peer: Principal, calls: Arc<Calls>) -> Handler {
-        Handler { exec, peer, calls }
+    pub fn new(
+        exec: Arc<Executor>,
+        peer: Principal,
+        calls: Arc<Calls>,
+        conn: tokio_util::sync::CancellationToken,
+    ) -> Handler {
+        Handler {
+            exec,
+            peer,
+            calls,
+            conn,
+            subs: Default::default(),
+        }
     }
 
     /// Whether the connection's principal may read the audit (`admin` or `audit`).
@@ -107,6 +200,47 @@ impl Handler {
             uid: self.peer.uid,
             gids: &gids,
         })
+    }
+
+    /// The audit's resource (or template) entry as a list: listed only to a principal that
+    /// may read it.
+    fn audit_listing(&self, entry: Value) -> Value {
+        if self.may_read_audit(&self.exec.policy()) {
+            json!([entry])
+        } else {
+            json!([])
+        }
+    }
+
+    /// Refuses (and records a `deny`) a principal that may not read the audit.
+    fn check_audit_reader(
+        &self,
+        policy: &crate::policy::Policy,
+        method: &str,
+        uri: &str,
+    ) -> Result<(), McpError> {
+        if self.may_read_audit(policy) {
+            return Ok(());
+        }
+        self.exec.audit.record(
+            &crate::audit::CallRef {
+                call: "-".into(),
+                tool: method.into(),
+                session: None,
+                principal: Some(self.peer.clone()),
+                secrets: Default::default(),
+                request_id: None,
+            },
+            crate::audit::EventKind::Deny,
+            json!({"code": AUDIT_FORBIDDEN, "uri": uri}),
+        );
+        Err(McpError::invalid_request(
+            format!(
+                "{AUDIT_FORBIDDEN}: uid {} may not read {AUDIT_URI}; it needs the admin or audit capability in a [[grant]] of airlock.toml",
+                self.peer.uid
+            ),
+            Some(json!({"code": AUDIT_FORBIDDEN})),
+        ))
     }
 }
 
@@ -141,6 +275,7 @@ impl ServerHandler for Handler {
         let caps = ServerCapabilities::builder()
             .enable_tools()
             .enable_resources()
+            .enable_resources_subscribe()
             .build();
         InitializeResult::new(caps)
             .with_server_info(Implementation::new("airlock", env!("CARGO_PKG_VERSION")))
@@ -219,12 +354,15 @@ impl ServerHandler for Handler {
             }
             None => (None, None),
         };
+        let calls = self.calls.clone();
         let req = CallRequest {
             tool: request.name.to_string(),
             args: request.arguments.unwrap_or_default(),
             principal,
             cancel,
             progress,
+            request_id: id.and_then(|id| self.calls.client_id(id)),
+            client_cancelled: Arc::new(move || id.is_some_and(|id| calls.cancelled_by_client(id))),
         };
         // The call drops its end of the progress channels when it ends; the forwarder then
         // sends what is left and ends, so every notification goes out before the result.
@@ -271,18 +409,89 @@ impl ServerHandler for Handler {
         _request: Option<PaginatedRequestParams>,
         _cx: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        // The audit is listed only to a principal that may read it.
-        let resources = if self.may_read_audit(&self.exec.policy()) {
-            json!([{
-                "uri": AUDIT_URI,
-                "name": "audit-events",
-                "description": "Lifecycle events of every call (allow, locked, spawned, commit, rollback, timeout, ...), oldest first; the newest that fit the read budget",
-                "mimeType": "application/json",
-            }])
-        } else {
-            json!([])
-        };
+        let resources = self.audit_listing(json!({
+            "uri": AUDIT_URI,
+            "name": "audit-events",
+            "description": "Lifecycle events of every call (allow, start, commit, rollback, timeout, cancel, ...), oldest first; the newest that fit the read budget. Filter with the template airlock://audit/events{?job,session,tool,since,limit}",
+            "mimeType": "application/json",
+        }));
         wire(json!({ "resultType": "complete", "resources": resources }))
+    }
+
+    async fn list_resource_templates(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _cx: RequestContext<RoleServer>,
+    ) -> Result<ListResourceTemplatesResult, McpError> {
+        let templates = self.audit_listing(json!({
+            "uriTemplate": AUDIT_TEMPLATE,
+            "name": "audit-events-filtered",
+            "description": "Audit events of one job, session or tool, at or after `since` (RFC 3339 UTC or milliseconds since the epoch), at most `limit` (the newest), oldest first",
+            "mimeType": "application/json",
+        }));
+        wire(json!({ "resultType": "complete", "resourceTemplates": templates }))
+    }
+
+    async fn subscribe(
+        &self,
+        request: SubscribeRequestParams,
+        cx: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        audit_filter(&request.uri).map_err(|m| uri_error(&request.uri, m))?;
+        self.check_audit_reader(&self.exec.policy(), "resources/subscribe", &request.uri)?;
+        let stop = self.conn.child_token();
+        {
+            let mut subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
+            if subs.contains_key(&request.uri) {
+                return Ok(());
+            }
+            if subs.len() >= MAX_SUBSCRIPTIONS {
+                return Err(McpError::invalid_params(
+                    format!("this connection already holds {MAX_SUBSCRIPTIONS} subscriptions; unsubscribe one first"),
+                    None,
+                ));
+            }
+            subs.insert(request.uri.clone(), stop.clone());
+        }
+        // Every new event updates every view of the ring (the newest events change); a
+        // subscriber hears of it at most every NOTIFY_EVERY.
+        let mut rx = self.exec.audit.subscribe();
+        rx.mark_unchanged();
+        let peer = cx.peer.clone();
+        let uri = request.uri;
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    r = rx.changed() => if r.is_err() { return },
+                    _ = stop.cancelled() => return,
+                }
+                let param = rmcp::model::ResourceUpdatedNotificationParam::new(uri.clone());
+                if peer.notify_resource_updated(param).await.is_err() {
+                    return;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(NOTIFY_EVERY) => {}
+                    _ = stop.cancelled() => return,
+                }
+            }
+        });
+        Ok(())
+    }
+
+    async fn unsubscribe(
+        &self,
+        request: UnsubscribeRequestParams,
+        _cx: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        if let Some(stop) = self
+            .subs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&request.uri)
+        {
+            stop.cancel();
+        }
+        Ok(())
     }
 
     async fn read_resource(
@@ -290,43 +499,19 @@ impl ServerHandler for Handler {
         request: ReadResourceRequestParams,
         _cx: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
-        if request.uri != AUDIT_URI {
-            return Err(McpError::resource_not_found(
-                format!("no resource {:?}; resources/list names them", request.uri),
-                None,
-            ));
-        }
+        let filter = audit_filter(&request.uri).map_err(|m| uri_error(&request.uri, m))?;
         let policy = self.exec.policy();
-        if !self.may_read_audit(&policy) {
-            self.exec.audit.record(
-                &crate::audit::CallRef {
-                    call: "-".into(),
-                    tool: "resources/read".into(),
-                    session: None,
-                    principal: Some(self.peer.clone()),
-                    secrets: Default::default(),
-                },
-                "deny",
-                json!({"code": AUDIT_FORBIDDEN, "uri": AUDIT_URI}),
-            );
-            return Err(McpError::invalid_request(
-                format!(
-                    "{AUDIT_FORBIDDEN}: uid {} may not read {AUDIT_URI}; it needs the admin or audit capability in a [[grant]] of airlock.toml",
-                    self.peer.uid
-                ),
-                Some(json!({"code": AUDIT_FORBIDDEN})),
-            ));
-        }
+        self.check_audit_reader(&policy, "resources/read", &request.uri)?;
         // The newest events that fit a reply the connection can queue (escaping at most
         // doubles the text), never a copy of the whole ring.
         let d = &policy.daemon;
-        let text = self
-            .exec
-            .audit
-            .newest_json(audit_read_budget(d.audit_ring_bytes, d.max_queued_bytes));
+        let text = self.exec.audit.newest_json(
+            audit_read_budget(d.audit_ring_bytes, d.max_queued_bytes),
+            &filter,
+        );
         let result: ReadResourceResult = wire(json!({
             "resultType": "complete",
-            "contents": [{ "uri": AUDIT_URI, "mimeType": "application/json", "text": text }]
+            "contents": [{ "uri": request.uri, "mimeType": "application/json", "text": text }]
         }))?;
         Ok(ReadResourceResponse::Complete(result))
     }

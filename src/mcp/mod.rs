@@ -307,7 +307,8 @@ pub async fn serve_connection(
         }
     });
 
-    let handshake = Handler::new(exec, peer, calls).serve_with_ct(rmcp_side, ct.clone());
+    let handshake =
+        Handler::new(exec, peer, calls, ct.clone()).serve_with_ct(rmcp_side, ct.clone());
     let service = tokio::select! {
         r = tokio::time::timeout(handshake_timeout, handshake) => match r {
             Ok(Ok(service)) => Some(service),

@@ -71,6 +71,13 @@ impl Grant {
     pub fn matches(&self, who: Subject<'_>) -> bool {
         self.uids.contains(&who.uid) || who.gids.iter().any(|g| self.gids.contains(g))
     }
+
+    /// Whether this grant gives whoever it names the right to call `tool`.
+    pub fn allows(&self, tool: &Tool) -> bool {
+        self.rights
+            .contains(&Right::for_capability(tool.capability))
+            && self.tools.as_ref().is_none_or(|t| t.contains(&tool.name))
+    }
 }
 
 impl Policy {
@@ -81,10 +88,12 @@ impl Policy {
     /// Whether `who` may call `tool`: a grant of theirs gives the right its capability needs,
     /// for every tool or with the tool in its list.
     pub fn may_call(&self, who: Subject<'_>, tool: &Tool) -> bool {
-        let need = Right::for_capability(tool.capability);
-        self.grants_of(who).any(|g| {
-            g.rights.contains(&need) && g.tools.as_ref().is_none_or(|t| t.contains(&tool.name))
-        })
+        self.grants_of(who).any(|g| g.allows(tool))
+    }
+
+    /// Every grant that lets whoever it names call `tool` (`policy explain`).
+    pub fn grants_for<'a>(&'a self, tool: &'a Tool) -> impl Iterator<Item = &'a Grant> + 'a {
+        self.grants.iter().filter(move |g| g.allows(tool))
     }
 
     /// Whether `who` holds `right` (`admin` or `audit`; these are never limited to tools).

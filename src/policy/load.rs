@@ -216,6 +216,33 @@ pub const DAEMON_USER: &str = "@daemon";
 
 /// Reads the `[[grant]]` tables of `airlock.toml`: every user and group name resolved (an
 /// unknown one is an error), every capability and tool known.
+/// A `users` (or, with `group`, `groups`) entry of a grant as its id: `@daemon` is the
+/// daemon's own; any other name is looked up.
+fn resolve_subject(name: &str, group: bool) -> Result<u32, String> {
+    let (what, list, numbers, names) = if group {
+        ("group", "groups", "gids", "group names")
+    } else {
+        ("user", "users", "uids", "account names")
+    };
+    if name == DAEMON_USER {
+        return Ok(if group {
+            rustix::process::getegid().as_raw()
+        } else {
+            rustix::process::geteuid().as_raw()
+        });
+    }
+    let found = if group {
+        nix::unistd::Group::from_name(name).map(|g| g.map(|g| g.gid.as_raw()))
+    } else {
+        nix::unistd::User::from_name(name).map(|u| u.map(|u| u.uid.as_raw()))
+    };
+    match found {
+        Ok(Some(id)) => Ok(id),
+        Ok(None) => Err(format!("no {what} named {name:?} on this system ({list} = [...] takes {names}, or \"{DAEMON_USER}\" for the daemon's own {what}; {numbers} = [...] takes numbers)")),
+        Err(e) => Err(format!("cannot look up {what} {name:?}: {e}")),
+    }
+}
+
 fn load_grants(cx: &mut Cx, path: &Path, tools: &BTreeMap<String, Tool>) -> Vec<super::Grant> {
     use super::Right;
     if !path.exists() {
@@ -243,55 +270,25 @@ fn load_grants(cx: &mut Cx, path: &Path, tools: &BTreeMap<String, Tool>) -> Vec<
             tools: None,
             origin: format!("{file}:{line}"),
         };
-        for u in &g.users {
-            let name = u.get_ref();
-            let uid = if name == DAEMON_USER {
-                Some(rustix::process::geteuid().as_raw())
-            } else {
-                match nix::unistd::User::from_name(name) {
-                    Ok(Some(user)) => Some(user.uid.as_raw()),
-                    Ok(None) => {
-                        cx.at(path, &text, u.span(), format!("no user named {name:?} on this system (users = [...] takes account names, or \"{DAEMON_USER}\" for the daemon's own user; uids = [...] takes numbers)"));
-                        None
+        for (names, group) in [(&g.users, false), (&g.groups, true)] {
+            for n in names {
+                let name = n.get_ref();
+                match resolve_subject(name, group) {
+                    Ok(id) if group => {
+                        grant.gids.insert(id);
+                        grant.subjects.push(format!("group {name} (gid {id})"));
                     }
-                    Err(e) => {
-                        cx.at(
-                            path,
-                            &text,
-                            u.span(),
-                            format!("cannot look up user {name:?}: {e}"),
-                        );
-                        None
+                    Ok(id) => {
+                        grant.uids.insert(id);
+                        grant.subjects.push(format!("user {name} (uid {id})"));
                     }
+                    Err(m) => cx.at(path, &text, n.span(), m),
                 }
-            };
-            if let Some(uid) = uid {
-                grant.uids.insert(uid);
-                grant.subjects.push(format!("user {name} (uid {uid})"));
             }
         }
         for u in &g.uids {
             grant.uids.insert(*u.get_ref());
             grant.subjects.push(format!("uid {}", u.get_ref()));
-        }
-        for gr in &g.groups {
-            let name = gr.get_ref();
-            if name == DAEMON_USER {
-                let gid = rustix::process::getegid().as_raw();
-                grant.gids.insert(gid);
-                grant.subjects.push(format!("group {name} (gid {gid})"));
-                continue;
-            }
-            match nix::unistd::Group::from_name(name) {
-                Ok(Some(group)) => {
-                    grant.gids.insert(group.gid.as_raw());
-                    grant
-                        .subjects
-                        .push(format!("group {name} (gid {})", group.gid.as_raw()));
-                }
-                Ok(None) => cx.at(path, &text, gr.span(), format!("no group named {name:?} on this system (groups = [...] takes group names, or \"{DAEMON_USER}\" for the daemon's own group; gids = [...] takes numbers)")),
-                Err(e) => cx.at(path, &text, gr.span(), format!("cannot look up group {name:?}: {e}")),
-            }
         }
         for gid in &g.gids {
             grant.gids.insert(*gid.get_ref());
@@ -366,6 +363,10 @@ struct RawDaemon {
     max_concurrent_calls: Option<usize>,
     audit_ring: Option<usize>,
     audit_ring_bytes: Option<Spanned<Size>>,
+    audit_log: Option<PathBuf>,
+    audit_log_size: Option<Spanned<Size>>,
+    audit_log_keep: Option<usize>,
+    audit_hash_limit: Option<Spanned<Size>>,
     max_connections_per_uid: Option<usize>,
     max_requests_per_connection: Option<usize>,
     max_queued_bytes: Option<Spanned<Size>>,
@@ -431,31 +432,44 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
     if let Some(v) = r.audit_ring {
         d.audit_ring = v.max(1);
     }
-    if let Some(v) = r.max_connections_per_uid {
-        d.max_connections_per_uid = v.max(1);
+    if let Some(v) = r.audit_log {
+        d.audit_log = v;
     }
-    if let Some(v) = r.max_requests_per_connection {
-        d.max_requests_per_connection = v.max(1);
+    if let Some(v) = r.audit_log_keep {
+        d.audit_log_keep = v;
     }
-    // Sizes and durations: each at least a floor that keeps the daemon usable.
+    // Sizes: each at least a floor that keeps the daemon usable.
+    let (mut ring_bytes, mut queued_bytes) = (d.audit_ring_bytes as u64, d.max_queued_bytes as u64);
     let sizes = [
+        (
+            "audit_log_size",
+            r.audit_log_size,
+            4 << 10,
+            &mut d.audit_log_bytes,
+        ),
+        (
+            "audit_hash_limit",
+            r.audit_hash_limit,
+            0,
+            &mut d.audit_hash_limit,
+        ),
         (
             "audit_ring_bytes",
             r.audit_ring_bytes,
             64 << 10,
-            &mut d.audit_ring_bytes,
+            &mut ring_bytes,
         ),
         (
             "max_queued_bytes",
             r.max_queued_bytes,
             64 << 10,
-            &mut d.max_queued_bytes,
+            &mut queued_bytes,
         ),
     ];
     for (name, v, floor, slot) in sizes {
         let Some(v) = v else { continue };
         match v.get_ref().bytes(&text, v.span()) {
-            Ok(n) if n >= floor as u64 => *slot = n as usize,
+            Ok(n) if n >= floor => *slot = n,
             Ok(_) => cx.at(
                 path,
                 &text,
@@ -464,6 +478,14 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
             ),
             Err(m) => cx.at(path, &text, v.span(), m),
         }
+    }
+    d.audit_ring_bytes = usize::try_from(ring_bytes).unwrap_or(usize::MAX);
+    d.max_queued_bytes = usize::try_from(queued_bytes).unwrap_or(usize::MAX);
+    if let Some(v) = r.max_connections_per_uid {
+        d.max_connections_per_uid = v.max(1);
+    }
+    if let Some(v) = r.max_requests_per_connection {
+        d.max_requests_per_connection = v.max(1);
     }
     let durations = [
         (
@@ -1200,26 +1222,16 @@ mod tests {
 
     /// The shipped policies with `profiles/extra.toml` added.
     fn with_profile(extra: &str) -> Result<Policy, PolicyErrors> {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
-        for sub in ["", "profiles", "tools"] {
-            std::fs::create_dir_all(dir.path().join(sub)).expect("mkdir");
-            for e in std::fs::read_dir(shipped.join(sub))
-                .expect("read_dir")
-                .flatten()
-            {
-                if e.path().is_file() {
-                    std::fs::copy(e.path(), dir.path().join(sub).join(e.file_name()))
-                        .expect("copy");
-                }
-            }
-        }
-        std::fs::write(dir.path().join("profiles/extra.toml"), extra).expect("write");
-        load(dir.path())
+        with_extra("profiles/extra.toml", extra)
     }
 
     /// The shipped policies with `tools/extra.toml` added.
     fn with_tool(extra: &str) -> Result<Policy, PolicyErrors> {
+        with_extra("tools/extra.toml", extra)
+    }
+
+    /// A copy of the shipped policies with one more file, `rel`, loaded.
+    fn with_extra(rel: &str, extra: &str) -> Result<Policy, PolicyErrors> {
         let dir = tempfile::tempdir().expect("tempdir");
         let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
         for sub in ["", "profiles", "tools"] {
@@ -1234,7 +1246,7 @@ mod tests {
                 }
             }
         }
-        std::fs::write(dir.path().join("tools/extra.toml"), extra).expect("write");
+        std::fs::write(dir.path().join(rel), extra).expect("write");
         load(dir.path())
     }
 

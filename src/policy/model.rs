@@ -40,6 +40,15 @@ pub struct DaemonConfig {
     pub audit_ring: usize,
     /// How many bytes (serialized) the in-memory audit ring keeps (default 16 MiB).
     pub audit_ring_bytes: usize,
+    /// The durable audit log (`audit_log`, default `audit.jsonl`); relative to `state_dir`.
+    pub audit_log: PathBuf,
+    /// The size at which the audit log is rotated (`audit_log_size`, default 64 MiB).
+    pub audit_log_bytes: u64,
+    /// How many rotated audit log files are kept (`audit_log_keep`, default 8).
+    pub audit_log_keep: usize,
+    /// Published outputs up to this size get their SHA-256 in the `commit` event; larger
+    /// ones only their size and identity (`audit_hash_limit`, default 64 MiB).
+    pub audit_hash_limit: u64,
     /// Connections one uid may hold at once (default 128, half of `max_connections`).
     pub max_connections_per_uid: usize,
     /// Requests one connection may have in flight (default 32); the connection's next
@@ -104,6 +113,10 @@ impl Default for DaemonConfig {
             max_concurrent_calls: 64,
             audit_ring: 10_000,
             audit_ring_bytes: 16 << 20,
+            audit_log: PathBuf::from("audit.jsonl"),
+            audit_log_bytes: 64 << 20,
+            audit_log_keep: 8,
+            audit_hash_limit: 64 << 20,
             max_connections_per_uid: 128,
             max_requests_per_connection: 32,
             max_queued_bytes: 8 << 20,
@@ -115,6 +128,13 @@ impl Default for DaemonConfig {
             worker_user: WorkerUser::Auto,
             worker_uids: DEFAULT_WORKER_UIDS,
         }
+    }
+}
+
+impl DaemonConfig {
+    /// Where the audit log is: `audit_log`, beneath `state_dir` when relative.
+    pub fn audit_log_path(&self) -> PathBuf {
+        self.state_dir.join(&self.audit_log)
     }
 }
 

@@ -15,7 +15,7 @@ use super::sys::{
 };
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
-use super::{JobSpec, PublishError, Workspace, JOB_DIR_PREFIX};
+use super::{JobSpec, PublishError, Published, Workspace, JOB_DIR_PREFIX};
 
 const STAGE: &str = "stage";
 /// Job ids become file names: keep them short and free of separators and dots.
@@ -38,6 +38,10 @@ pub struct Job {
     fd: OwnedFd,
     /// What is on disk in `recovery.json` (or is about to be).
     journal: Journal,
+    /// Outputs up to this size are hashed (SHA-256) while they are validated.
+    hash_limit: u64,
+    /// What each target receives, once validated (same order as the targets).
+    published: Vec<Published>,
 }
 
 impl std::fmt::Debug for Job {
@@ -203,6 +207,8 @@ impl Job {
                 root_path: ws.root().to_path_buf(),
                 fd,
                 journal,
+                hash_limit: super::DEFAULT_HASH_LIMIT,
+                published: Vec::new(),
             }),
             Err(e) => {
                 if let Err(c) = remove_tree(root.as_fd(), OsStr::new(&name), &dir) {
@@ -231,6 +237,12 @@ impl Job {
         }
     }
 
+    /// Outputs up to `bytes` get their SHA-256 in [`Published`]; larger ones only their
+    /// size and identity.
+    pub fn hash_up_to(&mut self, bytes: u64) {
+        self.hash_limit = bytes;
+    }
+
     /// Records the worker's pid in the journal to be written at publication (the registry
     /// of live workers, not the journal, is what startup uses to kill leftovers).
     pub fn record_worker(&mut self, pid: u32) -> Result<(), PublishError> {
@@ -249,14 +261,23 @@ impl Job {
     /// [`PublishError::RollbackFailed`]: then the job dir stays for startup recovery and the
     /// caller should treat the targets as unknown until it runs.
     pub fn publish_and_commit(
-        mut self,
+        self,
         commit: impl FnOnce() -> Result<(), super::CallbackError>,
+    ) -> Result<(), PublishError> {
+        self.publish_and_commit_with(|_| commit())
+    }
+
+    /// As [`Job::publish_and_commit`], handing `commit` what each target received (size,
+    /// identity, SHA-256), read from the validated outputs before anything was renamed.
+    pub fn publish_and_commit_with(
+        mut self,
+        commit: impl FnOnce(&[Published]) -> Result<(), super::CallbackError>,
     ) -> Result<(), PublishError> {
         if let Err(e) = self.publish() {
             return Err(self.fail(e));
         }
         // The commit point: the caller persists the session state recording this job.
-        if let Err(e) = commit() {
+        if let Err(e) = commit(&self.published) {
             return Err(self.fail(PublishError::Commit(e)));
         }
         self.journal.phase = Phase::Committed;
@@ -391,8 +412,9 @@ impl Job {
         Ok(())
     }
 
-    fn validate_outputs(&self) -> Result<Vec<FileId>, PublishError> {
+    fn validate_outputs(&mut self) -> Result<Vec<FileId>, PublishError> {
         let mut ids = Vec::with_capacity(self.journal.targets.len());
+        let mut published = Vec::with_capacity(self.journal.targets.len());
         for (i, rec) in self.journal.targets.iter().enumerate() {
             let bad = |reason: String| PublishError::BadOutput {
                 path: rec.target.clone(),
@@ -445,8 +467,21 @@ impl Job {
                 return Err(bad("it was replaced while being validated".into()));
             }
             sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
+            let size = st2.st_size as u64;
+            let sha256 = if size <= self.hash_limit {
+                Some(hash(fd.as_fd()).map_err(|e| io("read staged output", &staged, e))?)
+            } else {
+                None
+            };
+            published.push(Published {
+                target: rec.target.clone(),
+                size,
+                sha256,
+                id: FileId::of(&st),
+            });
             ids.push(FileId::of(&st));
         }
+        self.published = published;
         Ok(ids)
     }
 
@@ -639,6 +674,24 @@ impl Job {
             }
         }
     }
+}
+
+/// SHA-256 (hex) of what `fd` holds, read from its start (a sealed staged output: the worker
+/// can no longer write it).
+fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut off = 0u64;
+    loop {
+        let n = rustix::io::pread(fd, &mut buf, off)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+    Ok(crate::audit::log::hex(&h.finalize()))
 }
 
 fn parent_reason(prefix: &Path, e: Errno) -> String {

@@ -45,7 +45,7 @@ use std::path::PathBuf;
 
 pub use job::Job;
 pub use journal::Phase;
-pub use recover::recover;
+pub use recover::{recover, recover_with};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;
@@ -138,13 +138,62 @@ pub struct JobSpec {
     pub stage_owner: Option<(u32, u32)>,
 }
 
+/// Outputs up to this size are hashed unless the caller says otherwise.
+pub const DEFAULT_HASH_LIMIT: u64 = 64 << 20;
+
+/// What one target receives from a publication: for the `commit` audit event.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Published {
+    /// Relative to the workspace root.
+    pub target: PathBuf,
+    pub size: u64,
+    /// SHA-256 (hex) of the content; `None` above the hash limit (size and identity only).
+    pub sha256: Option<String>,
+    /// The file's identity (device, inode): the file the target now names.
+    pub id: FileId,
+}
+
+/// How startup recovery settled a job's targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Nothing was ever published (no journal, or `worker_running`).
+    NeverPublished,
+    /// Every target was brought back to its old file.
+    RolledBack,
+    /// The session holds the commit: every target keeps its new file.
+    Completed,
+    /// A quarantined dir of an earlier recovery (no job to settle).
+    Quarantine,
+}
+
 /// What startup recovery did with one leftover job dir.
 #[derive(Debug, Clone)]
 pub struct Recovered {
     pub job: String,
+    /// The journal's session and tool, when it had one.
+    pub session: Option<String>,
+    pub tool: Option<String>,
+    /// The journaled phase recovery found, when there was a journal.
+    pub phase: Option<&'static str>,
+    pub settled: Settled,
     pub action: String,
     /// Where the job dir was moved aside, when it could not be removed.
     pub quarantined: Option<PathBuf>,
+}
+
+impl Recovered {
+    /// A record with no journal information and no quarantine.
+    pub fn bare(job: String, settled: Settled) -> Recovered {
+        Recovered {
+            job,
+            session: None,
+            tool: None,
+            phase: None,
+            settled,
+            action: String::new(),
+            quarantined: None,
+        }
+    }
 }
 
 /// The failpoint before every mutation of this module (plus the in-process crash simulator

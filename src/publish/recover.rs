@@ -12,7 +12,7 @@ use super::job::rollback;
 use super::journal::{Journal, Phase, JOURNAL};
 use super::sys::{file_type, fsync_dir, io, mutate, stat_at};
 use super::tree::{open_repairing, remove_tree};
-use super::{PublishError, Recovered, Workspace, JOB_DIR_PREFIX, QUARANTINE_PREFIX};
+use super::{PublishError, Recovered, Settled, Workspace, JOB_DIR_PREFIX, QUARANTINE_PREFIX};
 
 /// Rolls back or completes every leftover job dir in `workspace`. `committed(session, job)`
 /// tells whether the session state holds that job's commit.
@@ -36,6 +36,18 @@ use super::{PublishError, Recovered, Workspace, JOB_DIR_PREFIX, QUARANTINE_PREFI
 pub fn recover(
     workspace: &Path,
     committed: &dyn Fn(&str, &str) -> Result<bool, super::CallbackError>,
+) -> Result<Vec<Recovered>, PublishError> {
+    recover_with(workspace, committed, &|_| Ok(()))
+}
+
+/// As [`recover`], calling `settled` for each job once its targets are final and before its
+/// journal is dropped (the audit records it there: a crash after `settled` makes the next
+/// recovery settle the job, and call `settled`, again). An `Err` from `settled` stops
+/// recovery like any other failure to bring a job to a boundary.
+pub fn recover_with(
+    workspace: &Path,
+    committed: &dyn Fn(&str, &str) -> Result<bool, super::CallbackError>,
+    settled: &dyn Fn(&Recovered) -> Result<(), super::CallbackError>,
 ) -> Result<Vec<Recovered>, PublishError> {
     let ws = Workspace::open(workspace)?;
     let mut jobs = Vec::new();
@@ -66,7 +78,7 @@ pub fn recover(
         if !is_dir(&ws, &name)? {
             continue;
         }
-        out.push(recover_one(&ws, &name, committed)?);
+        out.push(recover_one(&ws, &name, committed, settled)?);
     }
     Ok(out)
 }
@@ -91,17 +103,16 @@ fn retry_quarantined(ws: &Workspace, name: &OsStr) -> Recovered {
         Ok(()) => {
             tracing::info!(dir = %path.display(), "removed a quarantined job dir");
             Recovered {
-                job,
                 action: "removed (quarantined by an earlier recovery)".into(),
-                quarantined: None,
+                ..Recovered::bare(job, Settled::Quarantine)
             }
         }
         Err(e) => {
             tracing::warn!(dir = %path.display(), error = %e, "a quarantined job dir still cannot be removed; remove it by hand");
             Recovered {
-                job,
                 action: format!("still quarantined, cannot be removed: {e}"),
                 quarantined: Some(path),
+                ..Recovered::bare(job, Settled::Quarantine)
             }
         }
     }
@@ -111,6 +122,7 @@ fn recover_one(
     ws: &Workspace,
     name: &OsStr,
     committed: &dyn Fn(&str, &str) -> Result<bool, super::CallbackError>,
+    settled_hook: &dyn Fn(&Recovered) -> Result<(), super::CallbackError>,
 ) -> Result<Recovered, PublishError> {
     let dir = ws.root().join(name);
     let id = name.to_string_lossy()[JOB_DIR_PREFIX.len()..].to_string();
@@ -119,14 +131,14 @@ fn recover_one(
         Ok(Some(fd)) => fd,
         Ok(None) => {
             return Ok(Recovered {
-                job: id,
                 action: "gone already".into(),
-                quarantined: None,
+                ..Recovered::bare(id, Settled::NeverPublished)
             })
         }
         Err(e) => return quarantine(ws, name, &id, "never published", e),
     };
     let mut settled = "never published";
+    let mut info = Recovered::bare(id.clone(), Settled::NeverPublished);
     let action = match Journal::read(fd.as_fd(), &dir) {
         Err(reason) => {
             tracing::info!(job = %id, %reason, "no readable journal: the job never got past creation");
@@ -144,6 +156,14 @@ fn recover_one(
             });
         }
         Ok(j) => {
+            info.session = Some(j.session.clone());
+            info.tool = Some(j.tool.clone());
+            info.phase = Some(j.phase.as_str());
+            info.settled = match j.phase {
+                Phase::WorkerRunning => Settled::NeverPublished,
+                Phase::PublishingOutputs => Settled::RolledBack,
+                Phase::CommittingState | Phase::Committed => Settled::Completed,
+            };
             let total = j.targets.len();
             let roll_back = |j: &Journal| -> Result<String, PublishError> {
                 let n = rollback(ws.fd(), ws.root(), fd.as_fd(), &dir, j)?;
@@ -161,8 +181,14 @@ fn recover_one(
                 // Renames may all be done and the session may hold the commit: it decides.
                 Phase::PublishingOutputs | Phase::CommittingState => {
                     match committed(&j.session, &j.job) {
-                        Ok(true) => format!("completed {total} targets (session holds the commit)"),
-                        Ok(false) => roll_back(&j)?,
+                        Ok(true) => {
+                            info.settled = Settled::Completed;
+                            format!("completed {total} targets (session holds the commit)")
+                        }
+                        Ok(false) => {
+                            info.settled = Settled::RolledBack;
+                            roll_back(&j)?
+                        }
                         Err(source) => {
                             return Err(PublishError::Undecided {
                                 job: id,
@@ -176,8 +202,16 @@ fn recover_one(
             }
         }
     };
-    // The targets are final: drop the journal first, so that what remains of the dir reads as
-    // "never published" whatever happens next.
+    // The targets are final: say so (the audit), then drop the journal, so that what remains
+    // of the dir reads as "never published" whatever happens next.
+    settled_hook(&Recovered {
+        action: action.clone(),
+        ..info.clone()
+    })
+    .map_err(|reason| PublishError::Recovery {
+        job: id.clone(),
+        reason: format!("{reason}; nothing more was changed, start again once it is fixed"),
+    })?;
     let journal = dir.join(JOURNAL);
     let dropped = match mutate("publish.cleanup_unlink", &journal, || {
         rustix::fs::unlinkat(fd.as_fd(), JOURNAL, AtFlags::empty())
@@ -193,17 +227,14 @@ fn recover_one(
         .and_then(|()| remove_tree(ws.fd(), name, &dir))
         .and_then(|()| fsync_dir(ws.fd(), ws.root()));
     if let Err(e) = removed {
-        return quarantine(ws, name, &id, settled, e).map(|mut r| {
-            r.action = format!("{action}; {}", r.action);
-            r
+        return quarantine(ws, name, &id, settled, e).map(|r| Recovered {
+            action: format!("{action}; {}", r.action),
+            quarantined: r.quarantined,
+            ..info
         });
     }
     tracing::info!(job = %id, %action, "recovered job dir");
-    Ok(Recovered {
-        job: id,
-        action,
-        quarantined: None,
-    })
+    Ok(Recovered { action, ..info })
 }
 
 /// Moves a job dir that cannot be removed aside, under a name no tool path can reach and no
@@ -232,12 +263,12 @@ fn quarantine(
                 tracing::warn!(job = %id, from = %dir.display(), to = %to_path.display(), %error,
                     "cannot remove the job dir ({settled}); moved it aside: remove it by hand");
                 return Ok(Recovered {
-                    job: id.to_string(),
+                    quarantined: Some(to_path.clone()),
                     action: format!(
                         "quarantined as {} ({settled}; cannot remove it: {error}); remove it by hand",
                         to_path.display()
                     ),
-                    quarantined: Some(to_path),
+                    ..Recovered::bare(id.to_string(), Settled::NeverPublished)
                 });
             }
             Err(PublishError::Io { source, .. })

@@ -533,6 +533,12 @@ impl Worker {
         self.leader.as_u32()
     }
 
+    /// What the launcher reported enforcing (Landlock status and ABI, containment), while
+    /// the worker runs.
+    pub fn enforcement(&self) -> Option<&Enforcement> {
+        self.live.as_ref().map(|l| &l.enforcement)
+    }
+
     /// For a worker that failed to start.
     async fn abort(&mut self) {
         if let Some(live) = self.live.take() {

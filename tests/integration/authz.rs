@@ -158,6 +158,41 @@ async fn an_ungranted_uid_sees_no_tool_and_every_call_is_denied() {
     let ev = events_of(&root, NOBODY, "resources/read").await;
     assert_eq!(ev.len(), 1, "{ev:?}");
     assert_eq!(ev[0]["kind"], "deny");
+    // Nor its template, a filtered read, or a subscription (which would tell the timing of
+    // every call).
+    let templates = c
+        .list_all_resource_templates()
+        .await
+        .expect("resources/templates/list");
+    assert!(templates.is_empty(), "{templates:?}");
+    let err = c
+        .read_resource(ReadResourceRequestParams::new(
+            "airlock://audit/events?tool=session_create",
+        ))
+        .await
+        .expect_err("nobody read the filtered audit");
+    assert!(err.to_string().contains("AUDIT_FORBIDDEN"), "{err}");
+    // The client negotiates the 2025 era here, where `resources/subscribe` is the way.
+    #[allow(deprecated)]
+    let err = c
+        .subscribe(rmcp::model::SubscribeRequestParams::new(
+            "airlock://audit/events",
+        ))
+        .await
+        .expect_err("nobody subscribed to the audit");
+    assert!(err.to_string().contains("AUDIT_FORBIDDEN"), "{err}");
+    assert_eq!(
+        events_of(&root, NOBODY, "resources/subscribe").await.len(),
+        1
+    );
+    // The denials are in the durable log too, as the resource shows them.
+    let log = std::fs::read_to_string(d.state.join("audit.jsonl")).expect("audit log");
+    let denied: Vec<Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["principal"]["uid"] == json!(NOBODY) && e["kind"] == "deny")
+        .collect();
+    assert_eq!(denied.len(), 5, "{denied:?}");
     // The connection keeps serving.
     assert_eq!(tool_names(c).await, Vec::<String>::new());
 }
@@ -442,8 +477,8 @@ async fn secret_params_reach_the_worker_and_nothing_else() {
     assert_eq!(allow["detail"]["arguments"]["out"], "t.txt", "{allow}");
     let failed = mine
         .iter()
-        .find(|e| e["kind"] == "failed")
-        .expect("failed event");
+        .find(|e| e["kind"] == "error")
+        .expect("error event");
     assert!(
         failed.to_string().contains("[REDACTED]"),
         "the failure is recorded, scrubbed: {failed}"

@@ -167,7 +167,7 @@ async fn a_cancel_at_any_instant_rolls_back_silently_or_is_too_late_and_answered
         if e["tool"] != "write_text" {
             continue;
         }
-        let call = e["call"].as_str().expect("call id").to_string();
+        let call = e["job"].as_str().expect("job id").to_string();
         if e["kind"] == "allow" {
             order.push(call.clone());
         }
@@ -181,19 +181,22 @@ async fn a_cancel_at_any_instant_rolls_back_silently_or_is_too_late_and_answered
         let committed = kinds.contains(&"commit");
         if answered[i] {
             assert!(
-                committed && kinds.contains(&"done") && !kinds.contains(&"cancelled"),
+                committed && !kinds.contains(&"rollback"),
                 "try {}: answered, audit {kinds:?}",
                 i + 1
             );
             if evs
                 .iter()
-                .any(|e| e["kind"] == "done" && e["detail"]["cancel_too_late"] == true)
+                .any(|e| e["kind"] == "cancel" && e["detail"]["too_late"] == true)
             {
                 too_late += 1;
             }
         } else {
             assert!(
-                !committed && kinds.contains(&"cancelled") && !kinds.contains(&"done"),
+                // Cancelled while queued (`allow, cancel`) or once started (`..., rollback`).
+                !committed
+                    && kinds.contains(&"cancel")
+                    && matches!(kinds.last(), Some(&"rollback") | Some(&"cancel")),
                 "try {}: not answered, audit {kinds:?}",
                 i + 1
             );

@@ -54,7 +54,7 @@ fn airlock_call(d: &Daemon, extra: &[&str]) -> Child {
 }
 
 async fn assert_rolled_back(d: &Daemon, c: &Client, sleeper: &str) {
-    wait_for_event(c, "slow_write", "cancelled").await;
+    wait_for_event(c, "slow_write", "rollback").await;
     wait_no_process(sleeper).await;
     assert_eq!(d.read("o.txt"), None, "a cancelled call published");
     assert_eq!(version(c, "k").await, 0);

@@ -4,7 +4,9 @@
 //! completes; after each crash it restarts the daemon and checks that the workspace is the
 //! before or the after snapshot, that the session agrees with it, and that no staging or
 //! backup file remains. Then the same with a second crash during recovery, then injected
-//! errors (EIO, ENOSPC, EXDEV, EINVAL) at every point, rolled back in process.
+//! errors (EIO, ENOSPC, EXDEV, EINVAL) at every point, rolled back in process. After each,
+//! the audit log's last word on the call's job (its last `commit` or `rollback`) must match
+//! the workspace, and `airlock audit verify` must find the chain intact (#9).
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -134,10 +136,39 @@ async fn try_call(d: &Daemon, s: &Scenario) -> Result<Value, String> {
     Ok(serde_json::to_value(r).unwrap())
 }
 
+/// The audit log's last word on the jobs of `tool`: for each job, its last `commit` or
+/// `rollback` (None: neither, the call never got that far).
+fn last_words(d: &Daemon, tool: &str) -> Vec<(String, Option<String>)> {
+    let text = std::fs::read_to_string(d.state.join("audit.jsonl")).unwrap_or_default();
+    let events: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("an audit line"))
+        .collect();
+    let mut jobs: Vec<String> = vec![];
+    for e in &events {
+        let job = e["job"].as_str().unwrap_or("").to_string();
+        if e["tool"] == tool && !jobs.contains(&job) {
+            jobs.push(job);
+        }
+    }
+    jobs.into_iter()
+        .map(|j| {
+            let last = events
+                .iter()
+                .rev()
+                .filter(|e| e["job"] == j.as_str())
+                .find(|e| e["kind"] == "commit" || e["kind"] == "rollback")
+                .map(|e| e["kind"].as_str().unwrap().to_string());
+            (j, last)
+        })
+        .collect()
+}
+
 /// Restarts `d` cleanly (recovery runs) and checks the promise. Returns "before" or "after".
 async fn check_consistent(
     d: &mut Daemon,
     t: &Template,
+    tool: &str,
     after: &(Vec<String>, Value),
     what: &str,
 ) -> &'static str {
@@ -174,7 +205,12 @@ async fn check_consistent(
     );
     let leftovers: Vec<String> = tree(&d.state)
         .into_iter()
-        .filter(|l| l.contains(".tmp"))
+        // The entry's name (what follows it is its type, mode and content).
+        .filter(|l| {
+            l.split(' ')
+                .next()
+                .is_some_and(|name| name.contains(".tmp"))
+        })
         .collect();
     assert!(
         leftovers.is_empty(),
@@ -182,6 +218,31 @@ async fn check_consistent(
     );
     drop(c);
     d.stop();
+    // The log's last word on the call matches the workspace, and its chain is intact.
+    let words = last_words(d, tool);
+    assert_eq!(
+        words.len(),
+        1,
+        "{what}: jobs of {tool} in the audit: {words:?}"
+    );
+    let said = words[0].1.as_deref();
+    assert_eq!(
+        said == Some("commit"),
+        outcome == "after",
+        "{what}: the workspace is {outcome} but the audit's last word on job {} is {said:?}\n{}",
+        words[0].0,
+        std::fs::read_to_string(d.state.join("audit.jsonl")).unwrap_or_default()
+    );
+    let v = Command::new(BIN)
+        .args(["audit", "verify", "--log"])
+        .arg(d.state.join("audit.jsonl"))
+        .output()
+        .unwrap();
+    assert!(
+        v.status.success(),
+        "{what}: audit verify: {}",
+        String::from_utf8_lossy(&v.stderr)
+    );
     outcome
 }
 
@@ -227,7 +288,14 @@ async fn run_scenario(s: Scenario) {
             break;
         }
         crashes += 1;
-        let o = check_consistent(&mut d, &t, &after, &format!("{} crash at {n}", s.name)).await;
+        let o = check_consistent(
+            &mut d,
+            &t,
+            s.tool,
+            &after,
+            &format!("{} crash at {n}", s.name),
+        )
+        .await;
         outcomes[usize::from(o == "after")] += 1;
 
         // 2. The same crash again (recovery decides by inode identity, so the crashed dir
@@ -253,6 +321,7 @@ async fn run_scenario(s: Scenario) {
             check_consistent(
                 &mut d2,
                 &t,
+                s.tool,
                 &after,
                 &format!("{} crash at {n}, recovery crash at {m}", s.name),
             )
@@ -305,7 +374,14 @@ async fn run_scenario(s: Scenario) {
                 );
             }
             d.stop();
-            check_consistent(&mut d, &t, &after, &format!("{} {errno} at {n}", s.name)).await;
+            check_consistent(
+                &mut d,
+                &t,
+                s.tool,
+                &after,
+                &format!("{} {errno} at {n}", s.name),
+            )
+            .await;
             injected += 1;
         }
     }

@@ -298,7 +298,7 @@ async fn overlapping_targets_are_rejected_before_running() {
     assert!(
         !events
             .iter()
-            .any(|e| e["tool"] == "two_outputs" && e["kind"] == "spawned"),
+            .any(|e| e["tool"] == "two_outputs" && e["kind"] == "start"),
         "a rejected call ran"
     );
     let r = call(
@@ -393,7 +393,7 @@ async fn cancellation_kills_the_worker_and_sends_no_response() {
     wait_for_process("sleep 30.01").await;
     raw.send(&json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7, "reason": "test"}}));
     // The cancelled call leaves no trace once its audit event is out.
-    wait_for_event(&c, "slow_write", "cancelled").await;
+    wait_for_event(&c, "slow_write", "rollback").await;
     raw.send(&json!({"jsonrpc": "2.0", "id": 8, "method": "ping"}));
     let next = raw.recv();
     assert_eq!(
@@ -811,12 +811,8 @@ async fn delegated_cgroup_contains_each_worker() {
     let r = call(&c, "forker_ok", json!({"session": "cg", "out": "cg.txt"})).await;
     assert!(!is_error(&r), "{r}");
     let events = audit(&c).await;
-    let sb = events
-        .iter()
-        .rev()
-        .find(|e| e["kind"] == "sandbox")
-        .unwrap();
-    assert_eq!(sb["detail"]["enforcement"]["containment"], "cgroup", "{sb}");
+    let sb = events.iter().rev().find(|e| e["kind"] == "start").unwrap();
+    assert_eq!(sb["detail"]["containment"], "cgroup", "{sb}");
     assert!(processes_with("sleep 31.88").is_empty());
     let left: Vec<_> = std::fs::read_dir(&parent)
         .unwrap()
@@ -938,7 +934,7 @@ async fn a_client_that_disconnects_cancels_its_calls() {
     wait_for_process("sleep 30.03").await;
     drop(raw);
     wait_no_process("sleep 30.03").await;
-    wait_for_event(&c, "slow_write", "cancelled").await;
+    wait_for_event(&c, "slow_write", "rollback").await;
     assert!(d.read("dc.txt").is_none());
     assert!(d.job_dirs().is_empty());
     assert_eq!(version(&c, "dc").await, 0);

@@ -1,6 +1,7 @@
 //! All integration tests, in one binary that drives the real `airlock` program over a real
 //! socket (the layout of Codex's Linux sandbox tests).
 
+mod audit;
 mod authz;
 mod cancel;
 mod client_cli;

@@ -296,7 +296,7 @@ type = "string"
         "a rejected call touched the disk"
     );
     let events = audit(&c).await;
-    for kind in ["spawned", "commit"] {
+    for kind in ["start", "commit"] {
         let found: Vec<&Value> = events
             .iter()
             .filter(|e| e["kind"] == kind && e["tool"] != "session_create")

@@ -391,8 +391,9 @@ async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     let id = job.trim_start_matches(".airlock-job-").to_string();
     d.kill9();
     pending.abort();
-    // Point 0 of recovery (dropping the job's journal) fails: the dir is moved aside.
-    let (rc, stdout, stderr) = recover_cmd(&d, &[("AIRLOCK_FAILPOINT_ERROR_AT", "0")]);
+    // Point 1 of recovery (dropping the job's journal, after point 0, the audit's durable
+    // `rollback` event) fails: the dir is moved aside.
+    let (rc, stdout, stderr) = recover_cmd(&d, &[("AIRLOCK_FAILPOINT_ERROR_AT", "1")]);
     assert_eq!(rc, 0, "{stdout} {stderr}");
     let qname = format!(".airlock-quarantine-{id}");
     assert!(stdout.contains(&format!("{id}: ")), "{stdout}");

@@ -318,14 +318,19 @@ async fn sigterm_ignorers_are_killed_after_the_grace() {
     let sb = events
         .iter()
         .rev()
-        .find(|e| e["tool"] == "run_sh" && e["kind"] == "sandbox")
-        .expect("sandbox event");
-    assert!(
-        sb["detail"]["end"]
-            .as_str()
-            .unwrap_or("")
-            .contains("TimedOut"),
-        "{sb}"
+        .find(|e| e["tool"] == "run_sh" && e["kind"] == "worker_terminated")
+        .expect("worker_terminated event");
+    assert!(sb["detail"]["confirmed_by"].is_string(), "{sb}");
+    let job = sb["job"].clone();
+    let kinds: Vec<&str> = events
+        .iter()
+        .filter(|e| e["job"] == job)
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["allow", "start", "timeout", "worker_terminated", "rollback"],
+        "a write call's timeout"
     );
 }
 
@@ -401,7 +406,7 @@ async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
     let spawned = |events: &[Value]| {
         events
             .iter()
-            .filter(|e| e["tool"] == "run_sh" && e["kind"] == "spawned")
+            .filter(|e| e["tool"] == "run_sh" && e["kind"] == "start")
             .count()
     };
     let earlier = spawned(&audit(&c).await);
@@ -414,7 +419,7 @@ async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
             let e = events
                 .iter()
                 .rev()
-                .find(|e| e["kind"] == "spawned" && e["tool"] == "run_sh")
+                .find(|e| e["kind"] == "start" && e["tool"] == "run_sh")
                 .unwrap();
             break e["detail"]["pid"].as_u64().unwrap();
         }
@@ -434,19 +439,10 @@ async fn workers_run_with_no_new_privs_seccomp_and_no_capabilities() {
     let sb = events
         .iter()
         .rev()
-        .find(|e| e["kind"] == "sandbox")
+        .find(|e| e["kind"] == "start" && e["tool"] == "run_sh")
         .unwrap();
-    assert_eq!(
-        sb["detail"]["enforcement"]["landlock"], "fully_enforced",
-        "{sb}"
-    );
-    assert!(
-        sb["detail"]["enforcement"]["landlock_abi"]
-            .as_u64()
-            .unwrap()
-            >= 6,
-        "{sb}"
-    );
+    assert_eq!(sb["detail"]["landlock"], "fully_enforced", "{sb}");
+    assert!(sb["detail"]["landlock_abi"].as_u64().unwrap() >= 6, "{sb}");
 }
 
 #[tokio::test]

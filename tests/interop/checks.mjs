@@ -65,15 +65,18 @@ export function uniqueSeconds(slot) {
   return Math.round((3.5 + ((process.pid * 7 + slot * 131) % 997) / 1000) * 1000) / 1000;
 }
 
-/** The audit kinds of the newest call of `tool`, and its worker pid. */
+/** The audit kinds of the newest call (job) of `tool`, and its worker pid (from `start`). */
 export function lastCall(auditText, tool) {
   const evs = JSON.parse(auditText);
-  const calls = evs.filter((e) => e.tool === tool).map((e) => e.call);
-  check(calls.length > 0, `no ${tool} call in the audit`);
-  const mine = evs.filter((e) => e.call === calls[calls.length - 1]);
-  const spawned = mine.find((e) => e.kind === "spawned");
-  return { kinds: mine.map((e) => e.kind), pid: spawned ? spawned.detail.pid : null };
+  const jobs = evs.filter((e) => e.tool === tool).map((e) => e.job);
+  check(jobs.length > 0, `no ${tool} call in the audit`);
+  const mine = evs.filter((e) => e.job === jobs[jobs.length - 1]);
+  const start = mine.find((e) => e.kind === "start" && e.detail && e.detail.pid);
+  return { kinds: mine.map((e) => e.kind), pid: start ? start.detail.pid : null };
 }
+
+/** The kinds that can end a call's audit sequence (README, "The audit log"). */
+export const ENDS = ["commit", "rollback", "done", "error", "cancel"];
 
 export async function workerGone(seconds, pid, withinMs = 2000) {
   await waitUntil(`the worker sleeping ${seconds}s is killed`, () => sleepers(seconds).length === 0, withinMs);
@@ -84,7 +87,7 @@ export async function workerGone(seconds, pid, withinMs = 2000) {
 export function notPublished(kinds, outRel) {
   check(!kinds.includes("commit"), `a cancelled call committed: ${kinds}`);
   check(
-    kinds.some((k) => ["cancelled", "rollback", "timeout"].includes(k)),
+    kinds.some((k) => ["cancel", "rollback", "timeout"].includes(k)),
     `the audit does not say the call was stopped: ${kinds}`,
   );
   check(workspaceFile(outRel) === null, `${outRel} was published by a cancelled call`);

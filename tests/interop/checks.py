@@ -74,10 +74,10 @@ def unique_seconds(slot):
 def last_call(audit_text, tool):
     """The kinds of the audit events of the newest call of `tool`, and its worker pid."""
     evs = events(audit_text)
-    calls = [e["call"] for e in evs if e["tool"] == tool]
+    calls = [e["job"] for e in evs if e["tool"] == tool]
     check(calls, f"no {tool} call in the audit")
-    mine = [e for e in evs if e["call"] == calls[-1]]
-    pids = [e["detail"]["pid"] for e in mine if e["kind"] == "spawned"]
+    mine = [e for e in evs if e["job"] == calls[-1]]
+    pids = [e["detail"]["pid"] for e in mine if e["kind"] == "start" and "pid" in (e.get("detail") or {})]
     return [e["kind"] for e in mine], (pids[0] if pids else None)
 
 
@@ -89,11 +89,15 @@ def worker_gone(seconds, pid, within=2.0):
         wait_until(f"worker pid {pid} is gone", lambda: not alive(pid), within)
 
 
+# The kinds that can end a call's audit sequence (README, "The audit log").
+ENDS = ("commit", "rollback", "done", "error", "cancel")
+
+
 def not_published(kinds, out_rel):
     """A cancelled call: it never committed, the audit says why, and its output is absent."""
     check("commit" not in kinds, f"a cancelled call committed: {kinds}")
     check(
-        any(k in kinds for k in ("cancelled", "rollback", "timeout")),
+        any(k in kinds for k in ("cancel", "rollback", "timeout")),
         f"the audit does not say the call was stopped: {kinds}",
     )
     check(workspace_file(out_rel) is None, f"{out_rel} was published by a cancelled call")

@@ -11,6 +11,7 @@ import fs from "node:fs";
 import path from "node:path";
 import Ajv2020 from "ajv/dist/2020.js";
 import {
+  ENDS,
   check, daemonAudit, lastCall, notPublished, runSteps, sleep, uniqueSeconds, waitSpawned, workerGone,
   workspaceFile,
 } from "./checks.mjs";
@@ -84,7 +85,7 @@ async function settled() {
   const deadline = Date.now() + 3000;
   for (;;) {
     const { kinds } = lastCall(await daemonAudit(), "slow_write");
-    if (["done", "cancelled", "failed"].includes(kinds[kinds.length - 1]) || Date.now() > deadline) return kinds;
+    if (ENDS.includes(kinds[kinds.length - 1]) || Date.now() > deadline) return kinds;
     await sleep(100);
   }
 }

@@ -30,6 +30,7 @@ from mcp import Client, ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from checks import (
+    ENDS,
     Failed,
     check,
     last_call,
@@ -86,7 +87,7 @@ async def settled(c, timeout=3.0):
     deadline = time.monotonic() + timeout
     while True:
         kinds, _ = last_call(await audit_text(c), "slow_write")
-        if kinds[-1] in ("done", "cancelled", "failed") or time.monotonic() > deadline:
+        if kinds[-1] in ENDS or time.monotonic() > deadline:
             return kinds
         await anyio.sleep(0.05)
 

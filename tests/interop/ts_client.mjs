@@ -9,6 +9,7 @@ import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import Ajv2020 from "ajv/dist/2020.js";
 import {
+  ENDS,
   Failed, check, lastCall, notPublished, runSteps, sleep, uniqueSeconds, waitSpawned, workerGone,
   workspaceFile,
 } from "./checks.mjs";
@@ -34,7 +35,7 @@ async function settled(c) {
   const deadline = Date.now() + 3000;
   for (;;) {
     const { kinds } = lastCall(await auditText(c), "slow_write");
-    if (["done", "cancelled", "failed"].includes(kinds[kinds.length - 1]) || Date.now() > deadline) {
+    if (ENDS.includes(kinds[kinds.length - 1]) || Date.now() > deadline) {
       return kinds;
     }
     await sleep(50);
