@@ -53,9 +53,10 @@ pub fn atomic_write_no_dir_sync(
 /// Why [`lock_dir`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    /// Another process holds the lock (`flock` said EWOULDBLOCK).
+    /// Another process holds the lock (`flock` said EWOULDBLOCK); `holder` is the pid that
+    /// took it, as `/proc/locks` says (a child that inherited the descriptor holds it too).
     #[error("another process holds its lock")]
-    Held,
+    Held { holder: Option<u32> },
     #[error("cannot open it: {0}")]
     Open(std::io::Error),
     #[error("cannot lock it: {0}")]
@@ -73,9 +74,32 @@ pub fn lock_dir(dir: &Path) -> Result<File, LockError> {
         .map_err(LockError::Open)?;
     match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => Ok(f),
-        Err(rustix::io::Errno::WOULDBLOCK) => Err(LockError::Held),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(LockError::Held {
+            holder: f.metadata().ok().and_then(|m| flock_holder(&m)),
+        }),
         Err(e) => Err(LockError::Lock(e.into())),
     }
+}
+
+/// The pid that took the `flock` on the file of `m`, from `/proc/locks`
+/// (`N: FLOCK ADVISORY WRITE PID MAJ:MIN:INO 0 EOF`, device numbers in hex).
+fn flock_holder(m: &std::fs::Metadata) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = m.dev();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        rustix::fs::major(dev),
+        rustix::fs::minor(dev),
+        m.ino()
+    );
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        match f.as_slice() {
+            [_, "FLOCK", _, _, pid, id, ..] if *id == want => pid.parse().ok(),
+            _ => None,
+        }
+    })
 }
 
 /// `path` with its longest existing ancestor resolved (symlinks followed, as the kernel
@@ -125,7 +149,11 @@ mod tests {
     fn lock_dir_tells_held_from_other_failures() {
         let tmp = tempfile::tempdir().unwrap();
         let held = lock_dir(tmp.path()).unwrap();
-        assert!(matches!(lock_dir(tmp.path()), Err(LockError::Held)));
+        let me = std::process::id();
+        assert!(matches!(
+            lock_dir(tmp.path()),
+            Err(LockError::Held { holder: Some(p) }) if p == me
+        ));
         drop(held);
         lock_dir(tmp.path()).unwrap();
         let missing = tmp.path().join("missing");

@@ -29,8 +29,12 @@ pub enum StartupError {
     Recovery(#[source] crate::publish::PublishError),
     #[error(transparent)]
     AuditLog(#[from] crate::audit::log::LogError),
-    #[error("{path}: another airlock process holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)")]
-    Busy { what: &'static str, path: PathBuf },
+    #[error("{path}: another airlock process{} holds this {what}; stop it first (one daemon, or `airlock recover`, per workspace and per state dir)", holder.map(|p| format!(" (pid {p})")).unwrap_or_default())]
+    Busy {
+        what: &'static str,
+        path: PathBuf,
+        holder: Option<u32>,
+    },
     #[error("{path}: cannot lock the {what}: {source}")]
     Lock {
         what: &'static str,
@@ -165,9 +169,10 @@ fn lock_state_dir(path: &Path) -> Result<std::fs::File, StartupError> {
 fn lock(path: &Path, what: &'static str) -> Result<std::fs::File, StartupError> {
     use crate::fsutil::LockError;
     crate::fsutil::lock_dir(path).map_err(|e| match e {
-        LockError::Held => StartupError::Busy {
+        LockError::Held { holder } => StartupError::Busy {
             what,
             path: path.to_path_buf(),
+            holder,
         },
         source => StartupError::Lock {
             what,

@@ -308,8 +308,9 @@ async fn run_scenario(s: Scenario) {
             let _ = try_call(&d2, &s).await;
             assert!(
                 d2.wait_exit(Duration::from_secs(10)).is_some(),
-                "{}: crash at {n} did not repeat",
-                s.name
+                "{}: crash at {n} did not repeat:\n{}",
+                s.name,
+                d2.log_text()
             );
             d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), m.to_string())];
             let serving = d2.try_start().is_ok();

@@ -542,8 +542,12 @@ async fn socket_is_private_and_never_stolen() {
     );
     let out = second(&d.dir.path().join("other.sock"), &d.workspace);
     assert_eq!(out.status.code(), Some(2));
+    // The message names the holder: the running daemon.
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("holds this workspace"),
+        String::from_utf8_lossy(&out.stderr).contains(&format!(
+            "another airlock process (pid {}) holds this workspace",
+            d.pid()
+        )),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
