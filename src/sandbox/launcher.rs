@@ -264,12 +264,8 @@ impl Plan {
             .map_err(|e| Failure::io("close_fds", "close_range", e))?;
 
         // 6. Resource limits, while /proc is still readable (RLIMIT_NPROC needs a count of
-        //    what the worker's uid already runs: nothing, for a uid of its own).
-        let uid = self
-            .spec
-            .identity
-            .map_or_else(|| rustix::process::getuid().as_raw(), |(u, _)| u);
-        set_rlimits(&self.spec.rlimits, uid)?;
+        //    what a shared uid already runs; a uid of the worker's own runs nothing).
+        set_rlimits(&self.spec.rlimits, self.spec.identity.map(|(u, _)| u))?;
 
         // 7. The working directory, by path, before Landlock could forbid the lookup.
         std::env::set_current_dir(&self.spec.cwd)
@@ -347,14 +343,20 @@ impl Plan {
     }
 }
 
-/// Step 6. RLIMIT_NPROC counts the tasks of the whole real uid, not the worker's, so the limit
-/// is what the uid already runs plus the profile's `processes`. The kernel does not apply it
-/// to uid 0 at all; there the cgroup's pids.max is the only process bound.
-fn set_rlimits(limits: &Rlimits, uid: u32) -> Result<(), Failure> {
-    let nproc = if uid == 0 {
+/// Step 6. RLIMIT_NPROC counts the tasks of the whole real uid, not the worker's. A worker
+/// with a uid of its own (`own_uid`) gets the profile's `processes`: its leased uid runs
+/// nothing else (an earlier worker's group is confirmed gone before its uid is leased
+/// again), and if something did, it would only lower the worker's budget, never raise it.
+/// A worker sharing the daemon's uid gets what that uid already runs plus `processes`,
+/// counted in /proc (one pass over the host's processes per spawn: the price of sharing).
+/// The kernel does not apply the limit to uid 0 at all; there the cgroup's pids.max is the
+/// only process bound.
+fn set_rlimits(limits: &Rlimits, own_uid: Option<u32>) -> Result<(), Failure> {
+    let shared = rustix::process::getuid().as_raw();
+    let nproc = if own_uid.is_some() || shared == 0 {
         limits.processes
     } else {
-        tasks_of_uid(uid).saturating_add(limits.processes)
+        tasks_of_uid(shared).saturating_add(limits.processes)
     };
     let all = [
         (Resource::Cpu, "RLIMIT_CPU", limits.cpu_seconds),

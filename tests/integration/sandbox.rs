@@ -481,6 +481,36 @@ async fn setuid_binaries_grant_nothing() {
     assert!(!text(&r).contains("su=0"), "{r}");
 }
 
+/// A root daemon gives each worker a uid of its own: RLIMIT_NPROC is then the profile's
+/// `processes` exactly (that uid runs nothing else), set without counting the host's
+/// processes at each spawn.
+#[tokio::test]
+async fn a_worker_with_its_own_uid_forks_at_most_its_profiles_processes() {
+    require_root();
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let r = py(
+        &c,
+        "import os, time\nprint('uid', os.getuid())\nn = 0\ntry:\n    while n < 1000:\n        if os.fork() == 0:\n            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('forks', n, 'then errno', e.errno)\n",
+    )
+    .await;
+    let out = text(&r);
+    let word = |k: &str| -> u32 {
+        let mut w = out.split_whitespace();
+        w.position(|x| x == k)
+            .and_then(|_| w.next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no {k} in {out}"))
+    };
+    assert_ne!(word("uid"), 0, "the worker runs as a uid of its own: {out}");
+    // The worker itself is one of the uid's tasks: 63 children at most.
+    let forks = word("forks");
+    assert!(
+        (32..64).contains(&forks) && out.contains("errno 11"),
+        "{out}"
+    );
+}
+
 #[tokio::test]
 async fn fork_bombs_are_bounded_for_an_unprivileged_daemon() {
     // RLIMIT_NPROC binds every uid but 0 (the kernel exempts root); the daemon is meant to run
