@@ -141,7 +141,7 @@ fn group_is_empty(leaders: &Leaders, group: Pgid, me: i32) -> bool {
 /// [`reap_orphans`]), so one read of that list sees every survivor or its ancestor.
 /// `None` when that list cannot be read: then the whole of `/proc` is scanned. (A worker exists
 /// only through a started [`super::Sandbox`], which made the daemon the subreaper.)
-fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
+pub(crate) fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
     let children = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")).ok()?;
     Some(
         children

@@ -5,7 +5,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::group::{Leaders, Pgid};
+use super::group::{orphan_candidates, Leaders, Pgid};
 use super::procfs::all_processes;
 
 /// Starts the orphan reaper task on `handle`'s runtime (the daemon is already the child
@@ -36,11 +36,15 @@ pub(crate) fn start_reaper(
 
 /// Reaps every zombie child of the daemon that is neither the leader of a live worker nor a
 /// member of its group (its worker's kill-and-confirm reaps those, and counts on seeing them
-/// until it does).
+/// until it does). Orphans are reparented to the daemon's main thread, so its list of
+/// children is read, not the whole of `/proc` (one pass over the host's processes per
+/// SIGCHLD was most of a call's daemon-side cost); the whole of `/proc` only when that list
+/// cannot be read.
 pub(crate) fn reap_orphans(leaders: &Leaders) -> usize {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let live_groups = leaders.lock().clone();
-    all_processes()
+    orphan_candidates(me)
+        .unwrap_or_else(all_processes)
         .into_iter()
         .filter(|p| {
             p.ppid == me
