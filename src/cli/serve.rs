@@ -199,37 +199,47 @@ fn status_line(exec: &crate::exec::Executor) -> String {
     )
 }
 
-/// `STATUS=` when it changes (checked every second) and `WATCHDOG=1` at half of
-/// `WatchdogSec`, until shutdown.
+/// `STATUS=` when the calls in flight change (at most once a second) and `WATCHDOG=1` at
+/// half of `WatchdogSec`, until shutdown; nothing else wakes it.
 async fn keep_systemd_informed(
     notify: Arc<crate::systemd::Notifier>,
     exec: Arc<crate::exec::Executor>,
     shutdown: CancellationToken,
 ) {
-    let tick = notify
-        .watchdog_interval()
-        .map_or(Duration::from_secs(1), |w| w.min(Duration::from_secs(1)));
     let watchdog = notify.watchdog_interval();
-    let mut last_status = String::new();
-    let mut last_watchdog = tokio::time::Instant::now();
+    // READY=1 said the status already.
+    let mut last_status = status_line(&exec);
+    let mut next_watchdog = tokio::time::Instant::now();
     loop {
-        tokio::select! {
-            _ = tokio::time::sleep(tick) => {}
-            _ = shutdown.cancelled() => return,
+        if let Some(w) = watchdog {
+            if tokio::time::Instant::now() >= next_watchdog {
+                notify.watchdog();
+                next_watchdog = tokio::time::Instant::now() + w;
+            }
         }
         let status = status_line(&exec);
         if status != last_status {
             notify.status(&status);
             last_status = status;
         }
-        if let Some(w) = watchdog {
-            if last_watchdog.elapsed() >= w {
-                notify.watchdog();
-                last_watchdog = tokio::time::Instant::now();
-            }
+        // Asleep until the calls in flight change or the watchdog is due: an idle daemon
+        // without `WatchdogSec` never wakes.
+        tokio::select! {
+            _ = exec.in_flight_changed() => {}
+            _ = tokio::time::sleep_until(next_watchdog), if watchdog.is_some() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        // At most one `STATUS=` a second while calls come and go (each change is seen at
+        // the next pass: a change during the pause is kept by the notification).
+        tokio::select! {
+            _ = tokio::time::sleep(STATUS_EVERY.min(watchdog.unwrap_or(STATUS_EVERY))) => {}
+            _ = shutdown.cancelled() => return,
         }
     }
 }
+
+/// The shortest interval between two `STATUS=` updates.
+const STATUS_EVERY: Duration = Duration::from_secs(1);
 
 /// What SIGHUP needs: the policy directory and the command line's overrides.
 struct Reload {

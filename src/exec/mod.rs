@@ -145,6 +145,8 @@ pub struct Executor {
     policy: std::sync::RwLock<Arc<Policy>>,
     /// Calls between the start and the end of `call`, for `STATUS=`.
     in_flight: AtomicUsize,
+    /// Woken when `in_flight` changes: `STATUS=` is sent on change, not polled.
+    in_flight_changed: tokio::sync::Notify,
     pub sessions: SessionStore,
     pub workspace: Workspace,
     pub audit: Audit,
@@ -214,6 +216,7 @@ impl Executor {
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
             policy: std::sync::RwLock::new(policy),
             in_flight: AtomicUsize::new(0),
+            in_flight_changed: tokio::sync::Notify::new(),
             sessions,
             workspace,
             targets: locks::TargetLocks::default(),
@@ -255,10 +258,17 @@ impl Executor {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// Resolves once the number of calls in flight has changed since the last time it
+    /// resolved (a change while nobody waits is kept for the next waiter).
+    pub async fn in_flight_changed(&self) {
+        self.in_flight_changed.notified().await
+    }
+
     /// Runs one `tools/call` to its terminal result, on the policy current when it starts.
     pub async fn call(&self, req: CallRequest) -> Reply {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        let _counted = InFlight(&self.in_flight);
+        self.in_flight_changed.notify_one();
+        let _counted = InFlight(&self.in_flight, &self.in_flight_changed);
         let policy = self.policy();
         let Some(tool) = policy.tools.get(&req.tool) else {
             return Reply::UnknownTool(req.tool);
@@ -1231,11 +1241,12 @@ impl Caller {
 }
 
 /// Counts a call out of `in_flight` however it ends (cancellation drops the future).
-struct InFlight<'a>(&'a AtomicUsize);
+struct InFlight<'a>(&'a AtomicUsize, &'a tokio::sync::Notify);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        self.1.notify_one();
     }
 }
 

@@ -21,6 +21,17 @@ fn spawn_activated(
     fd_name: &str,
     notify: &std::path::Path,
 ) {
+    spawn_activated_with(d, listener, fd_name, notify, Some("2000000"));
+}
+
+/// As [`spawn_activated`], with `WATCHDOG_USEC` set only if `watchdog_usec` is.
+fn spawn_activated_with(
+    d: &mut Daemon,
+    listener: &UnixListener,
+    fd_name: &str,
+    notify: &std::path::Path,
+    watchdog_usec: Option<&str>,
+) {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -42,11 +53,13 @@ fn spawn_activated(
         .env("LISTEN_FDS", "1")
         .env("LISTEN_FDNAMES", fd_name)
         .env("NOTIFY_SOCKET", notify)
-        .env("WATCHDOG_USEC", "2000000")
         .env("AIRLOCK_LOG", "debug")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::from(log));
+    if let Some(w) = watchdog_usec {
+        cmd.env("WATCHDOG_USEC", w);
+    }
     let fd = listener.as_raw_fd();
     // SAFETY: between fork and exec only dup2 and fcntl run, both async-signal-safe; the
     // listener's fd is open in the parent (and so in the child) for the whole spawn.
@@ -186,6 +199,42 @@ timeout = "30s"
         d.socket.exists(),
         "a socket-activated daemon removed systemd's socket file"
     );
+}
+
+/// Under systemd without `WatchdogSec`, an idle daemon sends nothing (it has no periodic
+/// work); a call in flight and its end are told by `STATUS=`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_daemon_tells_systemd_nothing_until_its_calls_change() {
+    let mut d = Daemon::new();
+    d.add_tool(
+        "idle_hold",
+        r#"name = "idle_hold"
+description = "sleeps"
+capability = "read"
+command = ["/bin/sh", "-c", "sleep 1.5; echo held"]
+timeout = "30s"
+"#,
+    );
+    let listener = UnixListener::bind(&d.socket).expect("bind the socket systemd would");
+    let (notify, notify_path) = notify_socket(&d);
+    spawn_activated_with(&mut d, &listener, "airlock", &notify_path, None);
+    recv_until(&notify, "READY=1", &d);
+    notify
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    let mut buf = [0u8; 4096];
+    if let Ok(n) = notify.recv(&mut buf) {
+        panic!(
+            "an idle daemon sent {:?}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+    }
+    let c = d.client().await;
+    let hold = tokio::spawn(async move { call(&c, "idle_hold", json!({})).await });
+    recv_until(&notify, "1 call(s) in flight", &d);
+    recv_until(&notify, "0 call(s) in flight", &d);
+    let r = hold.await.expect("join");
+    assert_eq!(text(&r).trim(), "held", "{r}");
 }
 
 #[tokio::test]
