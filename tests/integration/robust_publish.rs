@@ -506,7 +506,10 @@ async fn state_dir_is_exclusive_and_kept_out_of_the_workspace() {
     let (rc, err) = serve_status(&d, &other_ws, &d.state, &sock2);
     assert_eq!(rc, 2, "{err}");
     assert!(
-        err.contains("another airlock process holds this state dir"),
+        err.contains(&format!(
+            "another airlock process (pid {}) holds this state dir",
+            d.pid()
+        )),
         "{err}"
     );
     assert!(!sock2.exists());
