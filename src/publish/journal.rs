@@ -91,29 +91,42 @@ impl Journal {
         root: &Path,
     ) -> Result<(), PublishError> {
         let path = job_dir.join(JOURNAL);
+        let file = self.write_to(job_fd, JOURNAL, &path, OFlags::EXCL)?;
+        sys::sync_point("publish.fsync_journal", file.as_fd(), &path)?;
+        drop(file);
+        sys::sync_point("publish.fsync_job_dir", job_fd, job_dir)?;
+        sys::sync_point("publish.fsync_root", root_fd, root)
+    }
+
+    /// Serializes the journal into `name` of the job dir (`path` for messages), opened with
+    /// `flags` added to a private, no-follow create; written, not yet synced.
+    fn write_to(
+        &self,
+        job_fd: BorrowedFd<'_>,
+        name: &str,
+        path: &Path,
+        flags: OFlags,
+    ) -> Result<std::fs::File, PublishError> {
         let bytes = serde_json::to_vec_pretty(self).map_err(|e| PublishError::Io {
             op: "serialize journal",
-            path: path.clone(),
+            path: path.to_path_buf(),
             source: std::io::Error::other(e),
         })?;
-        let fd = mutate("publish.journal_write", &path, || {
+        let fd = mutate("publish.journal_write", path, || {
             rustix::fs::openat(
                 job_fd,
-                JOURNAL,
-                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                name,
+                OFlags::WRONLY | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC | flags,
                 Mode::from_raw_mode(0o600),
             )
         })?;
         let mut file = std::fs::File::from(fd);
         file.write_all(&bytes).map_err(|e| PublishError::Io {
             op: "write journal",
-            path: path.clone(),
+            path: path.to_path_buf(),
             source: e,
         })?;
-        sys::sync_point("publish.fsync_journal", file.as_fd(), &path)?;
-        drop(file);
-        sys::sync_point("publish.fsync_job_dir", job_fd, job_dir)?;
-        sys::sync_point("publish.fsync_root", root_fd, root)
+        Ok(file)
     }
 
     /// Replaces the journal atomically: temp file, fsync, rename over `recovery.json`, fsync
@@ -121,29 +134,7 @@ impl Journal {
     pub fn write(&self, job_fd: BorrowedFd<'_>, job_dir: &Path) -> Result<(), PublishError> {
         let tmp_path = job_dir.join(JOURNAL_TMP);
         let path = job_dir.join(JOURNAL);
-        let bytes = serde_json::to_vec_pretty(self).map_err(|e| PublishError::Io {
-            op: "serialize journal",
-            path: path.clone(),
-            source: std::io::Error::other(e),
-        })?;
-        let fd = mutate("publish.journal_write", &tmp_path, || {
-            rustix::fs::openat(
-                job_fd,
-                JOURNAL_TMP,
-                OFlags::WRONLY
-                    | OFlags::CREATE
-                    | OFlags::TRUNC
-                    | OFlags::NOFOLLOW
-                    | OFlags::CLOEXEC,
-                Mode::from_raw_mode(0o600),
-            )
-        })?;
-        let mut file = std::fs::File::from(fd);
-        file.write_all(&bytes).map_err(|e| PublishError::Io {
-            op: "write journal",
-            path: tmp_path.clone(),
-            source: e,
-        })?;
+        let file = self.write_to(job_fd, JOURNAL_TMP, &tmp_path, OFlags::TRUNC)?;
         file.sync_all().map_err(|e| PublishError::Io {
             op: "fsync journal",
             path: tmp_path.clone(),
