@@ -82,18 +82,6 @@ async fn as_nobody_in(d: &Daemon, groups: &[u32]) -> Foreign {
     }
 }
 
-async fn tool_names(c: &Client) -> Vec<String> {
-    let mut names: Vec<String> = c
-        .list_all_tools()
-        .await
-        .expect("tools/list")
-        .into_iter()
-        .map(|t| t.name.to_string())
-        .collect();
-    names.sort();
-    names
-}
-
 /// The audit events of uid `uid` for `tool` (read by root, which holds admin).
 async fn events_of(root: &Client, uid: u32, tool: &str) -> Vec<Value> {
     audit(root)

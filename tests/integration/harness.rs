@@ -44,6 +44,19 @@ pub struct Daemon {
 
 pub type Client = RunningService<RoleClient, ()>;
 
+/// The names `tools/list` gives `c`, sorted.
+pub async fn tool_names(c: &Client) -> Vec<String> {
+    let mut names: Vec<String> = c
+        .list_all_tools()
+        .await
+        .expect("tools/list")
+        .into_iter()
+        .map(|t| t.name.to_string())
+        .collect();
+    names.sort();
+    names
+}
+
 impl Daemon {
     /// Shipped policies plus `tests/tools/*.toml`.
     pub fn new() -> Daemon {

@@ -121,18 +121,6 @@ fn sighup(pid: u32) {
     assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGHUP) }, 0);
 }
 
-async fn tool_names(c: &Client) -> Vec<String> {
-    let mut v: Vec<String> = c
-        .list_all_tools()
-        .await
-        .expect("tools/list")
-        .into_iter()
-        .map(|t| t.name.to_string())
-        .collect();
-    v.sort();
-    v
-}
-
 // Multi-threaded: the test blocks on the notify socket while its client call runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn socket_activated_daemon_serves_calls_and_tells_systemd_its_state() {
