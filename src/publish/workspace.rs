@@ -497,6 +497,134 @@ mod reach_tests {
         assert!(check_target(Path::new("a\u{2066}b")).is_err());
     }
 
+    /// README's `PATH_REJECTED` row names each case resolution refuses: every case below is
+    /// refused, and the row holds the phrase that describes it. (The mount cases need a
+    /// mount and are shown by `uid_separation::inputs_crossing_into_another_mount_are_refused`.)
+    #[test]
+    fn readme_path_rejected_row_names_every_case() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+            .expect("README.md");
+        let row = readme
+            .lines()
+            .find(|l| l.starts_with("| `PATH_REJECTED` |"))
+            .expect("README has a PATH_REJECTED row");
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::write(root.join("f"), "").unwrap();
+        std::fs::create_dir_all(root.join("nest/.airlock-job-fake")).unwrap();
+        std::fs::create_dir(root.join("d")).unwrap();
+        std::os::unix::fs::symlink("d", root.join("link")).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            root.join("fifo"),
+            FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let ws = Workspace::open(root).unwrap();
+        let long_name = format!("a/{}", "n".repeat(NAME_MAX + 1));
+        // 4090 bytes: under the argument's bound, over PATH_MAX beneath any root.
+        let deep = format!("{}/{}", vec!["c".repeat(250); 16].join("/"), "e".repeat(74));
+        assert_eq!(deep.len(), 4090);
+        let (i, o) = (PathRole::Input, PathRole::Output);
+        // (path, role, what the reason says, README's phrase for the case)
+        let cases: &[(&str, PathRole, &str, &str)] = &[
+            ("", i, "empty path", "it is empty"),
+            ("a\0b", i, "NUL byte", "holds a NUL byte"),
+            (
+                "a\u{1b}b",
+                o,
+                "U+001B (a control character)",
+                "a control character",
+            ),
+            (
+                "a\u{202e}b",
+                o,
+                "U+202E (a bidirectional control)",
+                "a bidirectional control",
+            ),
+            (
+                "a\u{200b}b",
+                i,
+                "U+200B (an invisible formatting",
+                "invisible formatting character",
+            ),
+            ("../x", o, "'..' leads out", "`..` above the root"),
+            (
+                "/etc/passwd",
+                i,
+                "absolute path outside",
+                "an absolute path outside it",
+            ),
+            (
+                ".airlock-job-x/f",
+                o,
+                "job directory",
+                "names an airlock job or quarantine dir",
+            ),
+            (
+                &long_name,
+                o,
+                "a file name is at most 255",
+                "a component over 255 bytes",
+            ),
+            (
+                &deep,
+                o,
+                "beneath the workspace root",
+                "4096 bytes or more as resolved beneath the root",
+            ),
+            ("link/x", o, "is a symlink", "is a symlink"),
+            ("f/x", i, "is not a directory", "not a directory"),
+            ("missing", i, "does not exist", "an input does not exist"),
+            (
+                "fifo",
+                i,
+                "not a regular file or directory",
+                "is not a regular file or directory",
+            ),
+            (
+                ".",
+                o,
+                "is the workspace root itself",
+                "an output is the workspace root",
+            ),
+            (
+                "d",
+                o,
+                "an output must be a regular file",
+                "exists as something other than a regular file",
+            ),
+            (
+                ".",
+                i,
+                "is the workspace root",
+                "an input is the workspace root",
+            ),
+            (
+                "nest",
+                i,
+                "holds \".airlock-job-fake\"",
+                "is a directory holding a `.airlock-*` entry",
+            ),
+        ];
+        for (raw, role, reason, phrase) in cases {
+            let refused = ws.resolve(raw, *role).and_then(|rel| match role {
+                PathRole::Input => ws.check_input_reach(raw, &rel),
+                PathRole::Output => Ok(()),
+            });
+            let Err(e) = refused else {
+                panic!("{raw:?} ({role:?}) is accepted");
+            };
+            assert!(e.to_string().contains(reason), "{raw:?}: {e}");
+            assert!(
+                row.contains(phrase),
+                "README's PATH_REJECTED row lacks {phrase:?}"
+            );
+        }
+    }
+
     /// A reason quotes the client's path as `shown` does: escaped, never raw.
     #[test]
     fn reasons_show_the_path_escaped() {
