@@ -751,8 +751,24 @@ fn unsafe_to_show(c: char) -> bool {
 /// shows any such character raw. The log's chain still verifies and the daemon starts again.
 #[tokio::test(flavor = "multi_thread")]
 async fn paths_with_control_bidi_or_invisible_characters_are_refused_and_shown_escaped() {
+    forbidden_path_characters(false).await;
+}
+
+/// As [`paths_with_control_bidi_or_invisible_characters_are_refused_and_shown_escaped`],
+/// the daemon running as nobody.
+#[tokio::test(flavor = "multi_thread")]
+async fn paths_with_forbidden_characters_are_refused_by_an_unprivileged_daemon() {
+    forbidden_path_characters(true).await;
+}
+
+async fn forbidden_path_characters(unprivileged: bool) {
+    require_root();
     let mut d = Daemon::new();
     d.write("in.txt", "input");
+    if unprivileged {
+        crate::sandbox::give_to_nobody(&d);
+        d.user = Some((65534, 65534));
+    }
     d.start();
     let c = d.client().await;
     session(&c, "p").await;
@@ -831,9 +847,10 @@ async fn paths_with_control_bidi_or_invisible_characters_are_refused_and_shown_e
             .as_str()
             .unwrap_or_else(|| panic!("{e}"));
         assert!(m.contains("holds U+"), "{e}");
+        // The whole event as the log stores it, not only its message.
         assert!(
-            !m.chars().any(unsafe_to_show),
-            "the audit shows it raw: {m:?}"
+            !e.to_string().chars().any(unsafe_to_show),
+            "the audit shows it raw: {e}"
         );
     }
     restarts_and_serves(&mut d, "p", 0).await;
