@@ -36,6 +36,12 @@ pub enum ActivationError {
          (LISTEN_FDNAMES={names:?}); set FileDescriptorName={FD_NAME} in airlock.socket"
     )]
     NotNamed { count: usize, names: String },
+    #[error(
+        "socket activation: fds {} are each named {FD_NAME:?} (LISTEN_FDNAMES={names:?}); \
+         airlock serves one listener: pass one socket named {FD_NAME:?}",
+        fd_list(.fds)
+    )]
+    NamedTwice { fds: Vec<RawFd>, names: String },
     #[error("socket activation: fd {fd} named {FD_NAME:?} is not a listening AF_UNIX stream socket: {why}")]
     NotAListener { fd: RawFd, why: String },
 }
@@ -69,45 +75,85 @@ pub fn listen_fd(
         return Ok(None);
     }
     let names = fd_names.ok_or(ActivationError::NoNames { count })?;
-    names
+    let named: Vec<RawFd> = names
         .split(':')
         .take(count)
-        .position(|n| n == FD_NAME)
-        .map(|i| Some(LISTEN_FDS_START + i as RawFd))
-        .ok_or_else(|| ActivationError::NotNamed {
+        .enumerate()
+        .filter(|(_, n)| *n == FD_NAME)
+        .map(|(i, _)| LISTEN_FDS_START + i as RawFd)
+        .collect();
+    match named.as_slice() {
+        [] => Err(ActivationError::NotNamed {
             count,
             names: names.into(),
-        })
+        }),
+        [fd] => Ok(Some(*fd)),
+        _ => Err(ActivationError::NamedTwice {
+            fds: named,
+            names: names.into(),
+        }),
+    }
 }
 
+/// "3 and 4", "3, 4 and 5".
+fn fd_list(fds: &[RawFd]) -> String {
+    match fds.split_last() {
+        Some((last, [])) => last.to_string(),
+        Some((last, rest)) => {
+            let rest: Vec<String> = rest.iter().map(RawFd::to_string).collect();
+            format!("{} and {last}", rest.join(", "))
+        }
+        None => String::new(),
+    }
+}
+
+/// The variables of socket activation; [`take_listener`] removes them all.
+pub const LISTEN_VARS: [&str; 3] = ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"];
+
 /// The listener systemd passed, if this process was socket-activated: checked to be a
-/// listening `AF_UNIX` stream socket. Every passed fd is made close-on-exec, and the
-/// variables are removed so nothing the daemon starts sees them.
+/// listening `AF_UNIX` stream socket. The variables are removed (whoever they were meant
+/// for), every fd passed to this process is made close-on-exec, and those other than the
+/// listener are closed, so nothing the daemon starts (the spawner first) inherits either.
+///
+/// Must run while the process has one thread: before the async runtime starts, before the
+/// spawner does (`std::env::remove_var` races with any other thread reading the environment).
 pub fn take_listener() -> Result<Option<UnixListener>, ActivationError> {
     let var = |k| std::env::var(k).ok();
     let (lpid, lfds, names) = (var("LISTEN_PID"), var("LISTEN_FDS"), var("LISTEN_FDNAMES"));
+    for k in LISTEN_VARS {
+        // Single-threaded here (see above): nothing reads the environment meanwhile.
+        std::env::remove_var(k);
+    }
     let found = listen_fd(
         std::process::id(),
         lpid.as_deref(),
         lfds.as_deref(),
         names.as_deref(),
-    )?;
-    let Some(fd) = found else {
-        return Ok(None);
+    );
+    let count: RawFd = match (&found, lfds.as_deref()) {
+        // Another process's LISTEN_PID: the fds (if any) are not ours to touch.
+        (Ok(None), _) => 0,
+        (_, Some(s)) => s.trim().parse().unwrap_or(0),
+        (_, None) => 0,
     };
-    for k in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
-        std::env::remove_var(k);
-    }
-    let count: RawFd = lfds
-        .as_deref()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0);
+    let count = count.clamp(0, MAX_LISTEN_FDS as RawFd);
+    let keep = found.as_ref().ok().copied().flatten();
     for other in LISTEN_FDS_START..LISTEN_FDS_START + count {
         // SAFETY: systemd passed fds 3..3+LISTEN_FDS open to this process; a closed one
         // only makes fcntl fail with EBADF, which is ignored. The borrow ends here.
         let b = unsafe { BorrowedFd::borrow_raw(other) };
         let _ = rustix::io::fcntl_setfd(b, rustix::io::FdFlags::CLOEXEC);
+        if Some(other) != keep {
+            // SAFETY: systemd passed this fd to the daemon, which has not wrapped it in any
+            // owner (nothing else has run yet) and does not use it: closing it here leaves
+            // no owner with a dangling fd. Its clients get ECONNREFUSED once systemd closes
+            // its own copy, instead of waiting in a backlog nobody accepts from.
+            drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(other) });
+        }
     }
+    let Some(fd) = found? else {
+        return Ok(None);
+    };
     check_listener(fd)?;
     // SAFETY: `check_listener` showed `fd` is an open listening socket that systemd handed
     // to this process; nothing else in the daemon owns it, so the listener takes ownership.
@@ -262,6 +308,20 @@ mod tests {
             listen_fd(7, Some("7"), Some("1"), Some("x:airlock")),
             Err(ActivationError::NotNamed { .. })
         ));
+        // Two listeners named airlock: refused, both named, rather than one left unserved.
+        let two = listen_fd(7, Some("7"), Some("3"), Some("airlock:x:airlock")).unwrap_err();
+        assert_eq!(
+            two,
+            ActivationError::NamedTwice {
+                fds: vec![3, 5],
+                names: "airlock:x:airlock".into()
+            }
+        );
+        assert!(
+            two.to_string()
+                .contains("fds 3 and 5 are each named \"airlock\""),
+            "{two}"
+        );
         assert!(matches!(
             listen_fd(7, Some("seven"), Some("1"), Some(FD_NAME)),
             Err(ActivationError::BadPid(_))

@@ -34,13 +34,19 @@ pub fn main() -> Exit {
         Command::Recover(a) => serve::recover(a),
         Command::Audit(a) => audit::run(a),
         Command::GenerateAssets { out } => generate_assets(&out),
-        Command::Serve(a) => runtime().map_or(Exit::Error, |rt| {
-            let code = rt.block_on(serve::serve(a));
-            // A blocking task still running (a cleanup after `shutdown_timeout`) must not
-            // hold the exit: recovery at the next start finishes its work.
-            rt.shutdown_timeout(Duration::from_secs(1));
-            code
-        }),
+        Command::Serve(a) => {
+            // Taken while the process has one thread, before the runtime and the spawner
+            // exist: the passed fds become close-on-exec and the LISTEN_* variables go away
+            // before anything the daemon starts could inherit them.
+            let activation = crate::systemd::take_listener();
+            runtime().map_or(Exit::Error, |rt| {
+                let code = rt.block_on(serve::serve(a, activation));
+                // A blocking task still running (a cleanup after `shutdown_timeout`) must not
+                // hold the exit: recovery at the next start finishes its work.
+                rt.shutdown_timeout(Duration::from_secs(1));
+                code
+            })
+        }
         Command::Connect { socket } => runtime().map_or(Exit::Error, |rt| {
             let code = rt.block_on(client::connect(&socket.socket));
             // A read of stdin still blocked in its thread must not hold the exit.

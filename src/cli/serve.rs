@@ -80,7 +80,12 @@ pub(super) fn recover(a: Dirs) -> Exit {
     }
 }
 
-pub(super) async fn serve(a: ServeArgs) -> Exit {
+/// `activation` is what [`crate::systemd::take_listener`] found, taken before the runtime
+/// started.
+pub(super) async fn serve(
+    a: ServeArgs,
+    activation: Result<Option<std::os::unix::net::UnixListener>, crate::systemd::ActivationError>,
+) -> Exit {
     let notify = Arc::new(crate::systemd::Notifier::from_env());
     let (workspace, state_dir, socket) = (a.dirs.workspace, a.dirs.state_dir, a.socket);
     let policies = a.dirs.policies;
@@ -119,7 +124,7 @@ pub(super) async fn serve(a: ServeArgs) -> Exit {
     let d = &policy.daemon;
     // Socket-activated: systemd owns the socket file (mode, group, removal); otherwise the
     // daemon binds it and removes it at exit.
-    let (listener, activated) = match crate::systemd::take_listener() {
+    let (listener, activated) = match activation {
         Ok(Some(l)) => match tokio::net::UnixListener::from_std(l) {
             Ok(l) => (l, true),
             Err(e) => {

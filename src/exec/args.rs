@@ -44,6 +44,14 @@ pub enum ArgError {
         expected: String,
         found: &'static str,
     },
+    /// An integer argument whose value no integer type airlock passes on can hold (JSON
+    /// reads it as a floating-point number).
+    #[error(
+        "argument {name:?} must be an integer between {} and {}, not {found}",
+        i64::MIN,
+        u64::MAX
+    )]
+    IntegerOutOfRange { name: String, found: String },
     #[error(
         "missing required argument \"session\" (every write tool takes the session it mutates)"
     )]
@@ -157,6 +165,12 @@ pub fn validate(tool: &Tool, args: &Map<String, Value>) -> Result<Map<String, Va
                 },
             });
         };
+        if p.ty == ParamType::Integer && out_of_integer_range(value) {
+            return Err(ArgError::IntegerOutOfRange {
+                name: name.clone(),
+                found: value.to_string(),
+            });
+        }
         if !matches_type(p.ty, value) {
             return Err(ArgError::WrongType {
                 name: name.clone(),
@@ -204,6 +218,21 @@ fn article(word: &str) -> &'static str {
     }
 }
 
+/// Whether `v` is a whole number beyond both `i64` and `u64` (serde_json reads an integer
+/// literal that fits neither, such as `18446744073709551616` or `1e30`, as an `f64`).
+fn out_of_integer_range(v: &Value) -> bool {
+    const TWO_POW_63: f64 = 9_223_372_036_854_775_808.0;
+    const TWO_POW_64: f64 = 18_446_744_073_709_551_616.0;
+    match v
+        .as_number()
+        .filter(|n| n.is_f64())
+        .and_then(|n| n.as_f64())
+    {
+        Some(f) => f.is_finite() && f.fract() == 0.0 && (f >= TWO_POW_64 || f <= -TWO_POW_63),
+        None => false,
+    }
+}
+
 fn matches_type(ty: ParamType, v: &Value) -> bool {
     match ty {
         ParamType::String => v.is_string(),
@@ -234,15 +263,15 @@ pub fn check_overlap(outputs: &[(String, PathBuf)]) -> Result<(), String> {
             if a == b {
                 return Err(format!(
                     "outputs {na:?} and {nb:?} both name {}",
-                    a.display()
+                    shown(&a.to_string_lossy())
                 ));
             }
             if a.starts_with(b) || b.starts_with(a) {
                 let (outer, inner) = if a.starts_with(b) { (b, a) } else { (a, b) };
                 return Err(format!(
                     "outputs {na:?} and {nb:?} overlap: {} is inside {}",
-                    inner.display(),
-                    outer.display()
+                    shown(&inner.to_string_lossy()),
+                    shown(&outer.to_string_lossy())
                 ));
             }
         }
@@ -606,6 +635,51 @@ mod tests {
         assert!(e.to_string().contains("\"session\""), "{e}");
         let e = validate(&t, &obj(serde_json::json!({"session": "s"}))).unwrap_err();
         assert_eq!(e.to_string(), "missing required argument \"out\"");
+    }
+
+    #[test]
+    fn integers_beyond_every_integer_type_name_the_range() {
+        let t = tool();
+        let range = format!("must be an integer between {} and {}", i64::MIN, u64::MAX);
+        for n in [
+            "18446744073709551616",
+            "1e30",
+            "-9223372036854775809",
+            "-1e300",
+        ] {
+            let v: Value = serde_json::from_str(n).unwrap();
+            let e = validate(
+                &t,
+                &obj(serde_json::json!({"session": "s", "out": "a", "n": v})),
+            )
+            .unwrap_err();
+            assert!(
+                matches!(e, ArgError::IntegerOutOfRange { ref name, .. } if name == "n"),
+                "{n}: {e}"
+            );
+            assert!(
+                e.to_string()
+                    .starts_with(&format!("argument \"n\" {range}, not ")),
+                "{e}"
+            );
+        }
+        for n in ["18446744073709551615", "-9223372036854775808", "0"] {
+            let v: Value = serde_json::from_str(n).unwrap();
+            let ok = validate(
+                &t,
+                &obj(serde_json::json!({"session": "s", "out": "a", "n": v})),
+            );
+            assert!(ok.is_ok(), "{n}: {ok:?}");
+        }
+        let e = validate(
+            &t,
+            &obj(serde_json::json!({"session": "s", "out": "a", "n": 1.5})),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "argument \"n\" must be an integer, not a number"
+        );
     }
 
     #[test]

@@ -461,7 +461,13 @@ impl Ids {
             return reply(
                 &id,
                 -32600,
-                &format!("Invalid Request: id {key} is already in flight on this connection; use a new id"),
+                &format!(
+                    "Invalid Request: id {} is already in flight on this connection; use a new id",
+                    match &id {
+                        Value::String(s) => crate::exec::args::shown(s),
+                        other => other.to_string(),
+                    }
+                ),
             );
         }
         if self.by_client.len() >= self.max_in_flight {
@@ -488,7 +494,10 @@ impl Ids {
             return reply(
                 &id,
                 -32600,
-                &format!("Invalid Request: {method:?} before initialize; send initialize first (then notifications/initialized)"),
+                &format!(
+                    "Invalid Request: {} before initialize; send initialize first (then notifications/initialized)",
+                    crate::exec::args::shown(method)
+                ),
             );
         }
         if method == "tools/call" {

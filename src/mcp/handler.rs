@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 
 use super::cancel::Calls;
 use crate::audit::Principal;
+use crate::exec::args::shown;
 use crate::exec::progress::{self, ProgressFeed};
 use crate::exec::{CallRequest, Executor, Reply};
 use crate::policy::Subject;
@@ -115,13 +116,19 @@ pub fn audit_filter(uri: &str) -> Result<crate::audit::Filter, String> {
         Some("") => return Ok(Default::default()),
         Some(rest) => rest
             .strip_prefix('?')
-            .ok_or_else(|| format!("no resource {uri:?}; resources/list names them"))?,
-        None => return Err(format!("no resource {uri:?}; resources/list names them")),
+            .ok_or_else(|| format!("no resource {}; resources/list names them", shown(uri)))?,
+        None => {
+            return Err(format!(
+                "no resource {}; resources/list names them",
+                shown(uri)
+            ))
+        }
     };
     let mut f = crate::audit::Filter::default();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let v = percent_decode(v).ok_or_else(|| format!("{k}: malformed percent-encoding"))?;
+        let v =
+            percent_decode(v).ok_or_else(|| format!("{}: malformed percent-encoding", shown(k)))?;
         match k {
             "job" => f.job = Some(v),
             "session" => f.session = Some(v),
@@ -130,12 +137,13 @@ pub fn audit_filter(uri: &str) -> Result<crate::audit::Filter, String> {
             "limit" => {
                 f.limit = Some(
                     v.parse()
-                        .map_err(|_| format!("limit {v:?} is not a count of events"))?,
+                        .map_err(|_| format!("limit {} is not a count of events", shown(&v)))?,
                 )
             }
             k => {
                 return Err(format!(
-                    "unknown filter {k:?}; the template is {AUDIT_TEMPLATE}"
+                    "unknown filter {}; the template is {AUDIT_TEMPLATE}",
+                    shown(k)
                 ))
             }
         }
@@ -388,7 +396,10 @@ impl ServerHandler for Handler {
                 Ok(CallToolResponse::Complete(result))
             }
             Reply::UnknownTool(name) => Err(McpError::invalid_params(
-                format!("unknown tool {name:?}; tools/list names the tools this daemon serves"),
+                format!(
+                    "unknown tool {}; tools/list names the tools this daemon serves",
+                    shown(&name)
+                ),
                 None,
             )),
             // Cancelled by its client before the point of no return: the framing drops

@@ -14,7 +14,7 @@ use super::sys::{
     sync_point, FileId,
 };
 use super::tree::{remove_tree, usage, Usage};
-use super::workspace::{check_target, split_target};
+use super::workspace::{check_target, shown_path, split_target};
 use super::{JobSpec, PublishError, Published, Workspace, JOB_DIR_PREFIX};
 
 const STAGE: &str = "stage";
@@ -71,9 +71,9 @@ fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
     }
     let mut seen = HashSet::new();
     for t in &spec.targets {
-        check_target(t).map_err(|r| bad(format!("{}: {r}", t.display())))?;
+        check_target(t).map_err(|r| bad(format!("{}: {r}", shown_path(t))))?;
         if !seen.insert(t.as_path()) {
-            return Err(bad(format!("{} is named by two outputs", t.display())));
+            return Err(bad(format!("{} is named by two outputs", shown_path(t))));
         }
     }
     for a in &spec.targets {
@@ -81,8 +81,8 @@ fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
             if a != b && b.starts_with(a) {
                 return Err(bad(format!(
                     "output {} is a parent directory of output {}",
-                    a.display(),
-                    b.display()
+                    shown_path(a),
+                    shown_path(b)
                 )));
             }
         }
@@ -695,7 +695,7 @@ fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
 }
 
 fn parent_reason(prefix: &Path, e: Errno) -> String {
-    let p = prefix.display();
+    let p = shown_path(prefix);
     match e {
         Errno::NOENT => format!("{p} no longer exists"),
         Errno::LOOP => format!("{p} is now a symlink"),

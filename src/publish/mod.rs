@@ -66,7 +66,9 @@ pub const NAME_MAX: usize = 255;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PathError {
-    #[error("{raw:?}: {reason}")]
+    /// `raw` is the path as the client sent it, shown escaped and cut (as every
+    /// client-supplied string in a message is).
+    #[error("{}: {reason}", crate::exec::args::shown(raw))]
     Rejected { raw: String, reason: String },
 }
 

@@ -10,6 +10,7 @@ use rustix::io::Errno;
 use super::job::STAGED_OVERHEAD;
 use super::sys::{describe, file_type, open_beneath, stat_at};
 use super::{PathError, PublishError, NAME_MAX, PATH_MAX, RESERVED_PREFIXES};
+use crate::exec::args::shown;
 use crate::policy::PathRole;
 
 /// The workspace root, held open as a directory fd. Every later operation resolves beneath
@@ -59,8 +60,8 @@ impl Workspace {
     }
 
     /// Resolves a path parameter beneath the workspace and returns it relative to the root,
-    /// normalized. `..` escapes, absolute paths elsewhere, symlinks leading out and paths into
-    /// job dirs are rejected.
+    /// normalized. `..` escapes, absolute paths elsewhere, symlinks leading out, paths into
+    /// job dirs and paths holding a [`forbidden_char`] are rejected.
     ///
     /// `.` and `..` are resolved lexically; the caller must use the returned path (never the
     /// raw one), and every existing component of it is checked to be a real directory beneath
@@ -87,6 +88,9 @@ impl Workspace {
         if raw.contains('\0') {
             return Err("contains a NUL byte".into());
         }
+        if let Some((at, c, class)) = forbidden_char(raw) {
+            return Err(forbidden_message(at, c, class));
+        }
         if raw.len() >= PATH_MAX {
             return Err(format!(
                 "is {} bytes long; a path is at most {} bytes",
@@ -101,7 +105,7 @@ impl Workspace {
             return Err(format!(
                 "has a component of {} bytes ({}...); a file name is at most {NAME_MAX} bytes",
                 c.len(),
-                String::from_utf8_lossy(&c.as_encoded_bytes()[..16])
+                shown(&String::from_utf8_lossy(&c.as_encoded_bytes()[..16]))
             ));
         }
         let path = Path::new(raw);
@@ -201,13 +205,13 @@ impl Workspace {
         match role {
             PathRole::Input => {
                 let Some(st) = st else {
-                    return Err(format!("{} does not exist", prefix.display()));
+                    return Err(format!("{} does not exist", shown_path(&prefix)));
                 };
                 let ft = file_type(&st);
                 if ft != FileType::RegularFile && ft != FileType::Directory {
                     return Err(format!(
                         "{} is {}, not a regular file or directory",
-                        prefix.display(),
+                        shown_path(&prefix),
                         describe(ft)
                     ));
                 }
@@ -220,7 +224,7 @@ impl Workspace {
                 None | Some(FileType::RegularFile) => Ok(()),
                 Some(ft) => Err(format!(
                     "{} is {}; an output must be a regular file",
-                    prefix.display(),
+                    shown_path(&prefix),
                     describe(ft)
                 )),
             },
@@ -229,7 +233,7 @@ impl Workspace {
 }
 
 fn walk_error(prefix: &Path, e: Errno) -> String {
-    let p = prefix.display();
+    let p = shown_path(prefix);
     match e {
         Errno::NOENT => format!("{p} does not exist"),
         Errno::LOOP => format!("{p} is a symlink (symlinks are never followed)"),
@@ -238,6 +242,44 @@ fn walk_error(prefix: &Path, e: Errno) -> String {
         Errno::ACCESS => format!("{p}: permission denied"),
         e => format!("{p}: {}", std::io::Error::from(e)),
     }
+}
+
+/// A path as a message shows it: through [`shown`], like every client-supplied string.
+pub(super) fn shown_path(p: &Path) -> String {
+    shown(&p.to_string_lossy())
+}
+
+/// The first character of `s` that no path a client names may hold, with its byte offset and
+/// its class: ASCII and C1 control characters (U+0000-U+001F, U+007F, U+0080-U+009F),
+/// bidirectional controls (U+061C, U+200E, U+200F, U+202A-U+202E, U+2066-U+2069), and
+/// zero-width and invisible formatting characters (U+200B-U+200D, U+2060, U+FEFF). Such a
+/// name would be created as is and then shown reordered or invisible by every tool that
+/// lists it.
+pub fn forbidden_char(s: &str) -> Option<(usize, char, &'static str)> {
+    s.char_indices().find_map(|(at, c)| {
+        let class = match c {
+            '\u{0}'..='\u{1f}' | '\u{7f}'..='\u{9f}' => "a control character",
+            '\u{61c}'
+            | '\u{200e}'
+            | '\u{200f}'
+            | '\u{202a}'..='\u{202e}'
+            | '\u{2066}'..='\u{2069}' => "a bidirectional control",
+            '\u{200b}'..='\u{200d}' | '\u{2060}' | '\u{feff}' => {
+                "an invisible formatting character"
+            }
+            _ => return None,
+        };
+        Some((at, c, class))
+    })
+}
+
+/// The reason a path holding a [`forbidden_char`] is refused.
+fn forbidden_message(at: usize, c: char, class: &str) -> String {
+    format!(
+        "holds U+{:04X} ({class}) at byte {at}; a path may not hold control characters, \
+         bidirectional controls or invisible formatting characters",
+        c as u32
+    )
 }
 
 /// Lexical normalization of an absolute path (`.` dropped, `..` pops, never above `/`).
@@ -275,6 +317,9 @@ pub(super) fn check_target(target: &Path) -> Result<(), String> {
     }
     if target.as_os_str().len() >= PATH_MAX {
         return Err("target is longer than PATH_MAX".into());
+    }
+    if let Some((at, c, class)) = target.to_str().and_then(forbidden_char) {
+        return Err(format!("target {}", forbidden_message(at, c, class)));
     }
     for (k, c) in target.components().enumerate() {
         match c {
@@ -336,8 +381,8 @@ impl Workspace {
             .find(|c| c.as_encoded_bytes().starts_with(RESERVED_PREFIX.as_bytes()))
         {
             return Err(reject(format!(
-                "{:?} is a name reserved to airlock ({RESERVED_PREFIX}*)",
-                c.to_string_lossy()
+                "{} is a name reserved to airlock ({RESERVED_PREFIX}*)",
+                shown(&c.to_string_lossy())
             )));
         }
         let dir = match open_beneath(self.fd(), rel, OFlags::RDONLY | OFlags::DIRECTORY) {
@@ -347,15 +392,16 @@ impl Workspace {
             Err(e) => return Err(reject(walk_error(rel, e))),
         };
         let entries = rustix::fs::Dir::read_from(&dir)
-            .map_err(|e| reject(format!("cannot list {}: {e}", rel.display())))?;
+            .map_err(|e| reject(format!("cannot list {}: {e}", shown_path(rel))))?;
         for entry in entries {
-            let entry = entry.map_err(|e| reject(format!("cannot list {}: {e}", rel.display())))?;
+            let entry =
+                entry.map_err(|e| reject(format!("cannot list {}: {e}", shown_path(rel))))?;
             let name = entry.file_name().to_bytes();
             if name.starts_with(RESERVED_PREFIX.as_bytes()) {
                 return Err(reject(format!(
-                    "holds {:?}, a name reserved to airlock job and quarantine dirs \
+                    "holds {}, a name reserved to airlock job and quarantine dirs \
                      ({RESERVED_PREFIX}*); name a subdirectory that does not",
-                    String::from_utf8_lossy(name)
+                    shown(&String::from_utf8_lossy(name))
                 )));
             }
         }
@@ -410,6 +456,189 @@ fn unescape_mountinfo(field: &str) -> Vec<u8> {
 #[cfg(test)]
 mod reach_tests {
     use super::*;
+
+    /// Every character of the forbidden classes, one of each, and neighbours that pass.
+    #[test]
+    fn control_bidi_and_invisible_characters_are_forbidden() {
+        let forbidden = [
+            '\u{1}', '\u{1b}', '\n', '\u{1f}', '\u{7f}', '\u{80}', '\u{85}', '\u{9f}', '\u{61c}',
+            '\u{200e}', '\u{200f}', '\u{202a}', '\u{202e}', '\u{2066}', '\u{2069}', '\u{200b}',
+            '\u{200c}', '\u{200d}', '\u{2060}', '\u{feff}',
+        ];
+        for c in forbidden {
+            let raw = format!("d\u{e9}/a{c}b");
+            let Some((at, found, _)) = forbidden_char(&raw) else {
+                panic!("U+{:04X} passes", c as u32);
+            };
+            assert_eq!((at, found), (5, c));
+        }
+        for ok in [
+            "caf\u{e9}/\u{5d0}\u{5d1}",
+            "a b",
+            "\u{a0}x",
+            "\u{2010}",
+            "\u{206a}",
+        ] {
+            assert_eq!(forbidden_char(ok), None, "{ok:?}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let ws = Workspace::open(dir.path()).unwrap();
+        for role in [PathRole::Input, PathRole::Output] {
+            let e = ws
+                .resolve("x\u{1b}[31m/\u{202e}txt.exe", role)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("holds U+001B (a control character) at byte 1"),
+                "{e}"
+            );
+            assert!(e.starts_with("\"x\\u{1b}[31m/\\u{202e}txt.exe\": "), "{e}");
+        }
+        assert!(check_target(Path::new("a\u{2066}b")).is_err());
+    }
+
+    /// README's `PATH_REJECTED` row names each case resolution refuses: every case below is
+    /// refused, and the row holds the phrase that describes it. (The mount cases need a
+    /// mount and are shown by `uid_separation::inputs_crossing_into_another_mount_are_refused`.)
+    #[test]
+    fn readme_path_rejected_row_names_every_case() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+            .expect("README.md");
+        let row = readme
+            .lines()
+            .find(|l| l.starts_with("| `PATH_REJECTED` |"))
+            .expect("README has a PATH_REJECTED row");
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::write(root.join("f"), "").unwrap();
+        std::fs::create_dir_all(root.join("nest/.airlock-job-fake")).unwrap();
+        std::fs::create_dir(root.join("d")).unwrap();
+        std::os::unix::fs::symlink("d", root.join("link")).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            root.join("fifo"),
+            FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let ws = Workspace::open(root).unwrap();
+        let long_name = format!("a/{}", "n".repeat(NAME_MAX + 1));
+        // 4090 bytes: under the argument's bound, over PATH_MAX beneath any root.
+        let deep = format!("{}/{}", vec!["c".repeat(250); 16].join("/"), "e".repeat(74));
+        assert_eq!(deep.len(), 4090);
+        let (i, o) = (PathRole::Input, PathRole::Output);
+        // (path, role, what the reason says, README's phrase for the case)
+        let cases: &[(&str, PathRole, &str, &str)] = &[
+            ("", i, "empty path", "it is empty"),
+            ("a\0b", i, "NUL byte", "holds a NUL byte"),
+            (
+                "a\u{1b}b",
+                o,
+                "U+001B (a control character)",
+                "a control character",
+            ),
+            (
+                "a\u{202e}b",
+                o,
+                "U+202E (a bidirectional control)",
+                "a bidirectional control",
+            ),
+            (
+                "a\u{200b}b",
+                i,
+                "U+200B (an invisible formatting",
+                "invisible formatting character",
+            ),
+            ("../x", o, "'..' leads out", "`..` above the root"),
+            (
+                "/etc/passwd",
+                i,
+                "absolute path outside",
+                "an absolute path outside it",
+            ),
+            (
+                ".airlock-job-x/f",
+                o,
+                "job directory",
+                "names an airlock job or quarantine dir",
+            ),
+            (
+                &long_name,
+                o,
+                "a file name is at most 255",
+                "a component over 255 bytes",
+            ),
+            (
+                &deep,
+                o,
+                "beneath the workspace root",
+                "4096 bytes or more as resolved beneath the root",
+            ),
+            ("link/x", o, "is a symlink", "is a symlink"),
+            ("f/x", i, "is not a directory", "not a directory"),
+            ("missing", i, "does not exist", "an input does not exist"),
+            (
+                "fifo",
+                i,
+                "not a regular file or directory",
+                "is not a regular file or directory",
+            ),
+            (
+                ".",
+                o,
+                "is the workspace root itself",
+                "an output is the workspace root",
+            ),
+            (
+                "d",
+                o,
+                "an output must be a regular file",
+                "exists as something other than a regular file",
+            ),
+            (
+                ".",
+                i,
+                "is the workspace root",
+                "an input is the workspace root",
+            ),
+            (
+                "nest",
+                i,
+                "holds \".airlock-job-fake\"",
+                "is a directory holding a `.airlock-*` entry",
+            ),
+        ];
+        for (raw, role, reason, phrase) in cases {
+            let refused = ws.resolve(raw, *role).and_then(|rel| match role {
+                PathRole::Input => ws.check_input_reach(raw, &rel),
+                PathRole::Output => Ok(()),
+            });
+            let Err(e) = refused else {
+                panic!("{raw:?} ({role:?}) is accepted");
+            };
+            assert!(e.to_string().contains(reason), "{raw:?}: {e}");
+            assert!(
+                row.contains(phrase),
+                "README's PATH_REJECTED row lacks {phrase:?}"
+            );
+        }
+    }
+
+    /// A reason quotes the client's path as `shown` does: escaped, never raw.
+    #[test]
+    fn reasons_show_the_path_escaped() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("f"), "").unwrap();
+        let ws = Workspace::open(dir.path()).unwrap();
+        let e = ws.resolve("f/x", PathRole::Input).unwrap_err().to_string();
+        assert_eq!(e, "\"f/x\": \"f\" is not a directory");
+        let e = ws
+            .resolve("missing", PathRole::Input)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "\"missing\": \"missing\" does not exist");
+    }
 
     #[test]
     fn mounts_beneath_a_directory_are_found_escapes_undone() {

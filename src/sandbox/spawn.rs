@@ -161,7 +161,13 @@ impl Process {
         let registry = leaders.lock();
         // The socket is the spawner's stdin: std dup2s it there in the child, so it is never
         // inheritable in the daemon.
-        let child = Command::new(exe)
+        let mut command = Command::new(exe);
+        // Socket activation is the daemon's alone (`systemd::take_listener` removed these
+        // already; an embedder may not have called it).
+        for k in crate::systemd::LISTEN_VARS {
+            command.env_remove(k);
+        }
+        let child = command
             .arg(SPAWNER_ARG)
             .arg(me.to_string())
             .process_group(0)

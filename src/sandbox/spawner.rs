@@ -55,6 +55,9 @@ pub fn spawner_main() -> ! {
 }
 
 fn serve() -> std::io::Result<()> {
+    // Nothing but the standard streams is meant for us (the socket is stdin): a descriptor
+    // the daemon let through (a listener passed by systemd, say) is closed before any work.
+    super::sys::close_range(3, u32::MAX)?;
     let daemon: i32 = std::env::args()
         .nth(2)
         .and_then(|a| a.parse().ok())

@@ -18,8 +18,9 @@ fn check(rc: libc::c_long) -> io::Result<libc::c_long> {
 /// `close_range(first, last, 0)`: closes every open descriptor in `first..=last`.
 pub(crate) fn close_range(first: u32, last: u32) -> io::Result<()> {
     // SAFETY: close_range takes two integers and a flag word and touches no memory of ours.
-    // The launcher owns every descriptor in the range (nothing else runs in it) and drops no
-    // Rust object that refers to one, so no owner sees its descriptor closed under it.
+    // Its callers (the launcher, and the spawner before it opens anything) own every
+    // descriptor in the range (nothing else runs in them) and drop no Rust object that refers
+    // to one, so no owner sees its descriptor closed under it.
     let rc = unsafe { libc::syscall(libc::SYS_close_range, first, last, 0 as libc::c_uint) };
     check(rc).map(drop)
 }

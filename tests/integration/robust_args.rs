@@ -477,3 +477,49 @@ async fn an_invalid_json_response_publishes_nothing_and_keeps_the_version() {
     assert_eq!(r["structuredContent"]["version"], 1, "{r}");
     assert_eq!(r["structuredContent"]["state"]["n"], 1, "{r}");
 }
+
+/// An integer argument beyond every integer type (JSON reads `18446744073709551616` or `1e30`
+/// as a floating-point number) is `INVALID_ARGUMENT` naming the range, not "must be an
+/// integer, not a number"; a fraction still says that; nothing runs and the version stays.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_integer_too_large_for_any_integer_type_names_the_range() {
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "n").await;
+    let mut raw = d.raw();
+    raw.initialize();
+    let range = format!(
+        "INVALID_ARGUMENT: argument \"by\" must be an integer between {} and {}, not ",
+        i64::MIN,
+        u64::MAX
+    );
+    // Sent as the client wrote them: a serde_json::Value would already be a float.
+    let cases = [
+        ("18446744073709551616", range.as_str()),
+        ("1e30", range.as_str()),
+        ("-9223372036854775809", range.as_str()),
+        (
+            "2.5",
+            "INVALID_ARGUMENT: argument \"by\" must be an integer, not a number",
+        ),
+    ];
+    for (id, (literal, want)) in (1..).zip(cases) {
+        raw.send_bytes(
+            format!(
+                "{{\"jsonrpc\":\"2.0\",\"id\":{id},\"method\":\"tools/call\",\"params\":\
+                 {{\"name\":\"counter\",\"arguments\":{{\"session\":\"n\",\"by\":{literal}}}}}}}\n"
+            )
+            .as_bytes(),
+        );
+        let r = raw.response(id);
+        let result = &r["result"];
+        assert_eq!(result["isError"], true, "{literal}: {r}");
+        let t = result["content"][0]["text"].as_str().unwrap_or_default();
+        assert!(t.starts_with(want), "{literal}: {t}");
+    }
+    assert_eq!(version(&c, "n").await, 0);
+    let r = call(&c, "counter", json!({"session": "n", "by": 2})).await;
+    assert_eq!(text(&r), "counter is 2", "{r}");
+    assert!(d.job_dirs().is_empty(), "{:?}", d.job_dirs());
+}

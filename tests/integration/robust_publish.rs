@@ -728,3 +728,143 @@ path = "output"
     assert!(!d.log_text().contains("panicked"));
     restarts_and_serves(&mut d, "other", 2).await;
 }
+
+/// Whether `c` is one of the characters no path may hold, nor any message show raw: ASCII
+/// and C1 controls, bidirectional controls, zero-width and invisible formatting characters.
+fn unsafe_to_show(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{61c}'
+                | '\u{200b}'..='\u{200f}'
+                | '\u{202a}'..='\u{202e}'
+                | '\u{2060}'
+                | '\u{2066}'..='\u{2069}'
+                | '\u{feff}'
+        )
+}
+
+/// A path holding a control character, a bidirectional control or an invisible formatting
+/// character is refused (`PATH_REJECTED` naming the code point and its byte), as an input and
+/// as an output, before anything is created: the workspace, the job dirs and the session stay
+/// as they were, the audit records each refusal, and neither the reply nor the audit's message
+/// shows any such character raw. The log's chain still verifies and the daemon starts again.
+#[tokio::test(flavor = "multi_thread")]
+async fn paths_with_control_bidi_or_invisible_characters_are_refused_and_shown_escaped() {
+    forbidden_path_characters(false).await;
+}
+
+/// As [`paths_with_control_bidi_or_invisible_characters_are_refused_and_shown_escaped`],
+/// the daemon running as nobody.
+#[tokio::test(flavor = "multi_thread")]
+async fn paths_with_forbidden_characters_are_refused_by_an_unprivileged_daemon() {
+    forbidden_path_characters(true).await;
+}
+
+async fn forbidden_path_characters(unprivileged: bool) {
+    require_root();
+    let mut d = Daemon::new();
+    d.write("in.txt", "input");
+    if unprivileged {
+        crate::sandbox::give_to_nobody(&d);
+        d.user = Some((65534, 65534));
+    }
+    d.start();
+    let c = d.client().await;
+    session(&c, "p").await;
+    let before = snapshot(&d.workspace);
+    // (character, the code point as the message names it)
+    let chars = [
+        ('\u{1}', "U+0001"),
+        ('\u{1b}', "U+001B"),
+        ('\n', "U+000A"),
+        ('\u{7f}', "U+007F"),
+        ('\u{85}', "U+0085"),
+        ('\u{9f}', "U+009F"),
+        ('\u{61c}', "U+061C"),
+        ('\u{200e}', "U+200E"),
+        ('\u{200f}', "U+200F"),
+        ('\u{202a}', "U+202A"),
+        ('\u{202e}', "U+202E"),
+        ('\u{2066}', "U+2066"),
+        ('\u{2069}', "U+2069"),
+        ('\u{200b}', "U+200B"),
+        ('\u{200c}', "U+200C"),
+        ('\u{200d}', "U+200D"),
+        ('\u{2060}', "U+2060"),
+        ('\u{feff}', "U+FEFF"),
+    ];
+    let mut refused = 0;
+    for (ch, point) in chars {
+        // The character at byte 4, after "sub/"; the output also colours a terminal and
+        // reverses what follows.
+        let out = format!("sub/{ch}x\u{1b}[31m\n\u{202e}txt.exe");
+        let input = format!("sub/{ch}in.txt");
+        for (tool, a) in [
+            (
+                "write_text",
+                json!({"session": "p", "text": "x", "out": out}),
+            ),
+            (
+                "upper",
+                json!({"session": "p", "source": "in.txt", "out": out}),
+            ),
+            (
+                "upper",
+                json!({"session": "p", "source": input, "out": "ok.txt"}),
+            ),
+            ("cat", json!({"path": input})),
+        ] {
+            let r = call(&c, tool, a.clone()).await;
+            assert_eq!(code(&r), "PATH_REJECTED", "{tool} {a}: {r}");
+            let t = text(&r);
+            assert!(t.contains(&format!("holds {point} (")), "{t}");
+            assert!(t.contains("at byte 4;"), "{t}");
+            assert!(
+                !t.chars().any(unsafe_to_show),
+                "the reply shows a character raw: {t:?}"
+            );
+            let message = r["structuredContent"]["error"]["message"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{r}"));
+            assert!(!message.chars().any(unsafe_to_show), "{message:?}");
+            refused += 1;
+        }
+    }
+    assert_eq!(snapshot(&d.workspace), before, "something was created");
+    assert!(d.job_dirs().is_empty(), "{:?}", d.job_dirs());
+    assert_eq!(version(&c, "p").await, 0);
+
+    // Each refusal is in the audit, its message escaped too.
+    let errors: Vec<Value> = audit(&c)
+        .await
+        .into_iter()
+        .filter(|e| e["kind"] == "error" && e["detail"]["code"] == "PATH_REJECTED")
+        .collect();
+    assert_eq!(errors.len(), refused, "{errors:#?}");
+    for e in &errors {
+        let m = e["detail"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{e}"));
+        assert!(m.contains("holds U+"), "{e}");
+        // The whole event as the log stores it, not only its message.
+        assert!(
+            !e.to_string().chars().any(unsafe_to_show),
+            "the audit shows it raw: {e}"
+        );
+    }
+    restarts_and_serves(&mut d, "p", 0).await;
+    d.stop();
+    let log = d.state.join("audit.jsonl");
+    let v = Command::new(BIN)
+        .args(["audit", "verify", "--log"])
+        .arg(&log)
+        .output()
+        .expect("airlock audit verify");
+    assert!(
+        v.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&v.stdout),
+        String::from_utf8_lossy(&v.stderr)
+    );
+}

@@ -32,6 +32,20 @@ fn spawn_activated_with(
     notify: &std::path::Path,
     watchdog_usec: Option<&str>,
 ) {
+    spawn_activated_fds(d, &[listener], fd_name, notify, watchdog_usec);
+}
+
+/// As [`spawn_activated`], with `listeners` passed as fds 3, 4, ... (`LISTEN_FDS` their
+/// count) and `fd_names` as `LISTEN_FDNAMES`.
+fn spawn_activated_fds(
+    d: &mut Daemon,
+    listeners: &[&UnixListener],
+    fd_names: &str,
+    notify: &std::path::Path,
+    watchdog_usec: Option<&str>,
+) {
+    const MAX: usize = 4;
+    assert!(listeners.len() <= MAX, "at most {MAX} listeners");
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -50,8 +64,8 @@ fn spawn_activated_with(
         .arg(&d.workspace)
         .arg("--state-dir")
         .arg(&d.state)
-        .env("LISTEN_FDS", "1")
-        .env("LISTEN_FDNAMES", fd_name)
+        .env("LISTEN_FDS", listeners.len().to_string())
+        .env("LISTEN_FDNAMES", fd_names)
         .env("NOTIFY_SOCKET", notify)
         .env("AIRLOCK_LOG", "debug")
         .stdin(Stdio::null())
@@ -60,18 +74,28 @@ fn spawn_activated_with(
     if let Some(w) = watchdog_usec {
         cmd.env("WATCHDOG_USEC", w);
     }
-    let fd = listener.as_raw_fd();
-    // SAFETY: between fork and exec only dup2 and fcntl run, both async-signal-safe; the
-    // listener's fd is open in the parent (and so in the child) for the whole spawn.
+    let mut fds = [-1; MAX];
+    for (slot, l) in fds.iter_mut().zip(listeners) {
+        *slot = l.as_raw_fd();
+    }
+    let count = listeners.len();
+    // SAFETY: between fork and exec only fcntl and dup2 run, both async-signal-safe, on the
+    // listeners' fds, open in the parent (and so in the child) for the whole spawn. Each is
+    // first copied above 100, so that a listener already at fd 3 or 4 is not overwritten
+    // before it is moved, and dup2 always makes a new, inheritable fd.
     unsafe {
         cmd.pre_exec(move || {
-            if fd == 3 {
-                let flags = libc::fcntl(3, libc::F_GETFD);
-                if flags < 0 || libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+            let mut high = [-1; MAX];
+            for i in 0..count {
+                high[i] = libc::fcntl(fds[i], libc::F_DUPFD_CLOEXEC, 100);
+                if high[i] < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-            } else if libc::dup2(fd, 3) < 0 {
-                return Err(std::io::Error::last_os_error());
+            }
+            for (i, fd) in high.iter().take(count).enumerate() {
+                if libc::dup2(*fd, 3 + i as i32) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });
@@ -241,6 +265,178 @@ async fn a_passed_fd_with_another_name_is_refused_and_named() {
             && log.contains("LISTEN_FDNAMES=\"web\""),
         "{log}"
     );
+}
+
+/// How `/proc/PID/fd` shows the socket behind `l`: `socket:[INODE]`.
+fn socket_link(l: &UnixListener) -> String {
+    std::fs::read_link(format!("/proc/self/fd/{}", l.as_raw_fd()))
+        .expect("readlink")
+        .display()
+        .to_string()
+}
+
+/// What each of `pid`'s open fds points at.
+fn fd_links(pid: i32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("/proc/PID/fd")
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|l| l.display().to_string())
+        .collect()
+}
+
+/// The environment `pid` was started with.
+fn environ(pid: i32) -> Vec<String> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).expect("/proc/PID/environ");
+    raw.split(|b| *b == 0)
+        .filter(|v| !v.is_empty())
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect()
+}
+
+/// The spawner process of the daemon `daemon` (its child running the spawner argument).
+fn spawner_of(daemon: u32) -> Option<i32> {
+    processes_with("__airlock-spawner").into_iter().find(|p| {
+        std::fs::read_to_string(format!("/proc/{p}/status")).is_ok_and(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("PPid:"))
+                .is_some_and(|v| v.trim() == daemon.to_string())
+        })
+    })
+}
+
+/// A client of the socket at `path` is turned away at once: its connect is refused, or the
+/// connection it got ends (EOF or reset). The 20 s read deadline only detects the failure:
+/// a client left waiting in a backlog nobody accepts from.
+fn refused_fast(path: &std::path::Path) {
+    use std::io::Read;
+    match std::os::unix::net::UnixStream::connect(path) {
+        Err(e) => assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionRefused,
+            "{}: {e}",
+            path.display()
+        ),
+        Ok(mut s) => {
+            s.set_read_timeout(Some(Duration::from_secs(20)))
+                .expect("timeout");
+            let mut b = [0u8; 1];
+            match s.read(&mut b) {
+                Ok(0) => {}
+                Ok(_) => panic!("{}: a client was answered", path.display()),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    panic!(
+                        "{}: a client is left waiting in the backlog",
+                        path.display()
+                    )
+                }
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+/// The passed fds and the LISTEN_* variables are the daemon's alone: the spawner (started
+/// before the first call) holds neither socket and has no LISTEN_* in its environment, nor
+/// does a worker; a passed fd with another name is closed, so its clients are refused at
+/// once instead of waiting in a backlog. The test keeps no copy of the sockets, as
+/// systemd-socket-activate (which execs the daemon) does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn neither_the_spawner_nor_a_worker_inherits_the_passed_fds_or_listen_variables() {
+    let mut d = Daemon::new();
+    d.add_tool(
+        "activated_env",
+        r#"name = "activated_env"
+description = "prints its environment and open fds"
+capability = "read"
+command = ["/bin/sh", "-c", "env; ls -l /proc/self/fd/"]
+timeout = "30s"
+"#,
+    );
+    let web_path = d.dir.path().join("web.sock");
+    let web = UnixListener::bind(&web_path).expect("bind");
+    let listener = UnixListener::bind(&d.socket).expect("bind the socket systemd would");
+    let (ours, theirs) = (socket_link(&listener), socket_link(&web));
+    let (notify, notify_path) = notify_socket(&d);
+    // The other socket first: it is fd 3, the listener fd 4.
+    spawn_activated_fds(
+        &mut d,
+        &[&web, &listener],
+        "web:airlock",
+        &notify_path,
+        None,
+    );
+    drop((web, listener));
+    recv_until(&notify, "READY=1", &d);
+    let daemon = d.pid();
+    wait_until("the spawner to start", || spawner_of(daemon).is_some()).await;
+    let spawner = spawner_of(daemon).expect("the spawner");
+    let links = fd_links(spawner);
+    assert!(
+        !links.contains(&ours) && !links.contains(&theirs),
+        "the spawner holds a passed socket ({ours}, {theirs}): {links:?}"
+    );
+    let env = environ(spawner);
+    assert!(
+        env.iter().all(|v| !v.starts_with("LISTEN_")),
+        "the spawner's environment: {env:?}"
+    );
+    let links = fd_links(daemon as i32);
+    assert!(links.contains(&ours), "the daemon's fds: {links:?}");
+    assert!(
+        !links.contains(&theirs),
+        "the daemon kept the fd named \"web\": {links:?}"
+    );
+
+    let c = d.client().await;
+    let r = call(&c, "activated_env", json!({})).await;
+    assert!(!is_error(&r), "{r}");
+    let t = text(&r);
+    assert!(t.contains("PATH="), "no environment listed: {t}");
+    assert!(!t.contains("LISTEN_"), "a worker's environment: {t}");
+    assert!(
+        !t.contains(&ours) && !t.contains(&theirs),
+        "a worker holds a passed socket: {t}"
+    );
+    refused_fast(&web_path);
+}
+
+/// Two passed fds both named `airlock`: the start is refused naming both, rather than one
+/// served and the other's clients left waiting; once the daemon is gone, a client of either
+/// socket is refused at once.
+#[tokio::test]
+async fn two_passed_fds_named_airlock_refuse_the_start_and_leave_no_client_waiting() {
+    let mut d = Daemon::new();
+    let second_path = d.dir.path().join("second.sock");
+    let first = UnixListener::bind(&d.socket).expect("bind");
+    let second = UnixListener::bind(&second_path).expect("bind");
+    let (_notify, notify_path) = notify_socket(&d);
+    spawn_activated_fds(
+        &mut d,
+        &[&first, &second],
+        "airlock:airlock",
+        &notify_path,
+        None,
+    );
+    drop((first, second));
+    let st = d
+        .wait_exit(Duration::from_secs(30))
+        .expect("the daemon exits");
+    assert_eq!(st.code(), Some(2), "{}", d.log_text());
+    let log = d.log_text();
+    assert!(
+        log.contains("fds 3 and 4 are each named \"airlock\"")
+            && log.contains("LISTEN_FDNAMES=\"airlock:airlock\""),
+        "{log}"
+    );
+    for p in [d.socket.clone(), second_path] {
+        refused_fast(&p);
+    }
 }
 
 #[tokio::test]

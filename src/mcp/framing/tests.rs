@@ -716,3 +716,35 @@ fn jsonrpc_errors_a_client_can_match() {
     let r = reply_of(ids.inbound(b"{not json"));
     assert!(r.as_object().expect("object").get("id").is_none(), "{r}");
 }
+
+/// A client's method or id quoted in an error is shown escaped: no control, bidirectional or
+/// invisible formatting character of the client's reaches the message raw.
+#[test]
+fn client_strings_in_jsonrpc_errors_are_escaped() {
+    let raw = |m: &str| {
+        m.chars().any(|c| {
+            c.is_control() || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}')
+        })
+    };
+    let mut ids = Ids::new(8, 1 << 30);
+    let r = reply_of(ids.inbound(&req(json!(1), "tools/\u{202e}list\u{1b}[31m")));
+    let msg = r["error"]["message"].as_str().expect("message");
+    assert!(
+        msg.contains("\"tools/\\u{202e}list\\u{1b}[31m\" before initialize"),
+        "{msg}"
+    );
+    assert!(!raw(msg), "{msg:?}");
+    let mut ids = Ids::new(8, 1 << 30).after_handshake();
+    let id = json!("a\u{202e}b\n");
+    assert!(matches!(
+        ids.inbound(&call_req(id.clone())),
+        Inbound::Forward(_)
+    ));
+    let r = reply_of(ids.inbound(&req(id, "ping")));
+    let msg = r["error"]["message"].as_str().expect("message");
+    assert!(
+        msg.contains("id \"a\\u{202e}b\\n\" is already in flight"),
+        "{msg}"
+    );
+    assert!(!raw(msg), "{msg:?}");
+}
