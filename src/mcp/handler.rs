@@ -14,6 +14,7 @@ use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{json, Value};
 
 use super::cancel::Calls;
+use super::framing::ClientName;
 use crate::audit::Principal;
 use crate::exec::progress::{self, ProgressFeed};
 use crate::exec::{CallRequest, Executor, Reply};
@@ -169,6 +170,8 @@ pub struct Handler {
     peer: Principal,
     /// The connection's calls a client may cancel (the framing's cancellations land here).
     calls: Arc<Calls>,
+    /// The client name the connection presented first: the audit's for all its calls.
+    client: Arc<ClientName>,
     /// The connection's end: its subscriptions stop with it.
     conn: tokio_util::sync::CancellationToken,
     /// Subscribed resource URIs, each with the token that stops its notifier.
@@ -182,12 +185,14 @@ impl Handler {
         exec: Arc<Executor>,
         peer: Principal,
         calls: Arc<Calls>,
+        client: Arc<ClientName>,
         conn: tokio_util::sync::CancellationToken,
     ) -> Handler {
         Handler {
             exec,
             peer,
             calls,
+            client,
             conn,
             subs: Default::default(),
         }
@@ -332,8 +337,9 @@ impl ServerHandler for Handler {
         cx: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         let mut principal = self.peer.clone();
-        // From the handshake (2025 era) or the request's own `_meta` (2026-07-28).
-        principal.client = cx.client_info().map(|i| i.name);
+        // The first the connection presented, in the handshake (2025 era) or a request's
+        // `_meta` (2026-07-28), cut by the framing; never a later request's other name.
+        principal.client = self.client.get();
         // The framing gives every request a numeric id of the daemon's own.
         let id = match &cx.id {
             rmcp::model::NumberOrString::Number(n) => u64::try_from(*n).ok(),
