@@ -217,16 +217,8 @@ impl Handler {
         }
     }
 
-    /// Refuses (and records a `deny`) a principal that may not read the audit.
-    fn check_audit_reader(
-        &self,
-        policy: &crate::policy::Policy,
-        method: &str,
-        uri: &str,
-    ) -> Result<(), McpError> {
-        if self.may_read_audit(policy) {
-            return Ok(());
-        }
+    /// Records a `deny` of an audit read or subscription of this connection's principal.
+    fn record_audit_refusal(&self, method: &str, detail: Value) {
         self.exec.audit.record(
             &crate::audit::CallRef {
                 call: "-".into(),
@@ -237,8 +229,45 @@ impl Handler {
                 request_id: None,
             },
             crate::audit::EventKind::Deny,
-            json!({"code": AUDIT_FORBIDDEN, "uri": uri}),
+            detail,
         );
+    }
+
+    /// Whether the subscription to `uri` may go on under the policy current now. If not
+    /// (a reload took the principal's `admin` and `audit`), it is dropped: its notifier stops
+    /// (`stop`), it leaves the connection's list, and the audit records a `deny`.
+    fn subscription_still_allowed(
+        &self,
+        uri: &str,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> bool {
+        if self.may_read_audit(&self.exec.policy()) {
+            return true;
+        }
+        stop.cancel();
+        self.subs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, t| !t.is_cancelled());
+        self.record_audit_refusal(
+            "resources/subscribe",
+            json!({"code": AUDIT_FORBIDDEN, "uri": uri,
+                   "message": "subscription dropped: the reloaded policy no longer lets this principal read the audit"}),
+        );
+        false
+    }
+
+    /// Refuses (and records a `deny`) a principal that may not read the audit.
+    fn check_audit_reader(
+        &self,
+        policy: &crate::policy::Policy,
+        method: &str,
+        uri: &str,
+    ) -> Result<(), McpError> {
+        if self.may_read_audit(policy) {
+            return Ok(());
+        }
+        self.record_audit_refusal(method, json!({"code": AUDIT_FORBIDDEN, "uri": uri}));
         Err(McpError::invalid_request(
             format!(
                 "{AUDIT_FORBIDDEN}: uid {} may not read {AUDIT_URI}; it needs the admin or audit capability in a [[grant]] of airlock.toml",
@@ -460,16 +489,29 @@ impl ServerHandler for Handler {
             subs.insert(request.uri.clone(), stop.clone());
         }
         // Every new event updates every view of the ring (the newest events change); a
-        // subscriber hears of it at most every NOTIFY_EVERY.
+        // subscriber hears of it at most every NOTIFY_EVERY. At each reload, and before each
+        // notification, the policy current then must still let the principal read the audit;
+        // else the subscription is dropped and nothing more is sent.
         let mut rx = self.exec.audit.subscribe();
         rx.mark_unchanged();
+        let mut reloads = self.exec.reloads();
         let peer = cx.peer.clone();
         let uri = request.uri;
+        let this = self.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return },
+                    r = reloads.changed() => {
+                        if r.is_err() || !this.subscription_still_allowed(&uri, &stop) {
+                            return;
+                        }
+                        continue;
+                    }
                     _ = stop.cancelled() => return,
+                }
+                if !this.subscription_still_allowed(&uri, &stop) {
+                    return;
                 }
                 let param = rmcp::model::ResourceUpdatedNotificationParam::new(uri.clone());
                 if peer.notify_resource_updated(param).await.is_err() {
