@@ -240,13 +240,18 @@ async fn an_audit_subscription_the_reload_revokes_hears_nothing_more() {
     assert_eq!(code, Some(0), "airlock audit verify: {out}");
 }
 
-/// A read tool that holds the daemon's only call slot until the test kills its worker.
-const SLOT_HOLDER: &str = r#"name = "reload_slot_holder"
+/// A read tool that holds the daemon's only call slot until the test kills its worker,
+/// found by its `seconds` (unique per test: the tests run in parallel).
+fn slot_holder(seconds: &str) -> String {
+    format!(
+        r#"name = "reload_slot_holder"
 description = "holds a call slot"
 capability = "read"
-command = ["/bin/sleep", "3141.59"]
+command = ["/bin/sleep", "{seconds}"]
 timeout = "300s"
-"#;
+"#
+    )
+}
 
 /// A write tool whose definition the reload changes.
 fn changed_tool(text: &str) -> String {
@@ -298,7 +303,8 @@ async fn queued_calls_are_checked_again_where_they_start(unprivileged: bool) {
         conf_text.replace("max_concurrent_calls = 64", "max_concurrent_calls = 1"),
     )
     .expect("write airlock.toml");
-    d.add_tool("reload_slot_holder", SLOT_HOLDER);
+    let seconds = if unprivileged { "3141.592" } else { "3141.591" };
+    d.add_tool("reload_slot_holder", &slot_holder(seconds));
     d.add_tool("reload_changed", &changed_tool("v1"));
     if unprivileged {
         crate::sandbox::give_to_nobody(&d);
@@ -319,7 +325,7 @@ async fn queued_calls_are_checked_again_where_they_start(unprivileged: bool) {
         let c = d.client().await;
         tokio::spawn(async move { call(&c, "reload_slot_holder", json!({})).await })
     };
-    wait_for_process("3141.59").await;
+    wait_for_exact(&format!("/bin/sleep {seconds}")).await;
     let queued = |tool: &'static str, a: Value| queue(&d, tool, a);
     let removed = queued(
         "write_text",
@@ -368,7 +374,7 @@ async fn queued_calls_are_checked_again_where_they_start(unprivileged: bool) {
     d.add_tool("reload_changed", &changed_tool("v2"));
     revoke(&d, &grant);
     reload(&d, 1).await;
-    for pid in processes_with("3141.59") {
+    for pid in processes_with(&format!("/bin/sleep {seconds}")) {
         // SAFETY: kill(2) of the holder's worker, a process the test identified by its
         // command line.
         unsafe { libc::kill(pid, libc::SIGKILL) };
