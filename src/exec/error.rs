@@ -105,6 +105,11 @@ pub enum CallError {
         uid: u32,
         right: &'static str,
     },
+    /// A SIGHUP reload removed or changed the tool while the call waited for its turn (its
+    /// session lock, its targets, a slot): it was checked against a definition the daemon no
+    /// longer serves, so nothing ran.
+    #[error("{tool} was {change} by a policy reload while the call waited for its turn; nothing ran (tools/list names the tools served now)")]
+    ToolWithdrawn { tool: String, change: &'static str },
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
     /// No worker uid could be leased.
@@ -156,7 +161,9 @@ impl CallError {
                 SessionError::Io { .. } | SessionError::Corrupt { .. } => ErrorCode::StateError,
             },
             CallError::SessionForbidden { .. } => ErrorCode::SessionForbidden,
-            CallError::ToolForbidden { .. } => ErrorCode::ToolForbidden,
+            CallError::ToolForbidden { .. } | CallError::ToolWithdrawn { .. } => {
+                ErrorCode::ToolForbidden
+            }
             CallError::Sandbox(_) | CallError::Identity(_) => ErrorCode::SandboxError,
             CallError::Timeout { .. } => ErrorCode::ToolTimeout,
             CallError::ToolFailed(_) | CallError::ToolReported { .. } => ErrorCode::ToolFailed,

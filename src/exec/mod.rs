@@ -126,6 +126,9 @@ impl ToolReply {
 /// Why a call ended without a result to publish; becomes a fault reply or no reply.
 enum Stop {
     Fault(CallError),
+    /// Refused where a queued call starts: the policy current then no longer serves or
+    /// grants its tool ([`Executor::recheck`]). Recorded as `deny`; nothing ran.
+    Denied(CallError),
     Cancelled,
 }
 
@@ -143,6 +146,9 @@ pub struct Executor {
     /// The policy new calls start on; SIGHUP swaps it (`replace_policy`), a call in flight
     /// keeps the `Arc` it started with.
     policy: std::sync::RwLock<Arc<Policy>>,
+    /// Counts the reloads (`replace_policy`), for what must re-check its right at each one
+    /// (audit subscriptions).
+    reloads: tokio::sync::watch::Sender<u64>,
     /// Calls between the start and the end of `call`, for `STATUS=`.
     in_flight: AtomicUsize,
     /// Woken when `in_flight` changes: `STATUS=` is sent on change, not polled.
@@ -215,6 +221,7 @@ impl Executor {
             audit,
             slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
             policy: std::sync::RwLock::new(policy),
+            reloads: tokio::sync::watch::channel(0).0,
             in_flight: AtomicUsize::new(0),
             in_flight_changed: tokio::sync::Notify::new(),
             sessions,
@@ -246,6 +253,56 @@ impl Executor {
     pub fn replace_policy(&self, new: Arc<Policy>) {
         prepare_filters(&self.filters, &new, self.identities.range().is_none());
         *self.policy.write().unwrap_or_else(|p| p.into_inner()) = new;
+        self.reloads.send_modify(|n| *n += 1);
+    }
+
+    /// Changes once `replace_policy` has made a new policy current (not before).
+    pub fn reloads(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.reloads.subscribe()
+    }
+
+    /// The re-check of a call at the point it starts, after its wait (session lock, targets,
+    /// a slot) and before anything is created for it: a reload meanwhile may have removed or
+    /// changed its tool, or revoked the principal's grant. The call goes on only if the
+    /// policy current now serves the very tool it was checked against (`started_on`'s, equal
+    /// in every field) and grants it to the principal; it then runs on the `Arc` it started
+    /// with, which holds that same tool. Otherwise it is refused (`TOOL_FORBIDDEN`, recorded
+    /// as `deny`). Returns the caller as the current policy sees it (`admin` may be gone).
+    fn recheck(&self, started_on: &Policy, call: &Call, tool: &Tool) -> Result<Caller, Stop> {
+        let current = self.policy();
+        let Some(p) = call.principal.as_ref() else {
+            return Err(CallError::Internal("a call without a principal".into()).into());
+        };
+        let gids = p.gids();
+        let who = Subject {
+            uid: p.uid,
+            gids: &gids,
+        };
+        let caller = Caller {
+            uid: who.uid,
+            admin: current.holds(who, Right::Admin),
+        };
+        if std::ptr::eq(&*current, started_on) {
+            return Ok(caller);
+        }
+        let withdrawn = |change| {
+            Stop::Denied(CallError::ToolWithdrawn {
+                tool: tool.name.clone(),
+                change,
+            })
+        };
+        match current.tools.get(&tool.name) {
+            None => Err(withdrawn("removed")),
+            Some(now) if now != tool => Err(withdrawn("changed")),
+            Some(now) if !current.may_call(who, now) => {
+                Err(Stop::Denied(CallError::ToolForbidden {
+                    tool: tool.name.clone(),
+                    uid: who.uid,
+                    right: Right::for_capability(tool.capability).as_str(),
+                }))
+            }
+            Some(_) => Ok(caller),
+        }
     }
 
     /// The compiled seccomp programs (for tests and the benchmark: how many compilations).
@@ -343,7 +400,8 @@ impl Executor {
             Err(e) => Err(e.into()),
             Ok(values) => match (&tool.kind, tool.capability) {
                 (ToolKind::Builtin(b), _) => {
-                    self.builtin(&call, caller, *b, &req.args, &cancel).await
+                    self.builtin(&policy, &call, tool, caller, *b, &req.args, &cancel)
+                        .await
                 }
                 (ToolKind::External(ext), Capability::Read) => {
                     self.run_read(&policy, &call, tool, ext, values, &cancel, progress)
@@ -456,6 +514,20 @@ impl Executor {
                 }
                 Reply::Result(reply)
             }
+            Err(Stop::Denied(e)) => {
+                // Refused where it would have started: nothing ran, nothing to roll back.
+                let reply = e.reply(&call.secrets);
+                let message = reply
+                    .structured
+                    .as_ref()
+                    .map(|s| s["error"]["message"].clone());
+                self.event(
+                    call,
+                    EventKind::Deny,
+                    json!({"code": e.code().as_str(), "message": message, "phase": "queued"}),
+                );
+                Reply::Result(reply)
+            }
             Err(Stop::Cancelled) => {
                 if !call.flag(&call.cancel_recorded) {
                     // Cancelled while queued (locks, a slot), or after its worker ended and
@@ -499,9 +571,12 @@ impl Executor {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn builtin(
         &self,
+        policy: &Policy,
         call: &Call,
+        tool: &Tool,
         caller: Caller,
         b: Builtin,
         raw: &Map<String, Value>,
@@ -545,6 +620,7 @@ impl Executor {
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let guard = self.lock_session(id, cancel).await?;
+                let caller = self.recheck(policy, call, tool)?;
                 // Checked again under the lock: the id may have been created since step 1.
                 caller.check(id, guard.snapshot().owner)?;
                 self.record_start(call, json!({}));
@@ -668,6 +744,7 @@ impl Executor {
         let bound = args::bind(&values, &paths, &root, None, |_| root.clone());
         self.check_bounds(policy, tool, ext, &bound, None)?;
         let _slot = self.slot(cancel).await?;
+        self.recheck(policy, call, tool)?;
         let stdin = match ext.protocol {
             Protocol::Json => json_request(&tool.name, &bound.arguments, None),
             Protocol::Argv => Vec::new(),
@@ -723,6 +800,10 @@ impl Executor {
             _ = cancel.cancelled() => return Err(Stop::Cancelled),
         };
         let _slot = self.slot(cancel).await?;
+        // The call starts here: its tool and grant are checked again against the policy
+        // current now, and the session's owner against the caller that policy sees.
+        let caller = self.recheck(policy, call, tool)?;
+        caller.check(session, guard.snapshot().owner)?;
 
         // 3. Clone the state.
         let before = guard.snapshot();

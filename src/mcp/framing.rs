@@ -13,8 +13,10 @@
 //!   mapped back on the reply. A second request with the id of one still in flight is
 //!   rejected (rmcp alone would overwrite the first's bookkeeping and drop a reply), and a
 //!   connection has at most `max_requests_per_connection` requests in flight;
-//! - `initialize`: clientInfo strings are truncated before rmcp stores them, and its params
-//!   are bounded in size.
+//! - clientInfo: its strings are cut to [`MAX_CLIENT_FIELD`] bytes by one function
+//!   ([`bound_client_info`]) before rmcp sees them, both in `initialize` (2025 era) and in a
+//!   2026-07-28 request's `_meta`; `initialize` params are bounded in size. The first client
+//!   name a connection presents is its name for good ([`ClientName`]).
 //!
 //! Outgoing lines go through an [`OutQueue`] bounded in bytes; [`write_lines`] gives each
 //! line a write timeout. Exceeding either drops the connection (the caller's decision).
@@ -39,6 +41,8 @@ pub const MAX_DEPTH: usize = 64;
 pub const MAX_ID_BYTES: usize = 256;
 /// clientInfo strings (name, version, title, ...) are cut to this many bytes.
 pub const MAX_CLIENT_FIELD: usize = 256;
+/// The `_meta` key under which a 2026-07-28 request carries its clientInfo.
+pub const META_CLIENT_INFO: &str = "io.modelcontextprotocol/clientInfo";
 /// The largest `initialize` params (after clientInfo truncation), which rmcp keeps for the
 /// connection's lifetime.
 pub const MAX_INIT_PARAMS: usize = 64 * 1024;
@@ -317,6 +321,8 @@ pub struct Ids {
     calls: Arc<Calls>,
     /// An `initialize` was passed on.
     initialized: bool,
+    /// The connection's client name, shared with the handler.
+    client: Arc<ClientName>,
     next: u64,
     max_in_flight: usize,
     /// The size of the requests in flight, and its bound.
@@ -339,6 +345,7 @@ impl Ids {
             last_activity: Instant::now(),
             calls: Arc::new(Calls::default()),
             initialized: false,
+            client: Arc::new(ClientName::default()),
         }
     }
 
@@ -352,6 +359,11 @@ impl Ids {
     /// The connection's cancellable calls, for the handler.
     pub fn calls(&self) -> Arc<Calls> {
         self.calls.clone()
+    }
+
+    /// The connection's client name, for the handler.
+    pub fn client_name(&self) -> Arc<ClientName> {
+        self.client.clone()
     }
 
     /// Whether a request of `len` bytes would exceed the in-flight caps.
@@ -505,6 +517,16 @@ impl Ids {
                 return reply(&id, -32602, &msg);
             }
         }
+        // A 2026-07-28 request names its client in every request's `_meta`: cut like the
+        // handshake's.
+        if let Some(info) = v
+            .get_mut("params")
+            .and_then(|p| p.get_mut("_meta"))
+            .and_then(|m| m.get_mut(META_CLIENT_INFO))
+            .and_then(Value::as_object_mut)
+        {
+            bound_client_info(info);
+        }
         let internal = self.next;
         v["id"] = json!(internal);
         let line = match checked(&v) {
@@ -513,6 +535,14 @@ impl Ids {
         };
         self.next += 1;
         self.bytes += line.len();
+        let info = if method == "initialize" {
+            &v["params"]["clientInfo"]
+        } else {
+            &v["params"]["_meta"][META_CLIENT_INFO]
+        };
+        if let Some(name) = info.get("name").and_then(Value::as_str) {
+            self.client.present(name);
+        }
         if method == "tools/call" {
             self.calls.note_client_id(internal, id.clone());
         }
@@ -615,6 +645,48 @@ fn check_call_params(params: &Value) -> Result<(), String> {
     }
 }
 
+/// Cuts every string of a clientInfo object (name, version, title, description,
+/// websiteUrl, and any other) to [`MAX_CLIENT_FIELD`] bytes plus the truncation marker: the
+/// one bound of both eras' clientInfo (`initialize`'s and a 2026-07-28 request's `_meta`).
+pub fn bound_client_info(info: &mut serde_json::Map<String, Value>) {
+    for value in info.values_mut() {
+        if let Value::String(s) = value {
+            if let std::borrow::Cow::Owned(t) = truncate(s, MAX_CLIENT_FIELD) {
+                *s = t;
+            }
+        }
+    }
+}
+
+/// The client name of one connection: the first a request presents (`initialize`'s
+/// clientInfo in the 2025 era, the first `_meta` clientInfo in the 2026-07-28 era), already
+/// cut by [`bound_client_info`]. Later requests naming another client do not change it; the
+/// first such mismatch is logged once.
+#[derive(Debug, Default)]
+pub struct ClientName {
+    first: std::sync::OnceLock<String>,
+    mismatch_logged: std::sync::atomic::AtomicBool,
+}
+
+impl ClientName {
+    /// Notes a name a request presents: the first becomes the connection's.
+    pub fn present(&self, name: &str) {
+        let first = self.first.get_or_init(|| name.to_string());
+        if first != name && !self.mismatch_logged.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                connection_client = %first,
+                presented = %name,
+                "a request names another client than this connection's first; the audit keeps the first"
+            );
+        }
+    }
+
+    /// The connection's client name, once one was presented.
+    pub fn get(&self) -> Option<String> {
+        self.first.get().cloned()
+    }
+}
+
 /// Truncates clientInfo's strings and bounds the params rmcp keeps for the connection.
 fn bound_initialize(v: &mut Value) -> Result<(), String> {
     if let Some(info) = v
@@ -622,13 +694,7 @@ fn bound_initialize(v: &mut Value) -> Result<(), String> {
         .and_then(|p| p.get_mut("clientInfo"))
         .and_then(Value::as_object_mut)
     {
-        for field in ["name", "version", "title", "description", "websiteUrl"] {
-            if let Some(Value::String(s)) = info.get_mut(field) {
-                if let std::borrow::Cow::Owned(t) = truncate(s, MAX_CLIENT_FIELD) {
-                    *s = t;
-                }
-            }
-        }
+        bound_client_info(info);
     }
     let size = serde_json::to_vec(&v["params"]).map_or(usize::MAX, |p| p.len());
     if size > MAX_INIT_PARAMS {

@@ -14,6 +14,7 @@ use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{json, Value};
 
 use super::cancel::Calls;
+use super::framing::ClientName;
 use crate::audit::Principal;
 use crate::exec::args::shown;
 use crate::exec::progress::{self, ProgressFeed};
@@ -177,6 +178,8 @@ pub struct Handler {
     peer: Principal,
     /// The connection's calls a client may cancel (the framing's cancellations land here).
     calls: Arc<Calls>,
+    /// The client name the connection presented first: the audit's for all its calls.
+    client: Arc<ClientName>,
     /// The connection's end: its subscriptions stop with it.
     conn: tokio_util::sync::CancellationToken,
     /// Subscribed resource URIs, each with the token that stops its notifier.
@@ -190,12 +193,14 @@ impl Handler {
         exec: Arc<Executor>,
         peer: Principal,
         calls: Arc<Calls>,
+        client: Arc<ClientName>,
         conn: tokio_util::sync::CancellationToken,
     ) -> Handler {
         Handler {
             exec,
             peer,
             calls,
+            client,
             conn,
             subs: Default::default(),
         }
@@ -220,16 +225,8 @@ impl Handler {
         }
     }
 
-    /// Refuses (and records a `deny`) a principal that may not read the audit.
-    fn check_audit_reader(
-        &self,
-        policy: &crate::policy::Policy,
-        method: &str,
-        uri: &str,
-    ) -> Result<(), McpError> {
-        if self.may_read_audit(policy) {
-            return Ok(());
-        }
+    /// Records a `deny` of an audit read or subscription of this connection's principal.
+    fn record_audit_refusal(&self, method: &str, detail: Value) {
         self.exec.audit.record(
             &crate::audit::CallRef {
                 call: "-".into(),
@@ -240,8 +237,45 @@ impl Handler {
                 request_id: None,
             },
             crate::audit::EventKind::Deny,
-            json!({"code": AUDIT_FORBIDDEN, "uri": uri}),
+            detail,
         );
+    }
+
+    /// Whether the subscription to `uri` may go on under the policy current now. If not
+    /// (a reload took the principal's `admin` and `audit`), it is dropped: its notifier stops
+    /// (`stop`), it leaves the connection's list, and the audit records a `deny`.
+    fn subscription_still_allowed(
+        &self,
+        uri: &str,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> bool {
+        if self.may_read_audit(&self.exec.policy()) {
+            return true;
+        }
+        stop.cancel();
+        self.subs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, t| !t.is_cancelled());
+        self.record_audit_refusal(
+            "resources/subscribe",
+            json!({"code": AUDIT_FORBIDDEN, "uri": uri,
+                   "message": "subscription dropped: the reloaded policy no longer lets this principal read the audit"}),
+        );
+        false
+    }
+
+    /// Refuses (and records a `deny`) a principal that may not read the audit.
+    fn check_audit_reader(
+        &self,
+        policy: &crate::policy::Policy,
+        method: &str,
+        uri: &str,
+    ) -> Result<(), McpError> {
+        if self.may_read_audit(policy) {
+            return Ok(());
+        }
+        self.record_audit_refusal(method, json!({"code": AUDIT_FORBIDDEN, "uri": uri}));
         Err(McpError::invalid_request(
             format!(
                 "{AUDIT_FORBIDDEN}: uid {} may not read {AUDIT_URI}; it needs the admin or audit capability in a [[grant]] of airlock.toml",
@@ -340,8 +374,9 @@ impl ServerHandler for Handler {
         cx: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         let mut principal = self.peer.clone();
-        // From the handshake (2025 era) or the request's own `_meta` (2026-07-28).
-        principal.client = cx.client_info().map(|i| i.name);
+        // The first the connection presented, in the handshake (2025 era) or a request's
+        // `_meta` (2026-07-28), cut by the framing; never a later request's other name.
+        principal.client = self.client.get();
         // The framing gives every request a numeric id of the daemon's own.
         let id = match &cx.id {
             rmcp::model::NumberOrString::Number(n) => u64::try_from(*n).ok(),
@@ -465,16 +500,29 @@ impl ServerHandler for Handler {
             subs.insert(request.uri.clone(), stop.clone());
         }
         // Every new event updates every view of the ring (the newest events change); a
-        // subscriber hears of it at most every NOTIFY_EVERY.
+        // subscriber hears of it at most every NOTIFY_EVERY. At each reload, and before each
+        // notification, the policy current then must still let the principal read the audit;
+        // else the subscription is dropped and nothing more is sent.
         let mut rx = self.exec.audit.subscribe();
         rx.mark_unchanged();
+        let mut reloads = self.exec.reloads();
         let peer = cx.peer.clone();
         let uri = request.uri;
+        let this = self.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return },
+                    r = reloads.changed() => {
+                        if r.is_err() || !this.subscription_still_allowed(&uri, &stop) {
+                            return;
+                        }
+                        continue;
+                    }
                     _ = stop.cancelled() => return,
+                }
+                if !this.subscription_still_allowed(&uri, &stop) {
+                    return;
                 }
                 let param = rmcp::model::ResourceUpdatedNotificationParam::new(uri.clone());
                 if peer.notify_resource_updated(param).await.is_err() {

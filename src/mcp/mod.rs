@@ -250,7 +250,10 @@ pub async fn serve_connection(
         d.max_requests_per_connection,
         d.max_message_bytes,
     )));
-    let calls = ids.lock().unwrap_or_else(|p| p.into_inner()).calls();
+    let (calls, client) = {
+        let ids = ids.lock().unwrap_or_else(|p| p.into_inner());
+        (ids.calls(), ids.client_name())
+    };
     let freed = Arc::new(tokio::sync::Notify::new());
     // `ct` ends the client's MCP session and cancels its calls; `kill` also drops its
     // output at once. The end of the client's input cancels `ct` only (as closing stdin
@@ -308,7 +311,7 @@ pub async fn serve_connection(
     });
 
     let handshake =
-        Handler::new(exec, peer, calls, ct.clone()).serve_with_ct(rmcp_side, ct.clone());
+        Handler::new(exec, peer, calls, client, ct.clone()).serve_with_ct(rmcp_side, ct.clone());
     let service = tokio::select! {
         r = tokio::time::timeout(handshake_timeout, handshake) => match r {
             Ok(Ok(service)) => Some(service),

@@ -280,7 +280,7 @@ pub enum Builtin {
     SessionList,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Tool {
     pub name: String,
     /// A short human-readable name for `tools/list` (`title` in the tool file).
@@ -296,13 +296,13 @@ pub struct Tool {
 }
 
 /// A tool is exactly one of these: a built-in has no command, an external tool no built-in.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ToolKind {
     Builtin(Builtin),
     External(ExternalTool),
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ExternalTool {
     pub command: Vec<String>,
     pub protocol: Protocol,
@@ -352,7 +352,7 @@ pub enum PathRole {
     Output,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Param {
     pub ty: ParamType,
     pub description: String,

@@ -22,7 +22,7 @@ fn require_root() {
 
 /// A daemon whose socket any local user may open, with `grants` (TOML `[[grant]]` tables)
 /// added to the shipped ones.
-fn daemon(grants: &str) -> Daemon {
+pub(crate) fn daemon(grants: &str) -> Daemon {
     require_root();
     let d = Daemon::new();
     let path = d.policies.join("airlock.toml");

@@ -148,3 +148,125 @@ async fn a_2025_era_client_gets_the_old_shapes_and_ping() {
     let r = raw.response(4);
     assert_eq!(r["error"]["code"], json!(-32002), "{r}");
 }
+
+/// A 2026-07-28 request's `_meta` naming `name` as its client.
+fn modern_as(id: i64, method: &str, mut params: Value, name: &str) -> Value {
+    let mut meta = modern_meta();
+    meta["io.modelcontextprotocol/clientInfo"] =
+        json!({"name": name, "version": "V".repeat(5 * 1024), "title": "T".repeat(5 * 1024)});
+    params["_meta"] = meta;
+    json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})
+}
+
+/// The audit's client names of the connection's `session_list` calls, read by root.
+fn clients_of_session_list(raw: &mut Raw, id: i64) -> Vec<String> {
+    raw.send(&modern(
+        id,
+        "resources/read",
+        json!({"uri": "airlock://audit/events?tool=session_list"}),
+    ));
+    let r = raw.response(id);
+    let text = r["result"]["contents"][0]["text"].as_str().unwrap_or("[]");
+    let events: Vec<Value> = serde_json::from_str(text).expect("audit events");
+    events
+        .iter()
+        .map(|e| e["principal"]["client"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_2026_07_28_client_name_is_cut_like_the_handshakes_and_fixed_by_the_first_request() {
+    let mut d = Daemon::new();
+    d.start();
+    let mut raw = d.raw();
+    // 5 KiB names: the audit keeps 256 bytes and the marker, as for `initialize`.
+    let first = "N".repeat(5 * 1024);
+    raw.send(&modern_as(
+        1,
+        "tools/call",
+        json!({"name": "session_list", "arguments": {}}),
+        &first,
+    ));
+    assert_modern_result(&raw.response(1), false);
+    let clients = clients_of_session_list(&mut raw, 2);
+    assert_eq!(clients.len(), 3, "allow, start, done: {clients:?}");
+    let cut = format!("{}…[truncated {} bytes]", "N".repeat(256), 5 * 1024 - 256);
+    for c in &clients {
+        assert_eq!(c, &cut, "the audit's client of a 5 KiB _meta name");
+    }
+
+    // Another client name on the same connection does not change what the audit records.
+    raw.send(&modern_as(
+        3,
+        "tools/call",
+        json!({"name": "session_list", "arguments": {}}),
+        "impostor",
+    ));
+    assert_modern_result(&raw.response(3), false);
+    let clients = clients_of_session_list(&mut raw, 4);
+    assert_eq!(clients.len(), 6, "{clients:?}");
+    assert!(
+        clients.iter().all(|c| c == &cut),
+        "a later request's client name reached the audit: {clients:?}"
+    );
+    assert!(
+        !clients.iter().any(|c| c.contains("impostor")),
+        "{clients:?}"
+    );
+    assert!(
+        d.log_text()
+            .contains("names another client than this connection's first"),
+        "the mismatch is logged:\n{}",
+        d.log_text()
+    );
+
+    // A fresh connection whose first request names a short client is recorded as such.
+    let mut other = d.raw();
+    other.send(&modern_as(
+        1,
+        "tools/call",
+        json!({"name": "session_list", "arguments": {}}),
+        "second-conn",
+    ));
+    assert_modern_result(&other.response(1), false);
+    let clients = clients_of_session_list(&mut other, 2);
+    assert_eq!(
+        clients.iter().filter(|c| *c == "second-conn").count(),
+        3,
+        "{clients:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_2025_era_client_name_is_cut_and_later_meta_names_do_not_replace_it() {
+    let mut d = Daemon::new();
+    d.start();
+    let mut raw = d.raw();
+    raw.send(
+        &json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "H".repeat(5 * 1024), "version": "0"}}}),
+    );
+    assert!(raw.response(0)["result"]["serverInfo"].is_object());
+    raw.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+    // A request of this connection whose `_meta` names another client.
+    raw.send(
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "session_list", "arguments": {},
+        "_meta": {"io.modelcontextprotocol/clientInfo": {"name": "impostor", "version": "0"}}}}),
+    );
+    let r = raw.response(1);
+    assert_eq!(r["result"]["isError"], json!(false), "{r}");
+    raw.send(
+        &json!({"jsonrpc": "2.0", "id": 2, "method": "resources/read",
+                     "params": {"uri": "airlock://audit/events?tool=session_list"}}),
+    );
+    let r = raw.response(2);
+    let text = r["result"]["contents"][0]["text"].as_str().unwrap_or("[]");
+    let events: Vec<Value> = serde_json::from_str(text).expect("audit events");
+    assert!(!events.is_empty(), "{r}");
+    let cut = format!("{}…[truncated {} bytes]", "H".repeat(256), 5 * 1024 - 256);
+    for e in &events {
+        assert_eq!(e["principal"]["client"], json!(cut), "{e}");
+    }
+}

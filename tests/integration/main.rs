@@ -12,6 +12,7 @@ mod eras;
 mod features;
 mod harness;
 mod race;
+mod reload;
 mod robust_args;
 mod robust_mcp;
 mod robust_publish;

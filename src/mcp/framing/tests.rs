@@ -314,6 +314,34 @@ fn client_info_is_truncated_before_rmcp_sees_it() {
 }
 
 #[test]
+fn a_modern_requests_client_info_is_cut_alike_and_the_first_name_stays() {
+    let mut ids = Ids::new(8, 1 << 30);
+    let names = ids.client_name();
+    let modern = |id: u64, name: String| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/list", "params": {"_meta": {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {},
+            META_CLIENT_INFO: {"name": name, "version": "v".repeat(5000), "title": "é".repeat(3000)}}}})
+    };
+    let fwd = forwarded(ids.inbound(modern(1, "n".repeat(5000)).to_string().as_bytes()));
+    let info = &fwd["params"]["_meta"][META_CLIENT_INFO];
+    for field in ["name", "version", "title"] {
+        let s = info[field].as_str().unwrap();
+        let kept = s.split("…[truncated ").next().unwrap();
+        assert!(
+            kept.len() <= MAX_CLIENT_FIELD,
+            "{field}: {} bytes",
+            kept.len()
+        );
+        assert!(s.contains("…[truncated "), "{field}: {s}");
+    }
+    let first = names.get().expect("the first name");
+    assert!(first.starts_with("nnn") && first.contains("…[truncated 4744 bytes]"));
+    forwarded(ids.inbound(modern(2, "other".into()).to_string().as_bytes()));
+    assert_eq!(names.get(), Some(first), "a later name replaced the first");
+}
+
+#[test]
 fn the_out_queue_is_bounded_in_bytes() {
     let (q, mut rx, bytes) = OutQueue::new(100);
     q.push(vec![b'a'; 500])
