@@ -137,9 +137,14 @@ pub enum Kept {
     /// The dir itself cannot be opened or listed.
     #[error("it cannot be read ({0})")]
     Unopenable(#[source] PublishError),
-    /// Rolling back would need to reach targets it cannot reach safely.
+    /// Rolling back would need to reach targets it cannot reach safely. `restored`: how
+    /// many other targets it had restored when it met one (0 unless a parent was swapped
+    /// during recovery itself, after its check).
     #[error("rollback cannot reach {}", describe_unreached(.targets))]
-    Unreachable { targets: Vec<Unreached> },
+    Unreachable {
+        targets: Vec<Unreached>,
+        restored: usize,
+    },
 }
 
 fn describe_unreached(targets: &[Unreached]) -> String {
@@ -155,9 +160,9 @@ impl Kept {
     pub fn advice(&self, to: &Path) -> String {
         let q = to.display();
         match self {
-            Kept::Unreachable { .. } => format!(
-                "recovery changed none of the targets and the session keeps its old version \
-                 (the call did not commit); \
+            Kept::Unreachable { restored, .. } => format!(
+                "recovery restored {restored} other target(s) and changed nothing else; the \
+                 session keeps its old version (the call did not commit); \
                  {q}/recovery.json lists each target and its backup ({q}/<backup>, the old \
                  content): put the parent directory back, or restore the backup over the \
                  target by hand, then remove {q}"
@@ -243,15 +248,22 @@ fn recover_one(
                 Phase::CommittingState | Phase::Committed => Settled::Completed,
             };
             let total = j.targets.len();
-            // `Err(targets)`: some target cannot be reached safely; the dir must be kept.
-            let roll_back = |j: &Journal| -> Result<Result<String, Vec<Unreached>>, PublishError> {
-                let unreached = unreachable_targets(ws.fd(), ws.root(), fd.as_fd(), j);
-                if !unreached.is_empty() {
-                    return Ok(Err(unreached));
+            // `Err(kept)`: some target cannot be reached safely; the dir must be kept. Checked
+            // before any change, so that all targets stay as the crash left them.
+            let roll_back = |j: &Journal| -> Result<Result<String, Kept>, PublishError> {
+                let targets = unreachable_targets(ws.fd(), ws.root(), fd.as_fd(), j);
+                if !targets.is_empty() {
+                    return Ok(Err(Kept::Unreachable {
+                        targets,
+                        restored: 0,
+                    }));
                 }
                 let r = rollback(ws.fd(), ws.root(), fd.as_fd(), &dir, j)?;
                 if !r.unreached.is_empty() {
-                    return Ok(Err(r.unreached));
+                    return Ok(Err(Kept::Unreachable {
+                        targets: r.unreached,
+                        restored: r.restored,
+                    }));
                 }
                 Ok(Ok(format!(
                     "rolled back {} of {total} targets (phase {})",
@@ -277,10 +289,9 @@ fn recover_one(
                                 info.settled = Settled::RolledBack;
                                 action
                             }
-                            Err(targets) => {
+                            Err(why) => {
                                 drop(fd);
                                 info.settled = Settled::Kept;
-                                let why = Kept::Unreachable { targets };
                                 return keep(ws, name, why, info, settled_hook);
                             }
                         },

@@ -1506,3 +1506,53 @@ mod path_props {
         (tmp, outside)
     }
 }
+
+/// The commit fails after both renames and, meanwhile, the parent of one target was swapped
+/// for a symlink: the in-process rollback cannot reach it, so the job dir (the only old copy)
+/// is kept for recovery, which keeps it aside as it is, the other target untouched too.
+#[test]
+fn an_unreachable_target_keeps_its_backup_in_process_and_in_recovery() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "x/a.txt", "old a");
+    write(tmp.path(), "b.txt", "old b");
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("swap", &["x/a.txt", "b.txt"])).unwrap();
+    stage(&job, 0, "new a");
+    stage(&job, 1, "new b");
+    let root = tmp.path().to_path_buf();
+    let e = job
+        .publish_and_commit(|| {
+            fs::rename(root.join("x"), root.join("x.real")).unwrap();
+            std::os::unix::fs::symlink("x.real", root.join("x")).unwrap();
+            Err("session store unavailable".into())
+        })
+        .unwrap_err();
+    assert!(matches!(e, PublishError::RollbackFailed { .. }), "{e}");
+    assert!(e.to_string().contains("cannot reach it safely"), "{e}");
+    let dir = tmp.path().join(".airlock-job-swap");
+    assert_eq!(
+        fs::read_to_string(dir.join("stage/0/a.txt")).unwrap(),
+        "old a"
+    );
+    assert_eq!(
+        fs::read_to_string(root.join("x.real/a.txt")).unwrap(),
+        "new a"
+    );
+    // b.txt was reachable: the in-process rollback restored it.
+    assert_eq!(fs::read_to_string(root.join("b.txt")).unwrap(), "old b");
+    let before = snapshot(&dir);
+    let rec = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
+    assert_eq!(rec.len(), 1);
+    assert_eq!(rec[0].settled, Settled::Kept, "{rec:?}");
+    assert!(
+        matches!(rec[0].kept.as_deref(), Some(Kept::Unreachable { targets, restored: 0 }) if targets.len() == 1),
+        "{rec:?}"
+    );
+    let q = tmp.path().join(".airlock-quarantine-swap");
+    assert_eq!(snapshot(&q), before);
+    assert_eq!(
+        fs::read_to_string(root.join("x.real/a.txt")).unwrap(),
+        "new a"
+    );
+    assert_eq!(fs::read_to_string(root.join("b.txt")).unwrap(), "old b");
+}
