@@ -297,6 +297,9 @@ fn recover(
             (publish::Settled::NeverPublished, None) | (publish::Settled::Quarantine, _) => {
                 return Ok(())
             }
+            // Kept aside as it is (it may hold the only old copy of a target): the call did
+            // not commit and is not rolled back; the event says where the dir went and why.
+            (publish::Settled::Kept, _) => EventKind::Error,
         };
         let call = CallRef {
             call: r.job.clone(),
@@ -306,11 +309,16 @@ fn recover(
             secrets: Default::default(),
             request_id: None,
         };
-        let detail = json!({
+        let mut detail = json!({
             "recovery": true,
             "phase": r.phase,
             "action": r.action,
         });
+        if let (Some(kept), Some(to)) = (&r.kept, &r.quarantined) {
+            detail["code"] = json!("RECOVERY_KEPT");
+            detail["quarantined"] = json!(to.display().to_string());
+            detail["reason"] = json!(kept.to_string());
+        }
         audit
             .record_durable(&call, kind, detail)
             .map_err(|e| format!("cannot record what recovery did in the audit log: {e}").into())
@@ -322,7 +330,11 @@ fn recover(
     )
     .map_err(StartupError::Recovery)?;
     for r in &done {
-        tracing::info!(job = %r.job, "recovery: {}", r.action);
+        if r.quarantined.is_some() {
+            tracing::warn!(job = %r.job, "recovery: {}", r.action);
+        } else {
+            tracing::info!(job = %r.job, "recovery: {}", r.action);
+        }
     }
     Ok(done)
 }

@@ -60,11 +60,30 @@ pub(super) fn recover(a: Dirs) -> Exit {
             for r in &done {
                 println!("{}: {}", r.job, r.action);
             }
-            let quarantined: Vec<_> = done.iter().filter_map(|r| r.quarantined.as_ref()).collect();
-            println!("recovered {} job(s)", done.len() - quarantined.len());
+            use crate::publish::Settled;
+            let aside = |kept: bool| -> Vec<_> {
+                done.iter()
+                    .filter(|r| (r.settled == Settled::Kept) == kept)
+                    .filter_map(|r| r.quarantined.as_ref())
+                    .collect()
+            };
+            let (kept, quarantined) = (aside(true), aside(false));
+            println!(
+                "recovered {} job(s)",
+                done.len() - kept.len() - quarantined.len()
+            );
+            if !kept.is_empty() {
+                println!(
+                    "{} job dir(s) are kept aside with every byte: recovery could not prove them disposable (see each line above); no target was changed for them and their sessions keep the old version. Compare each backup with its target, restore by hand, then remove the dir:",
+                    kept.len()
+                );
+                for q in kept {
+                    println!("  {}", q.display());
+                }
+            }
             if !quarantined.is_empty() {
                 println!(
-                    "{} job dir(s) could not be removed and are quarantined (their targets are settled; tools cannot reach them); remove them by hand:",
+                    "{} job dir(s) are quarantined and never touched by recovery (tools cannot reach them); remove them by hand once dealt with:",
                     quarantined.len()
                 );
                 for q in quarantined {

@@ -657,7 +657,21 @@ impl Job {
             &self.dir,
             &self.journal,
         ) {
-            Ok(n) => {
+            // A target it could not reach still holds the new file, and its old one is in the
+            // job dir: keep the dir for startup recovery (which keeps it aside if need be).
+            Ok(Rolled { unreached, .. }) if !unreached.is_empty() => {
+                let u = &unreached[0];
+                tracing::error!(job = %self.spec.id, error = %error, target = %u.target.display(), reason = %u.reason, "rollback cannot reach a target; job dir kept for startup recovery");
+                PublishError::RollbackFailed {
+                    job: self.spec.id.clone(),
+                    error: Box::new(error),
+                    rollback: Box::new(PublishError::TargetChanged {
+                        path: u.target.clone(),
+                        reason: format!("cannot reach it safely to restore it: {}", u.reason),
+                    }),
+                }
+            }
+            Ok(Rolled { restored: n, .. }) => {
                 tracing::info!(job = %self.spec.id, restored = n, error = %error, "publication failed; targets restored");
                 if let Err(e) = self.remove_dir(false) {
                     tracing::warn!(job = %self.spec.id, error = %e, "could not remove the job dir; startup recovery will");
@@ -710,18 +724,23 @@ fn parent_reason(prefix: &Path, e: Errno) -> String {
 /// target did not exist); anything else (the old file, nothing, someone else's file) is left.
 /// Then removes the parents publication created, if empty, in reverse order. Idempotent, and
 /// every mutation is a failpoint, so a crash inside it is recovered by running it again.
-/// Returns how many targets it restored.
+/// Returns how many targets it restored, and the targets it could not reach safely (a parent
+/// now a symlink, not a directory, on another mount): those are left as they are, and their
+/// backups (in the job dir) must be kept.
 pub(super) fn rollback(
     root: BorrowedFd<'_>,
     root_path: &Path,
     job_fd: BorrowedFd<'_>,
     job_dir: &Path,
     journal: &Journal,
-) -> Result<usize, PublishError> {
+) -> Result<Rolled, PublishError> {
+    let mut out = Rolled {
+        restored: 0,
+        unreached: Vec::new(),
+    };
     if journal.phase == Phase::WorkerRunning {
-        return Ok(0);
+        return Ok(out);
     }
-    let mut restored = 0;
     for rec in journal.targets.iter().rev() {
         let Some(new) = rec.new else { continue };
         let target_abs = root_path.join(&rec.target);
@@ -732,8 +751,16 @@ pub(super) fn rollback(
             Ok(fd) => fd,
             // No parent: the target cannot hold our file.
             Err(Errno::NOENT) => continue,
+            // Never renamed: its staged file is still there; nothing to restore.
+            Err(Errno::LOOP | Errno::NOTDIR | Errno::XDEV) if still_staged(job_fd, rec, new) => {
+                continue
+            }
             Err(e @ (Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) => {
                 tracing::warn!(target = %target_abs.display(), reason = %parent_reason(parent, e), "cannot reach target safely; left as is");
+                out.unreached.push(Unreached {
+                    target: target_abs,
+                    reason: parent_reason(parent, e),
+                });
                 continue;
             }
             Err(e) => return Err(io("open target dir", &root_path.join(parent), e)),
@@ -771,7 +798,7 @@ pub(super) fn rollback(
             }
         }
         fsync_dir(pfd.as_fd(), &target_abs)?;
-        restored += 1;
+        out.restored += 1;
     }
     for dir in journal.created_dirs.iter().rev() {
         let abs = root_path.join(dir);
@@ -796,5 +823,64 @@ pub(super) fn rollback(
             Err(e) => return Err(e),
         }
     }
-    Ok(restored)
+    Ok(out)
+}
+
+/// Whether target `rec`'s staged path still holds its new file (identity `new`): then it was
+/// never renamed to the target, which cannot hold it.
+fn still_staged(job_fd: BorrowedFd<'_>, rec: &TargetRecord, new: FileId) -> bool {
+    let Some((dir, name)) = split_target(&rec.staged) else {
+        return false;
+    };
+    let Ok(fd) = open_dir_beneath(job_fd, dir) else {
+        return false;
+    };
+    matches!(stat_at(fd.as_fd(), name), Ok(Some(st)) if FileId::of(&st) == new)
+}
+
+/// What [`rollback`] did.
+#[derive(Debug)]
+pub(super) struct Rolled {
+    pub restored: usize,
+    /// Targets it could not reach safely, left as they are (their backups are still in the
+    /// job dir).
+    pub unreached: Vec<Unreached>,
+}
+
+/// A target whose parent can no longer be reached beneath the root without following a
+/// symlink or leaving the mount.
+#[derive(Debug, Clone)]
+pub struct Unreached {
+    /// Absolute path of the target.
+    pub target: PathBuf,
+    /// Which parent and why (`x is now a symlink`).
+    pub reason: String,
+}
+
+/// The journaled targets a rollback could not reach safely, found without changing
+/// anything: recovery keeps the whole job as it is when there is any.
+pub(super) fn unreachable_targets(
+    root: BorrowedFd<'_>,
+    root_path: &Path,
+    job_fd: BorrowedFd<'_>,
+    journal: &Journal,
+) -> Vec<Unreached> {
+    let mut out = Vec::new();
+    for rec in &journal.targets {
+        let Some(new) = rec.new else { continue };
+        let Some((parent, _)) = split_target(&rec.target) else {
+            continue;
+        };
+        if let Err(e @ (Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) = open_dir_beneath(root, parent)
+        {
+            if still_staged(job_fd, rec, new) {
+                continue;
+            }
+            out.push(Unreached {
+                target: root_path.join(&rec.target),
+                reason: parent_reason(parent, e),
+            });
+        }
+    }
+    out
 }

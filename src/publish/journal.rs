@@ -1,6 +1,8 @@
 //! `recovery.json`: what recovery needs to finish or undo a job after a crash at any instant,
 //! written once per job, just before publication touches the workspace ([`Journal::create`]).
-//! A job dir without a readable journal was never published. A journal in phase
+//! A job dir without a journal (ENOENT) never published, or its targets are settled (the
+//! journal is dropped only then); a journal that is there but cannot be read
+//! ([`JournalError::Damaged`]) proves nothing, and recovery keeps its dir. A journal in phase
 //! `publishing_outputs` is settled by the session: the session file records the job's id
 //! only once every target durably holds its new file, so recovery completes the job if it
 //! does and rolls it back by identity otherwise. The journal is unlinked (and the unlink
@@ -14,11 +16,11 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FileType, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
-use super::sys::{self, file_type, io, mutate, FileId};
+use super::sys::{self, file_type, mutate, FileId};
 use super::PublishError;
 
 pub(super) const JOURNAL: &str = "recovery.json";
-const JOURNAL_TMP: &str = "recovery.json.tmp";
+pub(super) const JOURNAL_TMP: &str = "recovery.json.tmp";
 /// A journal is a few hundred bytes per target; anything larger is not ours.
 const MAX_JOURNAL: u64 = 4 << 20;
 pub(super) const VERSION: u32 = 1;
@@ -82,7 +84,8 @@ impl Journal {
     /// Writes the job's one journal: `recovery.json` created (it must not exist), written,
     /// fsynced, then the job dir and the workspace root fsynced, so that the journal and the
     /// job dir holding it (and every backup to come) are durable before the first rename.
-    /// A crash mid-way leaves no journal or an unreadable one: the job never published.
+    /// A crash mid-way leaves no journal or an unreadable one, and nothing renamed yet
+    /// (recovery still keeps a dir whose journal it cannot read: it cannot tell).
     pub fn create(
         &self,
         job_fd: BorrowedFd<'_>,
@@ -147,31 +150,81 @@ impl Journal {
         sys::fsync_dir(job_fd, job_dir)
     }
 
-    /// Reads the journal of a job dir. `Err(reason)` when it is missing, unreadable or not a
-    /// journal: the job never got past creation (the first journal is written before the
-    /// worker starts, and every later one replaces it atomically).
-    pub fn read(job_fd: BorrowedFd<'_>, job_dir: &Path) -> Result<Journal, String> {
+    /// Reads the journal of a job dir. [`JournalError::Missing`] (no `recovery.json`) means
+    /// nothing of the job was ever renamed into the workspace, or its targets were settled
+    /// and its journal dropped (see the module doc). [`JournalError::Damaged`] means a file is
+    /// there that this airlock cannot use: the job may have published, and its backups are
+    /// the only old copies, so the caller must keep the dir.
+    pub fn read(job_fd: BorrowedFd<'_>, job_dir: &Path) -> Result<Journal, JournalError> {
         let path = job_dir.join(JOURNAL);
-        let fd = sys::open_beneath(job_fd, JOURNAL, OFlags::RDONLY | OFlags::NONBLOCK)
-            .map_err(|e| format!("{}: {}", path.display(), std::io::Error::from(e)))?;
-        let st = rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat", &path, e).to_string())?;
-        if file_type(&st) != FileType::RegularFile {
-            return Err(format!("{} is not a regular file", path.display()));
+        let damaged = |reason: Damage| JournalError::Damaged {
+            path: path.clone(),
+            reason,
+        };
+        let fd = match sys::open_beneath(job_fd, JOURNAL, OFlags::RDONLY | OFlags::NONBLOCK) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Err(JournalError::Missing { path }),
+            Err(e) => return Err(damaged(Damage::Unreadable(e.into()))),
+        };
+        let st =
+            rustix::fs::fstat(fd.as_fd()).map_err(|e| damaged(Damage::Unreadable(e.into())))?;
+        let kind = file_type(&st);
+        if kind != FileType::RegularFile {
+            return Err(damaged(Damage::NotAFile {
+                kind: sys::describe(kind),
+            }));
         }
         let mut bytes = Vec::new();
         std::fs::File::from(fd)
-            .take(MAX_JOURNAL)
+            .take(MAX_JOURNAL + 1)
             .read_to_end(&mut bytes)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        let journal: Journal =
-            serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-        if journal.version != VERSION {
-            return Err(format!(
-                "{}: unknown version {}",
-                path.display(),
-                journal.version
-            ));
+            .map_err(|e| damaged(Damage::Unreadable(e)))?;
+        if bytes.len() as u64 > MAX_JOURNAL {
+            return Err(damaged(Damage::TooLarge { max: MAX_JOURNAL }));
         }
-        Ok(journal)
+        // The version first: a journal of another version need not parse as this one.
+        #[derive(Deserialize)]
+        struct Versioned {
+            version: serde_json::Value,
+        }
+        let v: Versioned =
+            serde_json::from_slice(&bytes).map_err(|e| damaged(Damage::Unparsable(e)))?;
+        if v.version != VERSION {
+            return Err(damaged(Damage::UnknownVersion {
+                found: v.version.to_string(),
+            }));
+        }
+        serde_json::from_slice(&bytes).map_err(|e| damaged(Damage::Unparsable(e)))
     }
+}
+
+/// Why [`Journal::read`] returned no journal.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    /// No `recovery.json` in the job dir (ENOENT).
+    #[error("{path}: no journal")]
+    Missing { path: PathBuf },
+    /// A `recovery.json` is there but cannot be used.
+    #[error("{path}: {reason}")]
+    Damaged { path: PathBuf, reason: Damage },
+}
+
+/// What is wrong with a journal that is there.
+#[derive(Debug, thiserror::Error)]
+pub enum Damage {
+    /// Opening, stating or reading it failed (EACCES, ELOOP for a symlink, EIO, ...).
+    #[error("cannot read it: {0}")]
+    Unreadable(#[source] std::io::Error),
+    /// It is a directory, a symlink's target kind, a fifo, ...
+    #[error("it is {kind}, not a regular file")]
+    NotAFile { kind: &'static str },
+    /// Larger than any journal airlock writes.
+    #[error("it is larger than {max} bytes, more than any journal")]
+    TooLarge { max: u64 },
+    /// Not JSON, truncated, or missing fields of this version.
+    #[error("it is not a journal (truncated or garbled): {0}")]
+    Unparsable(#[source] serde_json::Error),
+    /// A version this airlock does not read (written by another release).
+    #[error("its version is {found}; this airlock reads version {VERSION} only")]
+    UnknownVersion { found: String },
 }

@@ -44,8 +44,10 @@ mod testsim;
 use std::path::PathBuf;
 
 pub use job::Job;
+pub use job::Unreached;
 pub use journal::Phase;
-pub use recover::{recover, recover_with};
+pub use journal::{Damage, JournalError};
+pub use recover::{recover, recover_with, Kept};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;
@@ -164,8 +166,12 @@ pub enum Settled {
     RolledBack,
     /// The session holds the commit: every target keeps its new file.
     Completed,
-    /// A quarantined dir of an earlier recovery (no job to settle).
+    /// A quarantined dir of an earlier recovery (no job to settle; never touched again).
     Quarantine,
+    /// Recovery could not prove the job dir disposable (its journal damaged, a target it
+    /// cannot reach safely, ...): the dir is moved aside as it is, every backup in it, and
+    /// no target is changed. The session keeps its version; the operator decides.
+    Kept,
 }
 
 /// What startup recovery did with one leftover job dir.
@@ -179,8 +185,10 @@ pub struct Recovered {
     pub phase: Option<&'static str>,
     pub settled: Settled,
     pub action: String,
-    /// Where the job dir was moved aside, when it could not be removed.
+    /// Where the job dir was moved aside, when it could not be removed (or was kept).
     pub quarantined: Option<PathBuf>,
+    /// Why the job dir was kept as it is ([`Settled::Kept`]).
+    pub kept: Option<std::sync::Arc<Kept>>,
 }
 
 impl Recovered {
@@ -194,6 +202,7 @@ impl Recovered {
             settled,
             action: String::new(),
             quarantined: None,
+            kept: None,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Startup recovery: every leftover job dir is rolled back or completed, then removed (or,
-//! if it cannot be removed, moved aside to a quarantine name).
+//! if it cannot be removed, moved aside to a quarantine name). A job dir recovery cannot prove
+//! disposable is never removed: it is moved aside as it is, backups and journal included.
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::AsFd;
@@ -8,8 +9,8 @@ use std::path::Path;
 
 use rustix::fs::{AtFlags, FileType, RenameFlags};
 
-use super::job::rollback;
-use super::journal::{Journal, Phase, JOURNAL};
+use super::job::{rollback, unreachable_targets, Unreached};
+use super::journal::{Journal, JournalError, Phase, JOURNAL, JOURNAL_TMP};
 use super::sys::{file_type, fsync_dir, io, mutate, stat_at};
 use super::tree::{open_repairing, remove_tree};
 use super::{PublishError, Recovered, Settled, Workspace, JOB_DIR_PREFIX, QUARANTINE_PREFIX};
@@ -17,17 +18,28 @@ use super::{PublishError, Recovered, Settled, Workspace, JOB_DIR_PREFIX, QUARANT
 /// Rolls back or completes every leftover job dir in `workspace`. `committed(session, job)`
 /// tells whether the session state holds that job's commit.
 ///
-/// Decisions, by the journaled phase:
-/// * none readable, `worker_running`: nothing was published; the dir is removed.
+/// Decisions, by the journal:
+/// * none (ENOENT), and nothing in the dir but `stage/` (and a journal's temp file): nothing
+///   was published, or the targets were settled before the journal was dropped (backups
+///   exist only once the journal is durable, and it is dropped only once they are settled);
+///   the dir is removed.
+/// * `worker_running`: nothing was published; the dir is removed.
 /// * `publishing_outputs` (or `committing_state`, written by earlier versions): `committed`
 ///   decides: completed (backups dropped) or rolled back by identity.
 /// * `committed`: completed.
+/// * A journal that is there but damaged (unreadable, unparsable, another version), one
+///   naming another job, no journal but other entries than staging, a dir that cannot be
+///   opened, or a rollback that cannot reach a target safely (a parent swapped for a symlink):
+///   recovery cannot prove the dir disposable. It changes no target (a rollback that meets an
+///   unreachable target half-way keeps what it did), records an `error` event in the audit
+///   log, renames the dir as it is to `.airlock-quarantine-<id>` and goes on ([`Kept`],
+///   [`Settled::Kept`]); the log says what was kept and what to do.
 ///
 /// Once a job's targets are settled its journal is unlinked first, so that whatever remains
 /// of the dir reads as "never published". A dir that then cannot be removed (whatever the
-/// worker left in it) is renamed to `.airlock-quarantine-<id>`, logged and reported, and
+/// worker left in it) is renamed to `.airlock-quarantine-<id>` too, logged and reported, and
 /// recovery goes on: it holds nothing the workspace needs. Quarantined dirs of earlier runs
-/// are removed again at each recovery, and reported while they stay.
+/// are never touched again (only reported, at each recovery): the operator removes them.
 ///
 /// Every mutation is a failpoint; a crash inside recovery is recovered by running it again.
 /// Job dirs are processed in name order. Recovery stops at the first job it cannot bring to
@@ -72,7 +84,7 @@ pub fn recover_with(
         if !is_dir(&ws, &name)? {
             continue;
         }
-        out.push(retry_quarantined(&ws, &name));
+        out.push(report_quarantined(&ws, &name));
     }
     for name in jobs {
         if !is_dir(&ws, &name)? {
@@ -95,25 +107,73 @@ fn is_dir(ws: &Workspace, name: &OsStr) -> Result<bool, PublishError> {
     }
 }
 
-/// A dir an earlier recovery moved aside: try once more to remove it.
-fn retry_quarantined(ws: &Workspace, name: &OsStr) -> Recovered {
+/// A dir an earlier recovery moved aside: reported, never touched (it may hold the only old
+/// copy of a target).
+fn report_quarantined(ws: &Workspace, name: &OsStr) -> Recovered {
     let path = ws.root().join(name);
     let job = name.to_string_lossy().into_owned();
-    match remove_tree(ws.fd(), name, &path).and_then(|()| fsync_dir(ws.fd(), ws.root())) {
-        Ok(()) => {
-            tracing::info!(dir = %path.display(), "removed a quarantined job dir");
-            Recovered {
-                action: "removed (quarantined by an earlier recovery)".into(),
-                ..Recovered::bare(job, Settled::Quarantine)
-            }
-        }
-        Err(e) => {
-            tracing::warn!(dir = %path.display(), error = %e, "a quarantined job dir still cannot be removed; remove it by hand");
-            Recovered {
-                action: format!("still quarantined, cannot be removed: {e}"),
-                quarantined: Some(path),
-                ..Recovered::bare(job, Settled::Quarantine)
-            }
+    tracing::warn!(dir = %path.display(), "a quarantined job dir of an earlier recovery is still there, untouched; see that recovery's log line (or its audit `error` event), then remove it by hand");
+    Recovered {
+        action: "still quarantined by an earlier recovery, left untouched; remove it by hand once \
+                 its content is dealt with"
+            .into(),
+        quarantined: Some(path),
+        ..Recovered::bare(job, Settled::Quarantine)
+    }
+}
+
+/// Why recovery could not prove a job dir disposable and kept it, as it is, aside.
+#[derive(Debug, thiserror::Error)]
+pub enum Kept {
+    /// Its `recovery.json` is there but cannot be used.
+    #[error("its journal is damaged ({0})")]
+    Journal(#[source] JournalError),
+    /// Its journal names another job.
+    #[error("its journal names job {found:?}")]
+    OtherJob { found: String },
+    /// No journal, but entries no job dir without one holds.
+    #[error("it has no journal but holds {entries:?} besides its staging dir")]
+    Unexpected { entries: Vec<String> },
+    /// The dir itself cannot be opened or listed.
+    #[error("it cannot be read ({0})")]
+    Unopenable(#[source] PublishError),
+    /// Rolling back would need to reach targets it cannot reach safely. `restored`: how
+    /// many other targets it had restored when it met one (0 unless a parent was swapped
+    /// during recovery itself, after its check).
+    #[error("rollback cannot reach {}", describe_unreached(.targets))]
+    Unreachable {
+        targets: Vec<Unreached>,
+        restored: usize,
+    },
+}
+
+fn describe_unreached(targets: &[Unreached]) -> String {
+    let v: Vec<String> = targets
+        .iter()
+        .map(|u| format!("{} ({})", u.target.display(), u.reason))
+        .collect();
+    v.join(", ")
+}
+
+impl Kept {
+    /// What the operator should do with the dir kept at `to`.
+    pub fn advice(&self, to: &Path) -> String {
+        let q = to.display();
+        match self {
+            Kept::Unreachable { restored, .. } => format!(
+                "recovery restored {restored} other target(s) and changed nothing else; the \
+                 session keeps its old version (the call did not commit); \
+                 {q}/recovery.json lists each target and its backup ({q}/<backup>, the old \
+                 content): put the parent directory back, or restore the backup over the \
+                 target by hand, then remove {q}"
+            ),
+            _ => format!(
+                "recovery changed no target and no session for it (whether the call \
+                 committed is unknown: see its events in the audit log); any file under \
+                 {q}/stage/ may be the old content of the target of the same name (the \
+                 journal, if readable, lists them): compare each with its target, restore by \
+                 hand what should be, then remove {q}"
+            ),
         }
     }
 }
@@ -135,25 +195,48 @@ fn recover_one(
                 ..Recovered::bare(id, Settled::NeverPublished)
             })
         }
-        Err(e) => return quarantine(ws, name, &id, "never published", e),
+        Err(e) => {
+            let info = Recovered::bare(id.clone(), Settled::Kept);
+            return keep(ws, name, Kept::Unopenable(e), info, settled_hook);
+        }
     };
     let mut settled = "never published";
     let mut info = Recovered::bare(id.clone(), Settled::NeverPublished);
     let action = match Journal::read(fd.as_fd(), &dir) {
-        Err(reason) => {
-            tracing::info!(job = %id, %reason, "no readable journal: the job never got past creation");
+        Err(JournalError::Missing { .. }) => {
+            let others = match entries_besides_staging(fd.as_fd(), &dir) {
+                Ok(o) => o,
+                Err(e) => {
+                    drop(fd);
+                    info.settled = Settled::Kept;
+                    return keep(ws, name, Kept::Unopenable(e), info, settled_hook);
+                }
+            };
+            if !others.is_empty() {
+                drop(fd);
+                info.settled = Settled::Kept;
+                let why = Kept::Unexpected { entries: others };
+                return keep(ws, name, why, info, settled_hook);
+            }
+            tracing::info!(job = %id, "no journal: the job never published, or its targets were settled");
             "removed (worker never published)".to_string()
         }
+        Err(e @ JournalError::Damaged { .. }) => {
+            drop(fd);
+            info.settled = Settled::Kept;
+            return keep(ws, name, Kept::Journal(e), info, settled_hook);
+        }
         Ok(j) if j.job != id => {
-            return Err(PublishError::Recovery {
-                job: id,
-                reason: format!(
-                    "its journal names job {:?}; refusing to guess. Check the targets it lists \
-                     in {}, then remove the dir by hand and start again",
-                    j.job,
-                    dir.join(JOURNAL).display()
-                ),
-            });
+            drop(fd);
+            info.settled = Settled::Kept;
+            info.phase = Some(j.phase.as_str());
+            return keep(
+                ws,
+                name,
+                Kept::OtherJob { found: j.job },
+                info,
+                settled_hook,
+            );
         }
         Ok(j) => {
             info.session = Some(j.session.clone());
@@ -165,12 +248,28 @@ fn recover_one(
                 Phase::CommittingState | Phase::Committed => Settled::Completed,
             };
             let total = j.targets.len();
-            let roll_back = |j: &Journal| -> Result<String, PublishError> {
-                let n = rollback(ws.fd(), ws.root(), fd.as_fd(), &dir, j)?;
-                Ok(format!(
-                    "rolled back {n} of {total} targets (phase {})",
+            // `Err(kept)`: some target cannot be reached safely; the dir must be kept. Checked
+            // before any change, so that all targets stay as the crash left them.
+            let roll_back = |j: &Journal| -> Result<Result<String, Kept>, PublishError> {
+                let targets = unreachable_targets(ws.fd(), ws.root(), fd.as_fd(), j);
+                if !targets.is_empty() {
+                    return Ok(Err(Kept::Unreachable {
+                        targets,
+                        restored: 0,
+                    }));
+                }
+                let r = rollback(ws.fd(), ws.root(), fd.as_fd(), &dir, j)?;
+                if !r.unreached.is_empty() {
+                    return Ok(Err(Kept::Unreachable {
+                        targets: r.unreached,
+                        restored: r.restored,
+                    }));
+                }
+                Ok(Ok(format!(
+                    "rolled back {} of {total} targets (phase {})",
+                    r.restored,
                     j.phase.as_str()
-                ))
+                )))
             };
             settled = "settled";
             match j.phase {
@@ -185,10 +284,17 @@ fn recover_one(
                             info.settled = Settled::Completed;
                             format!("completed {total} targets (session holds the commit)")
                         }
-                        Ok(false) => {
-                            info.settled = Settled::RolledBack;
-                            roll_back(&j)?
-                        }
+                        Ok(false) => match roll_back(&j)? {
+                            Ok(action) => {
+                                info.settled = Settled::RolledBack;
+                                action
+                            }
+                            Err(why) => {
+                                drop(fd);
+                                info.settled = Settled::Kept;
+                                return keep(ws, name, why, info, settled_hook);
+                            }
+                        },
                         Err(source) => {
                             return Err(PublishError::Undecided {
                                 job: id,
@@ -247,53 +353,138 @@ fn quarantine(
     error: PublishError,
 ) -> Result<Recovered, PublishError> {
     let dir = ws.root().join(name);
-    let mut last = None;
+    let fail = |e: MoveAside| PublishError::Recovery {
+        job: id.to_string(),
+        reason: format!(
+            "cannot remove {} ({error}) nor {e}; remove it by hand and start again",
+            dir.display()
+        ),
+    };
+    let to = free_quarantine_name(ws, id).map_err(fail)?;
+    move_aside(ws, name, &to).map_err(fail)?;
+    tracing::warn!(job = %id, from = %dir.display(), to = %to.display(), %error,
+        "cannot remove the job dir ({settled}); moved it aside: remove it by hand");
+    Ok(Recovered {
+        quarantined: Some(to.clone()),
+        action: format!(
+            "quarantined as {} ({settled}; cannot remove it: {error}); remove it by hand",
+            to.display()
+        ),
+        ..Recovered::bare(id.to_string(), Settled::NeverPublished)
+    })
+}
+
+/// Keeps a job dir recovery could not prove disposable: records it in the audit log
+/// (`settled_hook`, durable), then renames it as it is, every byte kept, to a free
+/// `.airlock-quarantine-<id>[-n]`, and says what to do. A crash before the rename makes the
+/// next recovery decide, and record, again; once renamed, no recovery touches it.
+fn keep(
+    ws: &Workspace,
+    name: &OsStr,
+    why: Kept,
+    mut info: Recovered,
+    settled_hook: &dyn Fn(&Recovered) -> Result<(), super::CallbackError>,
+) -> Result<Recovered, PublishError> {
+    let dir = ws.root().join(name);
+    let id = info.job.clone();
+    let unmovable = |why: &Kept, e: MoveAside| PublishError::Recovery {
+        job: id.clone(),
+        reason: format!(
+            "{} must be kept ({why}) but cannot be moved aside: {e}. Nothing was removed; move \
+             it out of the workspace by hand (keep it: it may hold the only old copy of a \
+             target) and start again",
+            dir.display()
+        ),
+    };
+    let why = std::sync::Arc::new(why);
+    let to = free_quarantine_name(ws, &id).map_err(|e| unmovable(&why, e))?;
+    let advice = why.advice(&to);
+    info.settled = Settled::Kept;
+    info.quarantined = Some(to.clone());
+    info.action = format!("kept as {} with every byte: {why}; {advice}", to.display());
+    info.kept = Some(why.clone());
+    settled_hook(&info).map_err(|reason| PublishError::Recovery {
+        job: id.clone(),
+        reason: format!("{reason}; nothing more was changed, start again once it is fixed"),
+    })?;
+    move_aside(ws, name, &to).map_err(|e| unmovable(&why, e))?;
+    tracing::error!(job = %id, from = %dir.display(), to = %to.display(), reason = %why,
+        "recovery cannot prove this job dir disposable: kept it aside with every byte; {advice}");
+    Ok(info)
+}
+
+/// Why a dir could not be moved aside.
+#[derive(Debug, thiserror::Error)]
+enum MoveAside {
+    #[error("find a free quarantine name (100 taken)")]
+    NoFreeName,
+    #[error("stat {path}: {source}")]
+    Stat {
+        path: std::path::PathBuf,
+        source: rustix::io::Errno,
+    },
+    #[error("move it aside: {0}")]
+    Rename(#[source] PublishError),
+}
+
+/// The first of `.airlock-quarantine-<id>`, `-1`, ... `-99` that does not exist.
+fn free_quarantine_name(ws: &Workspace, id: &str) -> Result<std::path::PathBuf, MoveAside> {
     for n in 0..100u32 {
         let mut to = OsString::from(QUARANTINE_PREFIX);
         to.push(id);
         if n > 0 {
             to.push(format!("-{n}"));
         }
-        let to_path = ws.root().join(&to);
-        match mutate("publish.quarantine", &to_path, || {
-            rustix::fs::renameat_with(ws.fd(), name, ws.fd(), &to, RenameFlags::NOREPLACE)
-        }) {
-            Ok(()) => {
-                fsync_dir(ws.fd(), ws.root())?;
-                tracing::warn!(job = %id, from = %dir.display(), to = %to_path.display(), %error,
-                    "cannot remove the job dir ({settled}); moved it aside: remove it by hand");
-                return Ok(Recovered {
-                    quarantined: Some(to_path.clone()),
-                    action: format!(
-                        "quarantined as {} ({settled}; cannot remove it: {error}); remove it by hand",
-                        to_path.display()
-                    ),
-                    ..Recovered::bare(id.to_string(), Settled::NeverPublished)
-                });
-            }
-            Err(PublishError::Io { source, .. })
-                if matches!(source.raw_os_error(), Some(libc::EEXIST | libc::ENOTEMPTY)) =>
-            {
-                last = Some(source);
-            }
-            Err(e) => {
-                return Err(PublishError::Recovery {
-                    job: id.to_string(),
-                    reason: format!(
-                        "cannot remove {} ({error}) nor move it aside ({e}); remove it by hand \
-                         and start again",
-                        dir.display()
-                    ),
-                })
-            }
+        let path = ws.root().join(&to);
+        match stat_at(ws.fd(), &to) {
+            Ok(None) => return Ok(path),
+            Ok(Some(_)) => {}
+            Err(source) => return Err(MoveAside::Stat { path, source }),
         }
     }
-    Err(PublishError::Recovery {
-        job: id.to_string(),
-        reason: format!(
-            "cannot remove {} ({error}) nor find a free quarantine name ({last:?}); remove it by \
-             hand and start again",
-            dir.display()
-        ),
+    Err(MoveAside::NoFreeName)
+}
+
+/// Renames `name` of the workspace root to `to` (a free quarantine name beneath it), never
+/// over anything, and makes it durable.
+fn move_aside(ws: &Workspace, name: &OsStr, to: &Path) -> Result<(), MoveAside> {
+    let to_name = to.file_name().unwrap_or_default();
+    mutate("publish.quarantine", to, || {
+        rustix::fs::renameat_with(ws.fd(), name, ws.fd(), to_name, RenameFlags::NOREPLACE)
     })
+    .and_then(|()| fsync_dir(ws.fd(), ws.root()))
+    .map_err(MoveAside::Rename)
+}
+
+/// The names in a job dir with no journal other than its staging dir (and the temp file of a
+/// journal rewrite, written only after the commit): such a dir holds nothing else.
+fn entries_besides_staging(
+    fd: std::os::fd::BorrowedFd<'_>,
+    dir: &Path,
+) -> Result<Vec<String>, PublishError> {
+    let mut others = Vec::new();
+    let d = rustix::fs::Dir::read_from(fd).map_err(|e| io("read job dir", dir, e))?;
+    for entry in d {
+        let entry = entry.map_err(|e| io("read job dir", dir, e))?;
+        let n = entry.file_name().to_bytes();
+        let mut kind = entry.file_type();
+        if kind == FileType::Unknown {
+            let name = OsStr::from_bytes(n);
+            kind = match stat_at(fd, name).map_err(|e| io("stat", &dir.join(name), e))? {
+                Some(st) => file_type(&st),
+                None => continue,
+            };
+        }
+        let expected = match n {
+            b"." | b".." => true,
+            b"stage" => kind == FileType::Directory,
+            n if n == JOURNAL_TMP.as_bytes() => kind == FileType::RegularFile,
+            _ => false,
+        };
+        if !expected {
+            others.push(String::from_utf8_lossy(n).into_owned());
+        }
+    }
+    others.sort();
+    Ok(others)
 }

@@ -808,14 +808,33 @@ fn recovery_reports_one_action_per_job() {
     assert_eq!(names[9], "publish.cleanup_unlink");
 
     let rec = recover(tmp.path(), &|_, job| Ok(job == "j3")).unwrap();
-    let actions: Vec<(String, String)> = rec.into_iter().map(|r| (r.job, r.action)).collect();
+    // A damaged journal proves nothing: j1 is kept aside as it is.
+    assert_eq!(rec[0].settled, Settled::Kept, "{rec:?}");
+    assert!(
+        matches!(
+            rec[0].kept.as_deref(),
+            Some(Kept::Journal(JournalError::Damaged {
+                reason: Damage::Unparsable(_),
+                ..
+            }))
+        ),
+        "{rec:?}"
+    );
+    let q = tmp.path().join(".airlock-quarantine-j1");
+    assert_eq!(
+        rec[0].quarantined.as_deref(),
+        Some(ws.root().join(".airlock-quarantine-j1").as_path())
+    );
+    assert_eq!(
+        fs::read(q.join("recovery.json")).unwrap(),
+        b"{\"version\": 1, \"jo"
+    );
+    assert!(rec[0].action.starts_with("kept as"), "{}", rec[0].action);
+    let actions: Vec<(String, String)> =
+        rec.into_iter().skip(1).map(|r| (r.job, r.action)).collect();
     assert_eq!(
         actions,
         vec![
-            (
-                "j1".to_string(),
-                "removed (worker never published)".to_string()
-            ),
             (
                 "j2".to_string(),
                 "rolled back 2 of 2 targets (phase publishing_outputs)".to_string()
@@ -836,7 +855,10 @@ fn recovery_reports_one_action_per_job() {
         "new c"
     );
     assert!(job_dirs(tmp.path()).is_empty());
-    assert!(recover(tmp.path(), &|_, _| Ok(false)).unwrap().is_empty());
+    let again = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_eq!(again[0].settled, Settled::Quarantine);
+    assert!(q.join("recovery.json").exists(), "untouched");
 }
 
 #[test]
@@ -1180,13 +1202,120 @@ fn recovery_quarantines_a_job_dir_it_cannot_remove_and_goes_on() {
             assert!(e.contains("quarantined"), "{raw}: {e}");
         }
     }
-    // The next recovery removes it and says so.
+    // The next recovery reports it and leaves it as it is.
+    let before = snapshot(tmp.path());
     let rec = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
     assert_eq!(rec.len(), 1);
-    assert!(rec[0].action.contains("removed"), "{}", rec[0].action);
-    assert!(rec[0].quarantined.is_none());
-    let snap = snapshot(tmp.path());
-    assert_eq!(snap.len(), 1, "{snap:?}");
+    assert!(
+        rec[0].action.contains("still quarantined"),
+        "{}",
+        rec[0].action
+    );
+    assert_eq!(rec[0].quarantined.as_ref(), Some(&q));
+    assert_eq!(snapshot(tmp.path()), before);
+}
+
+/// `Journal::read` tells a missing journal from each way one can be damaged.
+#[test]
+fn journal_read_tells_missing_from_damaged() {
+    use super::journal::Journal;
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let j = Job::create(&ws, spec("jr", &["a.txt"])).unwrap();
+    let dir = j.dir().to_path_buf();
+    let path = dir.join("recovery.json");
+    let read = || {
+        let fd = fs::File::open(&dir).unwrap();
+        Journal::read(std::os::fd::AsFd::as_fd(&fd), &dir)
+    };
+    assert!(
+        matches!(read(), Err(JournalError::Missing { path: p }) if p == path),
+        "{:?}",
+        read()
+    );
+    let damage = |bytes: &[u8]| {
+        fs::write(&path, bytes).unwrap();
+        match read() {
+            Err(JournalError::Damaged { path: p, reason }) => {
+                assert_eq!(p, path);
+                reason
+            }
+            other => panic!("{:?}: {other:?}", String::from_utf8_lossy(bytes)),
+        }
+    };
+    assert!(matches!(
+        damage(b"{\"version\": 1, \"jo"),
+        Damage::Unparsable(_)
+    ));
+    assert!(matches!(damage(b"\x00\xffgarbage"), Damage::Unparsable(_)));
+    assert!(matches!(
+        damage(b"{\"job\": \"jr\"}"),
+        Damage::Unparsable(_)
+    ));
+    let r = damage(b"{\"version\": 2, \"from\": \"a later release\"}");
+    assert!(
+        matches!(&r, Damage::UnknownVersion { found } if found == "2"),
+        "{r:?}"
+    );
+    assert!(r.to_string().contains("version is 2"), "{r}");
+    let r = damage(b"{\"version\": \"1\"}");
+    assert!(
+        matches!(&r, Damage::UnknownVersion { found } if found == "\"1\""),
+        "{r:?}"
+    );
+    fs::remove_file(&path).unwrap();
+    fs::create_dir(&path).unwrap();
+    let r = read().unwrap_err();
+    assert!(
+        matches!(
+            &r,
+            JournalError::Damaged {
+                reason: Damage::NotAFile { .. },
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+    fs::remove_dir(&path).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", &path).unwrap();
+    let r = read().unwrap_err();
+    assert!(
+        matches!(&r, JournalError::Damaged { reason: Damage::Unreadable(e), .. } if e.raw_os_error() == Some(libc::ELOOP)),
+        "{r:?}"
+    );
+    fs::remove_file(&path).unwrap();
+    j.discard().unwrap();
+}
+
+/// A job dir without a journal is removed only when it holds nothing but its staging; with
+/// anything else in it, it is kept aside as it is.
+#[test]
+fn recovery_keeps_a_journalless_job_dir_holding_more_than_staging() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let j = Job::create(&ws, spec("stray", &["a.txt"])).unwrap();
+    stage(&j, 0, "staged");
+    write(j.dir(), "old-copy", "only copy");
+    std::mem::forget(j);
+    let plain = Job::create(&ws, spec("plain", &["b.txt"])).unwrap();
+    stage(&plain, 0, "staged");
+    std::mem::forget(plain);
+    let rec = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
+    let kept: Vec<_> = rec.iter().filter(|r| r.settled == Settled::Kept).collect();
+    assert_eq!(kept.len(), 1, "{rec:?}");
+    assert_eq!(kept[0].job, "stray");
+    assert!(
+        matches!(kept[0].kept.as_deref(), Some(Kept::Unexpected { entries }) if entries == &["old-copy".to_string()]),
+        "{rec:?}"
+    );
+    let q = tmp.path().join(".airlock-quarantine-stray");
+    assert_eq!(fs::read_to_string(q.join("old-copy")).unwrap(), "only copy");
+    assert_eq!(
+        fs::read_to_string(q.join("stage/0/a.txt")).unwrap(),
+        "staged"
+    );
+    assert!(job_dirs(tmp.path()).is_empty());
+    assert!(!tmp.path().join(".airlock-quarantine-plain").exists());
 }
 
 #[test]
@@ -1376,4 +1505,54 @@ mod path_props {
         std::os::unix::fs::symlink(outside.path(), tmp.path().join("dir/link")).unwrap();
         (tmp, outside)
     }
+}
+
+/// The commit fails after both renames and, meanwhile, the parent of one target was swapped
+/// for a symlink: the in-process rollback cannot reach it, so the job dir (the only old copy)
+/// is kept for recovery, which keeps it aside as it is, the other target untouched too.
+#[test]
+fn an_unreachable_target_keeps_its_backup_in_process_and_in_recovery() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "x/a.txt", "old a");
+    write(tmp.path(), "b.txt", "old b");
+    let ws = open(&tmp);
+    let job = Job::create(&ws, spec("swap", &["x/a.txt", "b.txt"])).unwrap();
+    stage(&job, 0, "new a");
+    stage(&job, 1, "new b");
+    let root = tmp.path().to_path_buf();
+    let e = job
+        .publish_and_commit(|| {
+            fs::rename(root.join("x"), root.join("x.real")).unwrap();
+            std::os::unix::fs::symlink("x.real", root.join("x")).unwrap();
+            Err("session store unavailable".into())
+        })
+        .unwrap_err();
+    assert!(matches!(e, PublishError::RollbackFailed { .. }), "{e}");
+    assert!(e.to_string().contains("cannot reach it safely"), "{e}");
+    let dir = tmp.path().join(".airlock-job-swap");
+    assert_eq!(
+        fs::read_to_string(dir.join("stage/0/a.txt")).unwrap(),
+        "old a"
+    );
+    assert_eq!(
+        fs::read_to_string(root.join("x.real/a.txt")).unwrap(),
+        "new a"
+    );
+    // b.txt was reachable: the in-process rollback restored it.
+    assert_eq!(fs::read_to_string(root.join("b.txt")).unwrap(), "old b");
+    let before = snapshot(&dir);
+    let rec = recover(tmp.path(), &|_, _| Ok(false)).unwrap();
+    assert_eq!(rec.len(), 1);
+    assert_eq!(rec[0].settled, Settled::Kept, "{rec:?}");
+    assert!(
+        matches!(rec[0].kept.as_deref(), Some(Kept::Unreachable { targets, restored: 0 }) if targets.len() == 1),
+        "{rec:?}"
+    );
+    let q = tmp.path().join(".airlock-quarantine-swap");
+    assert_eq!(snapshot(&q), before);
+    assert_eq!(
+        fs::read_to_string(root.join("x.real/a.txt")).unwrap(),
+        "new a"
+    );
+    assert_eq!(fs::read_to_string(root.join("b.txt")).unwrap(), "old b");
 }

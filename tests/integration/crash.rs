@@ -518,3 +518,333 @@ async fn offline_recover_rolls_back_and_is_idempotent() {
     let c = d.client().await;
     assert_eq!(session_of(&c).await, t.before_session);
 }
+
+// ---------------------------------------------------------------------------------------
+// A job dir recovery cannot prove disposable is kept, as it is, aside.
+
+/// What is done to a crashed job between the crash and the restart.
+#[derive(Debug, Clone, Copy)]
+enum Harm {
+    /// `recovery.json` cut to half its length.
+    Truncated,
+    /// `recovery.json` replaced by bytes that are not JSON.
+    Garbage,
+    /// `recovery.json` rewritten with `"version": 99` (another release's journal).
+    UnknownVersion,
+    /// `recovery.json` replaced by a directory (unreadable as a file, root or not).
+    Directory,
+    /// `recovery.json` made mode 0000 (unreadable by an unprivileged daemon, its owner).
+    Mode000,
+    /// The parent directory `x` of target `x/a.txt` moved to `x.real` and replaced by a
+    /// symlink to it: the journal is fine, the target cannot be reached safely.
+    ParentSwapped,
+}
+
+fn chown_nobody(d: &Daemon) {
+    let st = Command::new("chown")
+        .args(["-R", "65534:65534"])
+        .arg(d.dir.path())
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+/// A fresh copy of `t` for a daemon as root or as nobody.
+fn fresh_as(t: &Template, unprivileged: bool) -> Daemon {
+    let mut d = t.fresh();
+    if unprivileged {
+        chown_nobody(&d);
+        d.user = Some((65534, 65534));
+    }
+    d
+}
+
+fn recover_as(d: &Daemon) -> (bool, String, String) {
+    let mut cmd = match d.user {
+        Some((uid, gid)) => {
+            let mut c = Command::new("setpriv");
+            c.arg(format!("--reuid={uid}"))
+                .arg(format!("--regid={gid}"))
+                .args(["--clear-groups", "--", BIN]);
+            c
+        }
+        None => Command::new(BIN),
+    };
+    let out = cmd
+        .arg("recover")
+        .arg("--policies")
+        .arg(&d.policies)
+        .arg("--workspace")
+        .arg(&d.workspace)
+        .arg("--state-dir")
+        .arg(&d.state)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn audit_events(d: &Daemon) -> Vec<Value> {
+    std::fs::read_to_string(d.state.join("audit.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("an audit line"))
+        .collect()
+}
+
+fn audit_verifies(d: &Daemon, what: &str) {
+    let v = Command::new(BIN)
+        .args(["audit", "verify", "--log"])
+        .arg(d.state.join("audit.jsonl"))
+        .output()
+        .unwrap();
+    assert!(
+        v.status.success(),
+        "{what}: audit verify: {}",
+        String::from_utf8_lossy(&v.stderr)
+    );
+}
+
+/// Crashes a call replacing `x/a.txt` and `y.txt` after both renames, before the commit
+/// point (each target holds its uncommitted new file, the job dir the only old copies),
+/// applies `harm`, then restarts (the daemon, or `airlock recover` first when `offline`) and
+/// checks that nothing was lost: the job dir is kept aside byte for byte, no target is
+/// touched, the session keeps its old version, the audit log records it and verifies, the
+/// daemon serves, and later restarts leave the quarantine dir as it is.
+async fn kept_when_not_provably_disposable(harm: Harm, unprivileged: bool, offline: bool) {
+    require_root();
+    let what = format!("{harm:?} (unprivileged: {unprivileged}, offline first: {offline})");
+    let s = Scenario {
+        name: "kept job",
+        tool: "two_outputs",
+        args: json!({"a": "x/a.txt", "b": "y.txt"}),
+        pre: &[("x/a.txt", "old a"), ("y.txt", "old y")],
+    };
+    let t = Template::new(&s).await;
+    // The reference run tells the point right after the last rename.
+    let mut d = fresh_as(&t, unprivileged);
+    let log = d.dir.path().join("points.log");
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    assert!(!is_error(&try_call(&d, &s).await.unwrap()), "{what}");
+    d.stop();
+    let points = std::fs::read_to_string(&log).unwrap();
+    let last_rename = points
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("publish.exchange"))
+        .map(|(i, _)| i)
+        .last()
+        .expect("an exchange point");
+    let crash_at = last_rename + 1;
+
+    let mut d = fresh_as(&t, unprivileged);
+    d.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), crash_at.to_string())];
+    d.start();
+    let _ = try_call(&d, &s).await;
+    assert!(
+        d.wait_exit(Duration::from_secs(10)).is_some(),
+        "{what}: no crash at {crash_at}"
+    );
+    d.env.clear();
+    // Both targets hold the uncommitted new files; the job dir the old ones.
+    assert_eq!(d.read("x/a.txt").as_deref(), Some("A\n"), "{what}");
+    assert_eq!(d.read("y.txt").as_deref(), Some("B\n"), "{what}");
+    let jobs = d.job_dirs();
+    assert_eq!(jobs.len(), 1, "{what}");
+    let job = d.workspace.join(&jobs[0]);
+    let id = jobs[0].trim_start_matches(".airlock-job-").to_string();
+    assert_eq!(
+        std::fs::read_to_string(job.join("stage/0/a.txt")).unwrap(),
+        "old a"
+    );
+    assert_eq!(
+        std::fs::read_to_string(job.join("stage/1/y.txt")).unwrap(),
+        "old y"
+    );
+    let journal = job.join("recovery.json");
+    let bytes = std::fs::read(&journal).unwrap();
+    match harm {
+        Harm::Truncated => std::fs::write(&journal, &bytes[..bytes.len() / 2]).unwrap(),
+        Harm::Garbage => std::fs::write(&journal, b"\x00\xff{ not a journal \x01").unwrap(),
+        Harm::UnknownVersion => {
+            let mut v: Value = serde_json::from_slice(&bytes).unwrap();
+            v["version"] = json!(99);
+            std::fs::write(&journal, serde_json::to_vec(&v).unwrap()).unwrap();
+        }
+        Harm::Directory => {
+            std::fs::remove_file(&journal).unwrap();
+            std::fs::create_dir(&journal).unwrap();
+            std::fs::write(journal.join("inside"), "kept too").unwrap();
+        }
+        Harm::Mode000 => {
+            std::fs::set_permissions(&journal, std::fs::Permissions::from_mode(0o000)).unwrap()
+        }
+        Harm::ParentSwapped => {
+            std::fs::rename(d.workspace.join("x"), d.workspace.join("x.real")).unwrap();
+            std::os::unix::fs::symlink("x.real", d.workspace.join("x")).unwrap();
+        }
+    }
+    if unprivileged {
+        chown_nobody(&d);
+    }
+    // What recovery must keep, byte for byte, and what it must not touch.
+    let kept = tree(&job);
+    let qname = format!(".airlock-quarantine-{id}");
+    let quarantine = d.workspace.join(&qname);
+    let outside = |d: &Daemon| -> Vec<String> {
+        tree(&d.workspace)
+            .into_iter()
+            .filter(|l| !l.starts_with(&jobs[0]) && !l.starts_with(&qname))
+            .collect()
+    };
+    let workspace_before = outside(&d);
+
+    // Where the recovery that kept it logs.
+    let mut first_log = None;
+    if offline {
+        let (ok, stdout, stderr) = recover_as(&d);
+        assert!(ok, "{what}: {stdout} {stderr}");
+        assert!(
+            stdout.contains(&format!("{id}: kept as ")),
+            "{what}: {stdout}"
+        );
+        assert!(
+            stdout.contains("kept aside with every byte") && stdout.contains(&qname),
+            "{what}: {stdout}"
+        );
+        assert!(stdout.contains("recovered 0 job(s)"), "{what}: {stdout}");
+        first_log = Some(stderr);
+    }
+    d.start();
+    let c = d.client().await;
+    assert!(d.job_dirs().is_empty(), "{what}: {:?}", d.job_dirs());
+    assert_eq!(tree(&quarantine), kept, "{what}: the kept dir differs");
+    if !matches!(harm, Harm::Directory) {
+        let stage0 = quarantine.join("stage/0/a.txt");
+        assert_eq!(std::fs::read_to_string(stage0).unwrap(), "old a");
+    }
+    assert_eq!(
+        outside(&d),
+        workspace_before,
+        "{what}: recovery touched the workspace"
+    );
+    assert_eq!(session_of(&c).await, t.before_session, "{what}: session");
+    let log = first_log.unwrap_or_else(|| d.log_text());
+    assert!(
+        log.contains("kept it aside with every byte") && log.contains(&qname),
+        "{what}: {log}"
+    );
+    assert!(
+        log.contains("compare") || log.contains("restore"),
+        "{what}: {log}"
+    );
+    // It serves: a new call commits.
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "s", "text": "served", "out": "after.txt"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{what}: {r}");
+    assert_eq!(d.read("after.txt").as_deref(), Some("served"));
+    drop(c);
+    d.stop();
+    // The log records it once (the call did not commit), and its chain is intact.
+    let events = audit_events(&d);
+    let kept_events: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["job"] == id.as_str() && e["detail"]["recovery"] == true)
+        .collect();
+    assert_eq!(kept_events.len(), 1, "{what}: {kept_events:?}");
+    let e = kept_events[0];
+    assert_eq!(e["kind"], "error", "{what}: {e}");
+    assert_eq!(e["detail"]["code"], "RECOVERY_KEPT", "{what}: {e}");
+    assert_eq!(
+        e["detail"]["quarantined"],
+        quarantine.display().to_string(),
+        "{what}: {e}"
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|e| e["job"] == id.as_str() && e["kind"] == "commit"),
+        "{what}"
+    );
+    audit_verifies(&d, &what);
+
+    // Later recoveries never touch it: `airlock recover`, then two daemon restarts.
+    let (ok, stdout, stderr) = recover_as(&d);
+    assert!(ok, "{what}: {stdout} {stderr}");
+    assert!(
+        stdout.contains("still quarantined") && stdout.contains(&qname),
+        "{what}: {stdout}"
+    );
+    for _ in 0..2 {
+        d.start();
+        let c = d.client().await;
+        assert_eq!(
+            tree(&quarantine),
+            kept,
+            "{what}: a later recovery touched it"
+        );
+        assert!(d.job_dirs().is_empty(), "{what}");
+        let r = call(
+            &c,
+            "write_text",
+            json!({"session": "s", "text": "again", "out": "after.txt"}),
+        )
+        .await;
+        assert!(!is_error(&r), "{what}: {r}");
+        drop(c);
+        d.stop();
+    }
+    let later = audit_events(&d)
+        .iter()
+        .filter(|e| e["job"] == id.as_str())
+        .count();
+    let first = events.iter().filter(|e| e["job"] == id.as_str()).count();
+    assert_eq!(
+        later, first,
+        "{what}: later recoveries recorded the job again"
+    );
+    audit_verifies(&d, &what);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_truncated_journal_keeps_the_job_dir_aside() {
+    kept_when_not_provably_disposable(Harm::Truncated, false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_garbage_journal_keeps_the_job_dir_aside_offline_too() {
+    kept_when_not_provably_disposable(Harm::Garbage, false, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_journal_of_an_unknown_version_keeps_the_job_dir_aside() {
+    kept_when_not_provably_disposable(Harm::UnknownVersion, false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_journal_replaced_by_a_directory_keeps_the_job_dir_aside() {
+    kept_when_not_provably_disposable(Harm::Directory, false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreadable_journal_keeps_the_job_dir_aside_under_an_unprivileged_daemon() {
+    kept_when_not_provably_disposable(Harm::Mode000, true, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_swapped_parent_keeps_the_job_dir_aside() {
+    kept_when_not_provably_disposable(Harm::ParentSwapped, false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_swapped_parent_keeps_the_job_dir_aside_under_an_unprivileged_daemon() {
+    kept_when_not_provably_disposable(Harm::ParentSwapped, true, true).await;
+}

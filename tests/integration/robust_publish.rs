@@ -370,7 +370,8 @@ async fn hostile_trees_never_brick_an_unprivileged_daemon() {
 }
 
 /// A job dir recovery cannot remove is quarantined, reported by `airlock recover`, out of
-/// reach of tool paths, and removed by a later recovery; the daemon serves meanwhile.
+/// reach of tool paths, and never touched by a later recovery (only reported); the daemon
+/// serves meanwhile.
 #[tokio::test]
 async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     let mut d = Daemon::new();
@@ -402,12 +403,12 @@ async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     assert!(stdout.contains(&qname), "{stdout}");
     assert!(d.job_dirs().is_empty());
     assert!(d.workspace.join(&qname).is_dir());
-    // The daemon starts while it stays quarantined (its removal fails again) and serves.
-    d.env = vec![("AIRLOCK_FAILPOINT_ERROR_AT".into(), "0".into())];
+    // The daemon starts while it stays quarantined (untouched, reported) and serves.
+    let kept = snapshot(&d.workspace.join(&qname));
     d.start();
-    assert!(d.workspace.join(&qname).is_dir());
+    assert_eq!(snapshot(&d.workspace.join(&qname)), kept);
     assert!(
-        d.log_text().contains("still cannot be removed"),
+        d.log_text().contains("still there, untouched"),
         "{}",
         d.log_text()
     );
@@ -429,14 +430,13 @@ async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     assert!(d.read("q.txt").is_none());
     d.stop();
     d.env.clear();
-    // A later recovery removes it.
+    // A later recovery leaves it as it is, and says so; the operator removes it.
     let (rc, stdout, stderr) = recover_cmd(&d, &[]);
     assert_eq!(rc, 0, "{stdout} {stderr}");
-    assert!(
-        stdout.contains("removed (quarantined by an earlier recovery)"),
-        "{stdout}"
-    );
-    assert!(!d.workspace.join(&qname).exists());
+    assert!(stdout.contains("still quarantined"), "{stdout}");
+    assert!(stdout.contains(&qname), "{stdout}");
+    assert_eq!(snapshot(&d.workspace.join(&qname)), kept);
+    std::fs::remove_dir_all(d.workspace.join(&qname)).unwrap();
     d.start();
     restarts_and_serves(&mut d, "q", 0).await;
 }
