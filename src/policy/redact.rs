@@ -50,25 +50,19 @@ pub fn summary(tool: &Tool, args: &Map<String, Value>, max: usize) -> Value {
 /// fits an environment variable.
 pub const MAX_SECRET_ARG: usize = 4096;
 
-/// One form of one secret (as is, or escaped), with the KMP prefix tables that find every
-/// occurrence of it, and its fragments at a cut, in one linear scan.
+/// One form of one secret (as is, or escaped). Its occurrences in a text, and its fragments
+/// at a cut, are found by KMP in one linear scan, with a prefix table of at most as many
+/// entries as the text has bytes (built per scan, so a long secret costs no memory beyond
+/// the text being scrubbed).
 #[derive(Debug)]
 struct Form {
     text: Box<[u8]>,
-    /// Prefix function of `text`.
-    fwd: Box<[u32]>,
-    /// Prefix function of `text` reversed.
-    rev: Box<[u32]>,
 }
 
 impl Form {
     fn new(text: &str) -> Form {
-        let text: Box<[u8]> = text.as_bytes().into();
-        let reversed: Vec<u8> = text.iter().rev().copied().collect();
         Form {
-            fwd: prefix_function(&text),
-            rev: prefix_function(&reversed),
-            text,
+            text: text.as_bytes().into(),
         }
     }
 
@@ -76,21 +70,30 @@ impl Form {
     /// `cut_end`, the longest prefix of it that `s` ends with.
     fn mark(&self, s: &[u8], cut_end: bool, mask: &mut [bool]) {
         let m = self.text.len();
+        // A form longer than `s` cannot occur in it whole; a prefix of it can end it.
+        let p = &self.text[..m.min(s.len())];
+        if p.is_empty() {
+            return;
+        }
+        let pi = prefix_function(p);
+        let whole = p.len() == m;
         let mut q = 0usize;
         // Where this form's marks end: overlapping occurrences mark each byte once.
         let mut marked = 0usize;
         for (i, &b) in s.iter().enumerate() {
-            while q > 0 && self.text[q] != b {
-                q = self.fwd[q - 1] as usize;
+            // Here q < p.len(): a whole match resets it, and a prefix of `p` as long as `s`
+            // is reached only at its last byte.
+            while q > 0 && p[q] != b {
+                q = pi[q - 1] as usize;
             }
-            if self.text[q] == b {
+            if p[q] == b {
                 q += 1;
             }
-            if q == m {
+            if whole && q == m {
                 let from = (i + 1 - m).max(marked);
                 mask[from..=i].iter_mut().for_each(|x| *x = true);
                 marked = i + 1;
-                q = self.fwd[q - 1] as usize;
+                q = pi[q - 1] as usize;
             }
         }
         if cut_end && q > 0 {
@@ -101,17 +104,22 @@ impl Form {
 
     /// Marks in `mask` the longest suffix of the form that `s` begins with.
     fn mark_start(&self, s: &[u8], mask: &mut [bool]) {
-        // The longest prefix of `s` that is a suffix of the form is the longest suffix of
-        // `s[..k]` reversed that is a prefix of the form reversed: one scan of `s[..k]`
-        // backwards with the reversed form's table.
+        // The longest prefix of `s[..k]` that is a suffix of the form is, reversed, the
+        // longest suffix of `s[..k]` reversed that is a prefix of the form's last `k` bytes
+        // reversed: one KMP scan of `s[..k]` backwards.
         let m = self.text.len();
         let k = s.len().min(m);
+        if k == 0 {
+            return;
+        }
+        let r: Vec<u8> = self.text[m - k..].iter().rev().copied().collect();
+        let pi = prefix_function(&r);
         let mut q = 0usize;
         for &b in s[..k].iter().rev() {
-            while q > 0 && (q == m || self.text[m - 1 - q] != b) {
-                q = self.rev[q - 1] as usize;
+            while q > 0 && r[q] != b {
+                q = pi[q - 1] as usize;
             }
-            if q < m && self.text[m - 1 - q] == b {
+            if r[q] == b {
                 q += 1;
             }
         }
@@ -173,7 +181,8 @@ impl Secrets {
     /// The values of `tool`'s secret parameters in `args` (strings only: the loader refuses
     /// `secret` on other types), in every form a message could quote them: as is, escaped as
     /// Rust's `{:?}` does and as JSON does. A value over [`MAX_SECRET_ARG`] bytes is taken
-    /// too (the call is refused, and its refusal is scrubbed of it).
+    /// too (the call is refused, and its refusal is scrubbed of it); it costs no more than
+    /// its forms, since no table is kept.
     pub fn of(tool: &Tool, args: &Map<String, Value>) -> Secrets {
         let mut texts: Vec<String> = Vec::new();
         for (name, p) in &tool.params {
@@ -380,6 +389,11 @@ mod tests {
         // A tail that begins with a suffix of it (in a text that holds only the suffix).
         assert_eq!(s.tail("xxxter2 rest", 9, false).0, "[REDACTED] rest");
         assert_eq!(s.tail("x2 rest", 6, false).0, "[REDACTED] rest");
+        // A secret longer than the text: the whole text is a fragment at either cut.
+        let long = secrets(&["abcdefgh"]);
+        assert_eq!(long.head("abc", 100, true).0, "[REDACTED]");
+        assert_eq!(long.redact_cut("fgh xyz", true, false), "[REDACTED] xyz");
+        assert_eq!(long.redact_cut("xyz", true, true), "xyz");
         // No cut: a prefix at the end is ordinary text.
         assert_eq!(s.head("token hunt", 100, false).0, "token hunt");
         // The escaped forms too: a prefix of the JSON form at the cut.
