@@ -59,6 +59,7 @@ fn main() {
         for i in 0..n + 5 {
             let launch = Launch {
                 argv: vec!["/bin/true".into()],
+                env: Vec::new(),
                 cwd: staging.path().to_path_buf(),
                 stdin: Vec::new(),
                 writable: vec![staging.path().to_path_buf()],

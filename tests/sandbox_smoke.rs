@@ -75,6 +75,7 @@ fn profile() -> Profile {
 fn launch(argv: &[&str], staging: &Path) -> Launch {
     Launch {
         argv: argv.iter().map(|s| s.to_string()).collect(),
+        env: Vec::new(),
         cwd: staging.to_path_buf(),
         stdin: Vec::new(),
         writable: vec![staging.to_path_buf()],

@@ -23,6 +23,8 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::policy::redact::Secrets;
+
 pub use time::{format_rfc3339, now_ms, parse_since};
 /// The longest string an audit event keeps; longer ones are cut and marked.
 pub const MAX_STRING: usize = 1024;
@@ -42,28 +44,39 @@ pub fn truncate(s: &str, max: usize) -> Cow<'_, str> {
     Cow::Owned(format!("{}…[truncated {} bytes]", &s[..end], s.len() - end))
 }
 
-/// Truncates every string in `v` (keys included) to [`MAX_STRING`] bytes.
-fn bound_strings(v: &mut Value, depth: usize) {
+/// [`truncate`] for a string of a call with `secrets`: scrubbed whole before the cut, and
+/// any fragment of a secret at the cut replaced ([`Secrets::head`]).
+fn truncate_scrubbed<'a>(s: &'a str, max: usize, secrets: &Secrets) -> Cow<'a, str> {
+    if s.len() <= max {
+        return Cow::Borrowed(s);
+    }
+    let (kept, cut) = secrets.head(s, max, false);
+    Cow::Owned(format!("{kept}…[truncated {cut} bytes]"))
+}
+
+/// Truncates every string in `v` (keys included) to [`MAX_STRING`] bytes, each cut clean of
+/// `secrets`.
+fn bound_strings(v: &mut Value, depth: usize, secrets: &Secrets) {
     match v {
         Value::String(s) => {
-            if let Cow::Owned(t) = truncate(s, MAX_STRING) {
+            if let Cow::Owned(t) = truncate_scrubbed(s, MAX_STRING, secrets) {
                 *s = t;
             }
         }
         Value::Array(a) => {
             for x in a {
-                bound_strings(x, depth + 1);
+                bound_strings(x, depth + 1, secrets);
             }
         }
         Value::Object(m) if depth < 32 => {
             if m.keys().any(|k| k.len() > MAX_STRING) {
                 let old = std::mem::take(m);
                 for (k, x) in old {
-                    m.insert(truncate(&k, MAX_STRING).into_owned(), x);
+                    m.insert(truncate_scrubbed(&k, MAX_STRING, secrets).into_owned(), x);
                 }
             }
             for x in m.values_mut() {
-                bound_strings(x, depth + 1);
+                bound_strings(x, depth + 1, secrets);
             }
         }
         Value::Object(_) => *v = Value::String("…[nested too deep]".into()),
@@ -350,11 +363,11 @@ impl Audit {
         durable: bool,
     ) -> Result<(), AuditError> {
         call.secrets.scrub(&mut detail);
-        bound_strings(&mut detail, 0);
+        bound_strings(&mut detail, 0, &call.secrets);
         let bound = |s: &str| truncate(s, MAX_STRING).into_owned();
         let mut request_id = call.request_id.clone();
         if let Some(r) = &mut request_id {
-            bound_strings(r, 0);
+            bound_strings(r, 0, &call.secrets);
         }
         let time_ms = now_ms();
         let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+use crate::policy::redact::{Secrets, MAX_SECRET_ARG};
 use crate::policy::{Builtin, ParamType, PathRole, Tool, ToolKind};
 use crate::session::IdError;
 
@@ -105,17 +106,10 @@ pub enum ArgError {
 }
 
 /// A client's string as it may appear in a message: quoted, and cut (at a character
-/// boundary) when long, with its length, so that no error echoes megabytes back.
+/// boundary) when long, with its length, so that no error echoes megabytes back. A string a
+/// call's secrets could be in is shown by [`Secrets::shown`] instead.
 pub fn shown(s: &str) -> String {
-    const KEEP: usize = 48;
-    if s.len() <= 2 * KEEP {
-        return format!("{s:?}");
-    }
-    let mut end = KEEP;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{:?}... ({} bytes)", &s[..end], s.len())
+    Secrets::default().shown(s)
 }
 
 /// Whether argument `name` of `tool` names a session (and must be a valid session id).
@@ -156,7 +150,8 @@ pub fn validate(tool: &Tool, args: &Map<String, Value>) -> Result<Map<String, Va
                 known.insert(0, "session");
             }
             return Err(ArgError::Unknown {
-                name: shown(name),
+                // A client may pass a secret's value as a name too.
+                name: Secrets::of(tool, args).shown(name),
                 tool: tool.name.clone(),
                 known: if known.is_empty() {
                     "no arguments".to_string()
@@ -181,6 +176,7 @@ pub fn validate(tool: &Tool, args: &Map<String, Value>) -> Result<Map<String, Va
         if let Value::String(s) = value {
             let (limit, what) = match p.path {
                 Some(_) => (MAX_PATH_ARG, "a path"),
+                None if p.secret => (MAX_SECRET_ARG, "a secret argument"),
                 None => (MAX_STRING_ARG, "a string argument"),
             };
             if s.len() > limit {
@@ -496,6 +492,37 @@ pub struct Bound {
     pub arguments: Map<String, Value>,
     /// The input paths the worker may read.
     pub readable: Vec<PathBuf>,
+    /// The worker's environment variables from parameters declaring `env` ([`bind_env`]).
+    pub env: Vec<(String, String)>,
+}
+
+/// The environment variables a call's arguments set: `NAME` to the value of each parameter
+/// declaring `env = "NAME"` that the call passes (the loader allows `env` on strings only).
+/// A value with a NUL byte, or a `NAME=value` over [`MAX_ARGV_ELEMENT`], is refused.
+pub fn bind_env(
+    tool: &Tool,
+    values: &Map<String, Value>,
+) -> Result<Vec<(String, String)>, ArgError> {
+    let mut env = Vec::new();
+    for (name, p) in &tool.params {
+        let (Some(var), Some(v)) = (&p.env, values.get(name)) else {
+            continue;
+        };
+        let v = render(v);
+        if v.as_bytes().contains(&0) {
+            return Err(ArgError::NulByte { name: name.clone() });
+        }
+        if var.len() + 1 + v.len() + 1 > MAX_ARGV_ELEMENT {
+            return Err(ArgError::TooLong {
+                name: name.clone(),
+                len: v.len(),
+                what: "an argument passed in the environment",
+                limit: MAX_ARGV_ELEMENT - var.len() - 2,
+            });
+        }
+        env.push((var.clone(), v));
+    }
+    Ok(env)
 }
 
 /// Binds validated arguments: an input path becomes its absolute path in the workspace (and
@@ -554,6 +581,7 @@ mod tests {
                 path: Some(PathRole::Output),
                 mode: None,
                 secret: false,
+                env: None,
             },
         );
         params.insert(
@@ -566,6 +594,7 @@ mod tests {
                 path: None,
                 mode: None,
                 secret: false,
+                env: None,
             },
         );
         Tool {
@@ -735,6 +764,7 @@ mod tests {
                 path: None,
                 mode: None,
                 secret: false,
+                env: None,
             },
         );
         let at = |n: usize| "x".repeat(n);

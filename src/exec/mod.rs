@@ -741,7 +741,8 @@ impl Executor {
         let paths = self.resolve_paths(tool, &values)?;
         let root = self.workspace.root().to_path_buf();
         // Read tools have no outputs (the policy loader refuses them), so nothing is staged.
-        let bound = args::bind(&values, &paths, &root, None, |_| root.clone());
+        let mut bound = args::bind(&values, &paths, &root, None, |_| root.clone());
+        bound.env = args::bind_env(tool, &values).map_err(Stop::from)?;
         self.check_bounds(policy, tool, ext, &bound, None)?;
         let _slot = self.slot(cancel).await?;
         self.recheck(policy, call, tool)?;
@@ -753,6 +754,7 @@ impl Executor {
             policy,
             ext,
             &bound.subst,
+            std::mem::take(&mut bound.env),
             root,
             Vec::new(),
             bound.readable,
@@ -763,7 +765,7 @@ impl Executor {
         let outcome = self
             .spawn_and_wait(call, launch, ext.timeout, cancel, None, progress)
             .await?;
-        let (reply, _state) = self.interpret(tool, &outcome)?;
+        let (reply, _state) = self.interpret(tool, &outcome, &call.secrets)?;
         Ok(reply)
     }
 
@@ -809,10 +811,13 @@ impl Executor {
         let before = guard.snapshot();
 
         // What the worker would be handed is bounded before the job dir exists.
-        let predicted = args::bind(&values, &paths, self.workspace.root(), Some(session), |i| {
-            let target = outputs.get(i).map_or(std::path::Path::new(""), |(_, t)| t);
-            args::predicted_staged_path(self.workspace.root(), &call.call, i, target)
-        });
+        let env = args::bind_env(tool, &values).map_err(Stop::from)?;
+        let mut predicted =
+            args::bind(&values, &paths, self.workspace.root(), Some(session), |i| {
+                let target = outputs.get(i).map_or(std::path::Path::new(""), |(_, t)| t);
+                args::predicted_staged_path(self.workspace.root(), &call.call, i, target)
+            });
+        predicted.env = env.clone();
         self.check_bounds(policy, tool, ext, &predicted, Some(&before))?;
 
         // 4. The job dir, its journal, and the staged path of every output.
@@ -837,9 +842,10 @@ impl Executor {
         let mut job = Job::create(&self.workspace, spec).map_err(CallError::Job)?;
         job.hash_up_to(policy.daemon.audit_hash_limit);
         let root = self.workspace.root().to_path_buf();
-        let bound = args::bind(&values, &paths, &root, Some(session), |i| {
+        let mut bound = args::bind(&values, &paths, &root, Some(session), |i| {
             job.staged_path(i)
         });
+        bound.env = env;
         let stdin = match ext.protocol {
             Protocol::Json => json_request(&tool.name, &bound.arguments, Some(&before)),
             Protocol::Argv => Vec::new(),
@@ -853,6 +859,7 @@ impl Executor {
                 policy,
                 ext,
                 &bound.subst,
+                std::mem::take(&mut bound.env),
                 stage.clone(),
                 vec![stage],
                 bound.readable,
@@ -863,7 +870,7 @@ impl Executor {
             let outcome = self
                 .spawn_and_wait(call, launch, ext.timeout, cancel, Some(&mut job), progress)
                 .await?;
-            self.interpret(tool, &outcome)
+            self.interpret(tool, &outcome, &call.secrets)
         }
         .await;
         let (mut reply, new_state) = match ran {
@@ -975,6 +982,7 @@ impl Executor {
         policy: &Policy,
         ext: &ExternalTool,
         subst: &BTreeMap<String, String>,
+        env: Vec<(String, String)>,
         cwd: PathBuf,
         writable: Vec<PathBuf>,
         readable: Vec<PathBuf>,
@@ -984,6 +992,7 @@ impl Executor {
     ) -> Result<Launch, Stop> {
         Ok(Launch {
             argv: args::substitute(&ext.command, subst),
+            env,
             cwd,
             stdin,
             writable,
@@ -1091,7 +1100,8 @@ impl Executor {
         session: Option<&Snapshot>,
     ) -> Result<(), Stop> {
         let invalid = Stop::from;
-        let env = worker_env_bytes(&ext.profile.env);
+        let env = worker_env_bytes(&ext.profile.env)
+            + args::env_bytes(bound.env.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
         let stack = rustix::process::getrlimit(rustix::process::Resource::Stack).current;
         args::check_command(
             &tool.name,
@@ -1123,12 +1133,13 @@ impl Executor {
         &self,
         tool: &Tool,
         o: &Outcome,
+        secrets: &Secrets,
     ) -> Result<(ToolReply, Option<Map<String, Value>>), Stop> {
         let protocol = match &tool.kind {
             ToolKind::External(e) => e.protocol,
             ToolKind::Builtin(_) => Protocol::Argv,
         };
-        let stderr_tail = tail(&o.stderr.bytes, 2000);
+        let stderr_tail = stderr_tail(&o.stderr, secrets, STDERR_TAIL);
         match o.end {
             End::Exited(0) => {}
             End::Exited(code) => {
@@ -1170,7 +1181,7 @@ impl Executor {
                     ))
                     .into());
                 }
-                parse_json_response(&tool.name, &stdout).map_err(Stop::Fault)
+                parse_json_response(&tool.name, &stdout, secrets).map_err(Stop::Fault)
             }
         }
     }
@@ -1203,8 +1214,9 @@ fn output_detail(o: &publish::Published, hash_limit: u64) -> Value {
 fn parse_json_response(
     tool: &str,
     stdout: &str,
+    secrets: &Secrets,
 ) -> Result<(ToolReply, Option<Map<String, Value>>), CallError> {
-    let r = response::parse(stdout).map_err(|e| {
+    let r = response::parse(stdout, secrets).map_err(|e| {
         CallError::ToolFailed(format!(
             "{tool} returned an invalid JSON response: {e}; nothing was published and the \
              session is unchanged"
@@ -1256,13 +1268,29 @@ fn json_request(
     bytes
 }
 
-fn tail(bytes: &[u8], n: usize) -> String {
-    let start = bytes.len().saturating_sub(n);
-    let s = String::from_utf8_lossy(&bytes[start..]).trim().to_string();
+/// The bytes of a failed worker's stderr its `TOOL_FAILED` message quotes (its end).
+const STDERR_TAIL: usize = 2000;
+
+/// The end of a worker's stderr as a fault message quotes it: the whole capture scrubbed of
+/// the call's secrets, then its last `n` bytes, with any fragment of a secret at either cut
+/// (the capture's cap, if it was reached, and the tail's start) replaced. A character the
+/// cap split is dropped first, so that a secret's prefix before it ends at the cut.
+fn stderr_tail(captured: &crate::sandbox::Captured, secrets: &Secrets, n: usize) -> String {
+    let mut bytes = captured.bytes.as_slice();
+    if captured.truncated {
+        if let Err(e) = std::str::from_utf8(bytes) {
+            if e.error_len().is_none() {
+                bytes = &bytes[..e.valid_up_to()];
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(bytes);
+    let (tail, _) = secrets.tail(&text, n, captured.truncated);
+    let s = tail.trim();
     if s.is_empty() {
         "(empty)".to_string()
     } else {
-        s
+        s.to_string()
     }
 }
 
@@ -1340,13 +1368,19 @@ mod tests {
         let (r, s) = parse_json_response(
             "t",
             r#"{"content":[{"type":"text","text":"hi"}],"state":{"n":1}}"#,
+            &Secrets::default(),
         )
         .unwrap();
         assert!(!r.is_error);
         assert_eq!(s.unwrap()["n"], 1);
-        assert!(parse_json_response("t", "not json").is_err());
-        assert!(parse_json_response("t", r#"{"state": 3}"#).is_err());
-        let e = parse_json_response("t", r#"{"isError": true, "content": []}"#).unwrap_err();
+        assert!(parse_json_response("t", "not json", &Secrets::default()).is_err());
+        assert!(parse_json_response("t", r#"{"state": 3}"#, &Secrets::default()).is_err());
+        let e = parse_json_response(
+            "t",
+            r#"{"isError": true, "content": []}"#,
+            &Secrets::default(),
+        )
+        .unwrap_err();
         assert_eq!(e.code(), ErrorCode::ToolFailed);
     }
 }

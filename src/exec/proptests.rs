@@ -212,7 +212,7 @@ proptest! {
     #[test]
     fn accepted_responses_always_become_call_tool_results(blocks in proptest::collection::vec(block(), 0..4), is_error in any::<bool>()) {
         let stdout = json!({"content": blocks, "isError": is_error}).to_string();
-        if let Ok(r) = response::parse(&stdout) {
+        if let Ok(r) = response::parse(&stdout, &Default::default()) {
             let v = json!({"content": r.content, "isError": r.is_error, "structuredContent": {"session": "s", "version": 1}});
             let parsed = serde_json::from_value::<rmcp::model::CallToolResult>(v.clone());
             prop_assert!(parsed.is_ok(), "{v}: {:?}", parsed.err());

@@ -8,7 +8,8 @@
 
 use serde_json::{Map, Value};
 
-use super::args::{kind, shown};
+use super::args::kind;
+use crate::policy::redact::Secrets;
 
 /// A well-formed response.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,8 +44,9 @@ pub enum ResponseError {
     Block { index: usize, reason: String },
 }
 
-/// Parses and checks a worker's whole stdout.
-pub fn parse(stdout: &str) -> Result<Response, ResponseError> {
+/// Parses and checks a worker's whole stdout. A string of it an error quotes is shown as
+/// [`Secrets::shown`] does: scrubbed of the call's `secrets` before it is cut.
+pub fn parse(stdout: &str, secrets: &Secrets) -> Result<Response, ResponseError> {
     let v: Value =
         serde_json::from_str(stdout.trim()).map_err(|e| ResponseError::NotJson(e.to_string()))?;
     let Value::Object(obj) = v else {
@@ -54,7 +56,7 @@ pub fn parse(stdout: &str) -> Result<Response, ResponseError> {
         .keys()
         .find(|k| !matches!(k.as_str(), "content" | "state" | "isError"))
     {
-        return Err(ResponseError::UnknownKey(shown(k)));
+        return Err(ResponseError::UnknownKey(secrets.shown(k)));
     }
     let content = match obj.get("content") {
         None => Vec::new(),
@@ -68,7 +70,7 @@ pub fn parse(stdout: &str) -> Result<Response, ResponseError> {
         }
     };
     for (index, block) in content.iter().enumerate() {
-        check_block(block).map_err(|reason| ResponseError::Block { index, reason })?;
+        check_block(block, secrets).map_err(|reason| ResponseError::Block { index, reason })?;
     }
     let is_error = match obj.get("isError") {
         None => false,
@@ -116,7 +118,7 @@ enum Shape {
 
 /// Checks one content block: `text`, `image`, `audio`, `resource_link` or `resource`, with
 /// its required fields, its optional ones, and nothing else.
-pub fn check_block(block: &Value) -> Result<(), String> {
+pub fn check_block(block: &Value, secrets: &Secrets) -> Result<(), String> {
     use Shape::*;
     let Value::Object(o) = block else {
         return Err(format!("a block must be an object, not {}", kind(block)));
@@ -143,12 +145,19 @@ pub fn check_block(block: &Value) -> Result<(), String> {
         other => {
             return Err(format!(
                 "unknown type {} (MCP content is text, image, audio, resource_link or resource)",
-                shown(other)
+                secrets.shown(other)
             ))
         }
     };
     let common: Fields = &[("annotations", Annotations), ("_meta", Object)];
-    fields(o, ty, required, &[optional, common].concat(), &["type"])
+    fields(
+        o,
+        ty,
+        required,
+        &[optional, common].concat(),
+        &["type"],
+        secrets,
+    )
 }
 
 /// Checks an object's fields: each of `required` present, each of `optional` present or not,
@@ -159,29 +168,30 @@ fn fields(
     required: Fields,
     optional: Fields,
     ignored: &[&str],
+    secrets: &Secrets,
 ) -> Result<(), String> {
     for k in o.keys() {
         let known = ignored.contains(&k.as_str())
             || required.iter().chain(optional).any(|(name, _)| name == k);
         if !known {
-            return Err(format!("{what} has unknown key {}", shown(k)));
+            return Err(format!("{what} has unknown key {}", secrets.shown(k)));
         }
     }
     for (name, shape) in required {
         let v = o
             .get(*name)
             .ok_or_else(|| format!("{what} has no \"{name}\""))?;
-        check_shape(v, *shape).map_err(|e| format!("{what}.{name}: {e}"))?;
+        check_shape(v, *shape, secrets).map_err(|e| format!("{what}.{name}: {e}"))?;
     }
     for (name, shape) in optional {
         if let Some(v) = o.get(*name) {
-            check_shape(v, *shape).map_err(|e| format!("{what}.{name}: {e}"))?;
+            check_shape(v, *shape, secrets).map_err(|e| format!("{what}.{name}: {e}"))?;
         }
     }
     Ok(())
 }
 
-fn check_shape(v: &Value, shape: Shape) -> Result<(), String> {
+fn check_shape(v: &Value, shape: Shape, secrets: &Secrets) -> Result<(), String> {
     use Shape::*;
     let want = |expected: &str| format!("must be {expected}, not {}", kind(v));
     match shape {
@@ -203,6 +213,7 @@ fn check_shape(v: &Value, shape: Shape) -> Result<(), String> {
                 &[],
                 &[("lastModified", Str)],
                 &["audience", "priority"],
+                secrets,
             )?;
             if let Some(a) = o.get("audience") {
                 let roles = a
@@ -236,6 +247,7 @@ fn check_shape(v: &Value, shape: Shape) -> Result<(), String> {
                     &[("src", Str)],
                     &[("mimeType", Str)],
                     &["sizes", "theme"],
+                    secrets,
                 )?;
                 if let Some(s) = o.get("sizes") {
                     if !s.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
@@ -263,6 +275,7 @@ fn check_shape(v: &Value, shape: Shape) -> Result<(), String> {
                 &[("uri", Str), (body, shape)],
                 &[("mimeType", Str), ("_meta", Object)],
                 &[],
+                secrets,
             )
         }
     }
@@ -311,7 +324,7 @@ mod tests {
             json!({"type": "resource", "resource": {"uri": "file:///a", "blob": "AAEC"}}),
         ];
         for b in &ok {
-            assert_eq!(check_block(b), Ok(()), "{b}");
+            assert_eq!(check_block(b, &Secrets::default()), Ok(()), "{b}");
         }
     }
 
@@ -357,32 +370,42 @@ mod tests {
             ),
         ];
         for (b, needle) in &bad {
-            let e = check_block(b).expect_err(&b.to_string());
+            let e = check_block(b, &Secrets::default()).expect_err(&b.to_string());
             assert!(e.contains(needle), "{b}: {e:?} does not say {needle:?}");
         }
     }
 
     #[test]
     fn responses_are_checked_whole() {
-        let r = parse(r#"{"content":[{"type":"text","text":"hi"}],"state":{"n":1}}"#).unwrap();
+        let r = parse(
+            r#"{"content":[{"type":"text","text":"hi"}],"state":{"n":1}}"#,
+            &Secrets::default(),
+        )
+        .unwrap();
         assert!(!r.is_error);
         assert_eq!(r.state.unwrap()["n"], 1);
-        assert!(matches!(parse("not json"), Err(ResponseError::NotJson(_))));
-        assert!(matches!(parse("[]"), Err(ResponseError::NotObject(_))));
         assert!(matches!(
-            parse(r#"{"state": 3}"#),
+            parse("not json", &Secrets::default()),
+            Err(ResponseError::NotJson(_))
+        ));
+        assert!(matches!(
+            parse("[]", &Secrets::default()),
+            Err(ResponseError::NotObject(_))
+        ));
+        assert!(matches!(
+            parse(r#"{"state": 3}"#, &Secrets::default()),
             Err(ResponseError::WrongType { key: "state", .. })
         ));
         assert!(matches!(
-            parse(r#"{"isError": "yes"}"#),
+            parse(r#"{"isError": "yes"}"#, &Secrets::default()),
             Err(ResponseError::WrongType { key: "isError", .. })
         ));
         assert!(matches!(
-            parse(r#"{"structuredContent": {}}"#),
+            parse(r#"{"structuredContent": {}}"#, &Secrets::default()),
             Err(ResponseError::UnknownKey(_))
         ));
         assert_eq!(
-            parse(r#"{"content":[{"type":"text","text":"a"},{"type":"bogus"}],"state":{}}"#),
+            parse(r#"{"content":[{"type":"text","text":"a"},{"type":"bogus"}],"state":{}}"#, &Secrets::default()),
             Err(ResponseError::Block {
                 index: 1,
                 reason:
@@ -392,7 +415,10 @@ mod tests {
         );
         // A fault's content is checked too: it reaches the client as well.
         assert!(matches!(
-            parse(r#"{"isError": true, "content": [{"type": "text"}]}"#),
+            parse(
+                r#"{"isError": true, "content": [{"type": "text"}]}"#,
+                &Secrets::default()
+            ),
             Err(ResponseError::Block { index: 0, .. })
         ));
     }

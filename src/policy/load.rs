@@ -901,6 +901,7 @@ struct RawParam {
     path: Option<PathRole>,
     mode: Option<Spanned<String>>,
     secret: Option<Spanned<bool>>,
+    env: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -940,6 +941,8 @@ fn load_tool(
         );
     }
     let mut params = BTreeMap::new();
+    // Environment variable to the parameter that sets it.
+    let mut envs: BTreeMap<String, String> = BTreeMap::new();
     for (pname, p) in &raw.params {
         if pname == "session" {
             cx.at(path, &text, p.span(), "\"session\" is reserved: every write tool takes it, and {session} names it in command");
@@ -1008,6 +1011,23 @@ fn load_tool(
                 );
             }
         }
+        let env = rp.env.as_ref().map(|e| {
+            if let Err(msg) = check_param_env(pname, e.get_ref(), rp.ty, rp.path) {
+                cx.at(path, &text, e.span(), msg);
+            }
+            if let Some(other) = envs.insert(e.get_ref().clone(), pname.clone()) {
+                cx.at(
+                    path,
+                    &text,
+                    e.span(),
+                    format!(
+                        "parameters {other:?} and {pname:?} both set environment variable {:?}",
+                        e.get_ref()
+                    ),
+                );
+            }
+            e.get_ref().clone()
+        });
         params.insert(
             pname.clone(),
             Param {
@@ -1018,6 +1038,7 @@ fn load_tool(
                 path: rp.path,
                 mode,
                 secret,
+                env,
             },
         );
     }
@@ -1049,6 +1070,19 @@ fn load_tool(
                     &text,
                     part.span(),
                     format!("placeholder {{{ph}}} names no parameter"),
+                );
+            }
+            if params.get(ph).is_some_and(|p: &Param| p.secret) {
+                cx.at(
+                    path,
+                    &text,
+                    part.span(),
+                    format!(
+                        "placeholder {{{ph}}} puts secret parameter {ph:?} on the command line, \
+                         which every local user can read in /proc/PID/cmdline while the worker \
+                         runs; pass it in the worker's environment instead (env = \"NAME\" under \
+                         [params.{ph}]), or use protocol = \"json\" (the request on stdin holds it)"
+                    ),
                 );
             }
         }
@@ -1107,6 +1141,24 @@ fn load_tool(
             format!("unknown profile {profile:?} (known: {})", known.join(", ")),
         );
     }
+    if let Some(p) = &resolved {
+        // The profile's own variables would override, or be overridden by, a parameter's.
+        for (pname, rp) in &raw.params {
+            let Some(e) = &rp.get_ref().env else { continue };
+            let name = e.get_ref();
+            if p.env.keep.contains(name) || p.env.set.contains_key(name) {
+                cx.at(
+                    path,
+                    &text,
+                    e.span(),
+                    format!(
+                        "parameter {pname:?}: environment variable {name:?} is also in profile \
+                         {profile:?}'s [env]; choose another name"
+                    ),
+                );
+            }
+        }
+    }
     if cx.diags.len() != before {
         return None;
     }
@@ -1156,6 +1208,44 @@ pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, String>
         ));
     }
     Ok(m)
+}
+
+/// Variables a parameter's `env` may not name: the ones the launcher or the dynamic loader
+/// give a meaning (`AIRLOCK_*` and `LD_*` by prefix).
+const RESERVED_ENV: &[&str] = &["PATH", "HOME", "IFS", "BASH_ENV", "ENV", "SHELL"];
+
+/// A parameter's `env = "NAME"`: `[A-Z_][A-Z0-9_]*`, not reserved, on a string that is not
+/// a path (a value the worker's environment can carry as is).
+fn check_param_env(
+    param: &str,
+    name: &str,
+    ty: ParamType,
+    role: Option<PathRole>,
+) -> Result<(), String> {
+    let well_formed = name.starts_with(|c: char| c.is_ascii_uppercase() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+    if !well_formed {
+        return Err(format!(
+            "parameter {param:?}: env {name:?} must be an environment variable name \
+             ([A-Z_][A-Z0-9_]*)"
+        ));
+    }
+    if RESERVED_ENV.contains(&name) || name.starts_with("AIRLOCK_") || name.starts_with("LD_") {
+        return Err(format!(
+            "parameter {param:?}: env {name:?} is reserved (PATH, HOME, IFS, BASH_ENV, ENV, \
+             SHELL, AIRLOCK_* and LD_* mean something to the launcher, the shell or the \
+             dynamic loader)"
+        ));
+    }
+    if ty != ParamType::String || role.is_some() {
+        return Err(format!(
+            "parameter {param:?}: env needs a string that is not a path (type = \"string\", \
+             no path)"
+        ));
+    }
+    Ok(())
 }
 
 /// The `{name}` placeholders in one argv element.
@@ -1339,5 +1429,61 @@ mod tests {
     fn line_and_column() {
         assert_eq!(line_col("a\nbc\nd", 3), (2, 2));
         assert_eq!(line_col("abc", 0), (1, 1));
+    }
+
+    /// A secret's placeholder in `command` is refused at its place, naming the parameter
+    /// and the ways in that are not the command line; `env` is the one for `argv` tools, and
+    /// its name is checked.
+    #[test]
+    fn secret_params_never_reach_the_command_line() {
+        let tool = |command: &str, token: &str| {
+            format!(
+                "name = \"extra\"\ncapability = \"read\"\ncommand = {command}\n\n[params.token]\ntype = \"string\"\nsecret = true\n{token}"
+            )
+        };
+        let e = with_tool(&tool(r#"["/bin/sh", "-c", "use {token}"]"#, ""))
+            .expect_err("a secret on the command line accepted")
+            .to_string();
+        assert!(e.contains("extra.toml:3:29: placeholder {token}"), "{e}");
+        for want in [
+            "secret parameter \"token\"",
+            "/proc/PID/cmdline",
+            "env = \"NAME\"",
+            "protocol = \"json\"",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        // Also for a json tool, whose request already holds it.
+        let json = tool(r#"["/bin/t", "{token}"]"#, "")
+            .replace("capability", "protocol = \"json\"\ncapability");
+        assert!(with_tool(&json).is_err());
+        let p = with_tool(&tool(r#"["/bin/t"]"#, "env = \"API_TOKEN\"\n")).expect("valid");
+        assert_eq!(
+            p.tools["extra"].params["token"].env.as_deref(),
+            Some("API_TOKEN")
+        );
+        for (bad, why) in [
+            ("api_token", "must be an environment variable name"),
+            ("1TOKEN", "must be an environment variable name"),
+            ("PATH", "is reserved"),
+            ("LD_PRELOAD", "is reserved"),
+            ("AIRLOCK_PROGRESS_FD", "is reserved"),
+            ("TZ", "also in profile \"default\"'s [env]"),
+        ] {
+            let e = with_tool(&tool(r#"["/bin/t"]"#, &format!("env = \"{bad}\"\n")))
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                e.contains("extra.toml:8:7: ") && e.contains(why),
+                "{bad}: {e}"
+            );
+        }
+        let two = tool(r#"["/bin/t"]"#, "env = \"T\"\n")
+            + "\n[params.other]\ntype = \"string\"\nenv = \"T\"\n";
+        let e = with_tool(&two).expect_err("one variable twice").to_string();
+        assert!(e.contains("both set environment variable \"T\""), "{e}");
+        let path = "name = \"extra\"\ncapability = \"read\"\ncommand = [\"/bin/t\"]\n\n[params.p]\ntype = \"string\"\npath = \"input\"\nenv = \"P\"\n";
+        let e = with_tool(path).expect_err("a path in env").to_string();
+        assert!(e.contains("env needs a string that is not a path"), "{e}");
     }
 }

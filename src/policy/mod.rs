@@ -24,6 +24,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         path: None,
         mode: None,
         secret: false,
+        env: None,
     };
     let object = |description: &str| Param {
         ty: ParamType::Object,
@@ -33,6 +34,7 @@ pub fn builtins() -> BTreeMap<String, Tool> {
         path: None,
         mode: None,
         secret: false,
+        env: None,
     };
     let mk = |name: &str,
               title: &str,

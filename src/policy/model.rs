@@ -363,8 +363,12 @@ pub struct Param {
     /// setuid, setgid, sticky, group- or other-writable: the loader refuses those.
     pub mode: Option<u32>,
     /// `secret = true`: the value is redacted in audit events, log lines and error messages
-    /// (the worker still receives it).
+    /// (the worker still receives it). The loader refuses its placeholder in `command`.
     pub secret: bool,
+    /// `env = "NAME"`: the value also reaches the worker as environment variable `NAME` (the
+    /// way in for a secret: `/proc/PID/environ` is readable only by the worker's uid and
+    /// root, its command line by everyone). An absent optional argument leaves it unset.
+    pub env: Option<String>,
 }
 
 /// The mode of a published output whose parameter declares none.

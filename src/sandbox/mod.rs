@@ -74,6 +74,10 @@ pub const LAUNCHER_EXE_ENV: &str = "AIRLOCK_LAUNCHER_EXE";
 pub struct Launch {
     /// `argv[0]` is an absolute path.
     pub argv: Vec<String>,
+    /// Variables of this call (parameters declaring `env`, a secret's way in: unlike the
+    /// command line, `/proc/PID/environ` is readable only by the worker's uid and root), set
+    /// after the profile's `[env]`.
+    pub env: Vec<(String, String)>,
     /// Working directory: the job's staging dir.
     pub cwd: PathBuf,
     /// Written to the worker's stdin, which is then closed.
@@ -277,6 +281,7 @@ impl Worker {
     ) -> Result<Worker, SandboxError> {
         let Launch {
             argv,
+            env,
             cwd,
             stdin,
             writable,
@@ -312,7 +317,11 @@ impl Worker {
                     std::env::var_os(name).map(|v| (name.clone(), v.into_encoded_bytes()))
                 })
                 .collect(),
-            env_set: profile.env.set.clone(),
+            env_set: {
+                let mut set = profile.env.set.clone();
+                set.extend(env);
+                set
+            },
             parent: rustix::process::getpid().as_raw_nonzero().get(),
             cgroup: None,
             identity: identity.as_ref().map(|l| (l.uid(), l.gid())),

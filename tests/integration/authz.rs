@@ -384,17 +384,19 @@ async fn group_grants_follow_the_peers_groups() {
 }
 
 /// A write tool with a secret parameter: it writes the secret into its output (so the test
-/// sees the worker got it) and, with `fail`, also to stderr before exiting 1.
+/// sees the worker got it, from its environment) and, with `fail`, also to stderr before
+/// exiting 1.
 const SECRET_TOOL: &str = r#"
 name = "secret_write"
 description = "Write a token to a file; fail loudly if asked"
 capability = "write"
-command = ["/bin/sh", "-c", "printf '%s' \"$1\" > \"$2\"; if [ \"$3\" = yes ]; then echo \"bad token $1\" >&2; exit 1; fi", "secret_write", "{token}", "{out}", "{fail}"]
+command = ["/bin/sh", "-c", "printf '%s' \"$TOKEN\" > \"$1\"; if [ \"$2\" = yes ]; then echo \"bad token $TOKEN\" >&2; exit 1; fi", "secret_write", "{out}", "{fail}"]
 timeout = "10s"
 
 [params.token]
 type = "string"
 secret = true
+env = "TOKEN"
 description = "An API token"
 
 [params.out]

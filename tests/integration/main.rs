@@ -17,6 +17,7 @@ mod robust_args;
 mod robust_mcp;
 mod robust_publish;
 mod sandbox;
+mod secrets;
 mod soak;
 mod spawner;
 mod systemd;
