@@ -377,6 +377,7 @@ struct RawDaemon {
     cgroup: Option<PathBuf>,
     worker_user: Option<Spanned<String>>,
     worker_uids: Option<Spanned<String>>,
+    worker_uid_lock_dir: Option<Spanned<PathBuf>>,
 }
 
 fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
@@ -534,6 +535,17 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
         match parse_uid_range(v.get_ref()) {
             Ok(range) => d.worker_uids = range,
             Err(m) => cx.at(path, &text, v.span(), m),
+        }
+    }
+    if let Some(v) = r.worker_uid_lock_dir {
+        if v.get_ref().is_absolute() {
+            d.worker_uid_lock_dir = v.into_inner();
+        } else {
+            let m = format!(
+                "worker_uid_lock_dir {:?} must be an absolute path",
+                v.get_ref().display().to_string()
+            );
+            cx.at(path, &text, v.span(), m);
         }
     }
     Some(d)
