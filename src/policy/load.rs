@@ -1227,6 +1227,24 @@ mod tests {
     }
 
     #[test]
+    fn worker_uid_lock_dirs_are_absolute_paths() {
+        let daemon = |extra: &str| with_extra("airlock.toml", &format!("[daemon]\n{extra}"));
+        let p = daemon("").expect("valid");
+        assert_eq!(
+            p.daemon.worker_uid_lock_dir,
+            PathBuf::from("/run/airlock/uids")
+        );
+        let p = daemon("worker_uid_lock_dir = \"/run/x/uids\"\n").expect("valid");
+        assert_eq!(p.daemon.worker_uid_lock_dir, PathBuf::from("/run/x/uids"));
+        let e = daemon("worker_uid_lock_dir = \"run/uids\"\n").expect_err("relative");
+        assert!(
+            e.to_string()
+                .contains("worker_uid_lock_dir \"run/uids\" must be an absolute path"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn placeholder_scan() {
         assert_eq!(placeholders("--out={out}.{ext}"), vec!["out", "ext"]);
         assert!(placeholders("{ not one }").is_empty());

@@ -370,7 +370,8 @@ impl LeaseDir {
             let next = match rustix::fs::openat(&fd, name, flags, Mode::empty()) {
                 Err(Errno::NOENT) => {
                     match rustix::fs::mkdirat(&fd, name, Mode::from_raw_mode(0o755)) {
-                        Ok(()) | Err(Errno::EXIST) => {}
+                        Ok(()) => give_to_root(&fd, name),
+                        Err(Errno::EXIST) => {}
                         Err(e) => return Err(io("create", &at, e)),
                     }
                     rustix::fs::openat(&fd, name, flags, Mode::empty())
@@ -428,6 +429,23 @@ impl LeaseDir {
             Err(e) => Err(err("flock", e)),
         }
     }
+}
+
+/// Makes a directory [`LeaseDir::open`] just created root's, mode 0755 whatever the umask:
+/// the same whichever daemon made it, so that every daemon (root, or another user holding
+/// the capabilities) accepts it, and writable by privilege alone (CAP_DAC_OVERRIDE, which an
+/// unprivileged daemon leasing uids holds). Best effort: without CAP_CHOWN it stays the
+/// daemon's, which the checks accept too.
+fn give_to_root(parent: &OwnedFd, name: &std::ffi::OsStr) {
+    use rustix::fs::{AtFlags, Gid, Uid};
+    let _ = rustix::fs::chownat(
+        parent,
+        name,
+        Some(Uid::ROOT),
+        Some(Gid::ROOT),
+        AtFlags::SYMLINK_NOFOLLOW,
+    );
+    let _ = rustix::fs::chmodat(parent, name, Mode::from_raw_mode(0o755), AtFlags::empty());
 }
 
 /// Checks an opened directory: a directory, owned by root or the euid, writable by no one
