@@ -279,6 +279,85 @@ mod tests {
         assert!(!survivor_of(&r, &p(101, 7, 9000)), "another group");
     }
 
+    /// A process of its own group (the test's session), running as `uid`.
+    fn child_as(uid: u32) -> std::process::Child {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new("sleep")
+            .arg("600")
+            .uid(uid)
+            .gid(uid)
+            .process_group(0)
+            .spawn()
+            .expect("spawn sleep")
+    }
+
+    fn alive(c: &mut std::process::Child) -> bool {
+        c.try_wait().expect("try_wait").is_none()
+    }
+
+    #[test]
+    fn a_recorded_worker_is_killed_only_under_its_uids_lease_and_as_its_uid() {
+        use super::super::identity::{LeaseDir, Pool};
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "this test needs root (its processes run as other uids)"
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let reg = Registry::open(&tmp.path().join("workers")).unwrap();
+        let leases = tmp.path().join("uids");
+        let pool = Pool::new(70500, 70501, LeaseDir::open(&leases).unwrap());
+        // Another daemon sharing the lease dir holds 70500's lease.
+        let other = Pool::new(70500, 70500, LeaseDir::open(&leases).unwrap());
+        let held = other.hold(70500).unwrap().expect("70500 free");
+        let mut a = child_as(70500);
+        let mut b = child_as(70501);
+        let pid = |c: &std::process::Child| i32::try_from(c.id()).unwrap();
+        // A record naming 70500, and one naming 70500 for a process running as 70501.
+        std::mem::forget(reg.record(pid(&a), Some(70500)).unwrap());
+        std::mem::forget(reg.record(pid(&b), Some(70500)).unwrap());
+        let lines = reg.sweep(Some(&pool));
+        assert!(
+            alive(&mut a),
+            "killed under a lease another daemon holds: {lines:?}"
+        );
+        assert!(alive(&mut b), "killed a process of another uid: {lines:?}");
+        assert!(
+            lines.iter().any(
+                |l| l.contains(&format!("worker group {} (uid 70500)", pid(&a)))
+                    && l.contains("another process holds the lease")
+            ),
+            "{lines:?}"
+        );
+        // Without a pool (workers under the daemon's uid now), a uid's record is left too.
+        std::mem::forget(reg.record(pid(&a), Some(70500)).unwrap());
+        drop(held);
+        let lines = reg.sweep(None);
+        assert!(alive(&mut a), "{lines:?}");
+        // Its lease free, the recorded process of the recorded uid is killed, nothing else.
+        std::mem::forget(reg.record(pid(&a), Some(70500)).unwrap());
+        let lines = reg.sweep(Some(&pool));
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("killed process {} ", pid(&a)))),
+            "{lines:?}"
+        );
+        a.wait().unwrap();
+        assert!(alive(&mut b), "{lines:?}");
+        assert!(
+            pool.hold(70500).unwrap().is_some(),
+            "the sweep kept the lease"
+        );
+        b.kill().unwrap();
+        b.wait().unwrap();
+        assert_eq!(
+            std::fs::read_dir(tmp.path().join("workers"))
+                .unwrap()
+                .count(),
+            0
+        );
+    }
+
     #[test]
     fn records_and_removes() {
         let dir = tempfile::tempdir().unwrap();
