@@ -95,8 +95,8 @@ pub enum Purpose<'a> {
     /// `airlock serve`: creates a missing workspace, keeps `socket` out of it, and fails if
     /// the worker identities cannot be had or workers could not reach the workspace.
     Serve { socket: &'a Path },
-    /// `airlock recover`: serves no call, so worker identities only say which uid range to
-    /// sweep; if they cannot be had (no privilege), only the registry's records are swept.
+    /// `airlock recover`: serves no call, so worker identities only give the uid leases the
+    /// sweep takes; if they cannot be had (no privilege), records naming a uid are left.
     Recover,
 }
 
@@ -120,22 +120,29 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
     let sessions = SessionStore::open(&d.state_dir)?;
     let identities = match purpose {
         Purpose::Serve { .. } => {
-            let ids = Identities::detect(d.worker_user, d.worker_uids, d.max_concurrent_calls)?;
+            let ids = Identities::detect(
+                d.worker_user,
+                d.worker_uids,
+                d.max_concurrent_calls,
+                &d.worker_uid_lock_dir,
+            )?;
             if ids.range().is_some() {
                 check_reachable_by_workers(&d.workspace)?;
             }
             ids
         }
-        Purpose::Recover => match Identities::detect(d.worker_user, d.worker_uids, 1) {
-            Ok(ids) => ids,
-            Err(e) => {
-                tracing::warn!("recover: {e}; sweeping the registry's records only");
-                Identities::Daemon
+        Purpose::Recover => {
+            match Identities::detect(d.worker_user, d.worker_uids, 1, &d.worker_uid_lock_dir) {
+                Ok(ids) => ids,
+                Err(e) => {
+                    tracing::warn!("recover: {e}; sweeping the registry's records only");
+                    Identities::Daemon
+                }
             }
-        },
+        }
     };
     // Before recovery touches a job dir, nothing a dead daemon's workers left may run.
-    let registry = sweep_leftovers(d, identities.range())?;
+    let registry = sweep_leftovers(d, identities.pool())?;
     // Recovery records in the audit log what became of each job it settles.
     let audit = open_audit(d)?;
     let recovered = recover(&workspace, &sessions, &audit)?;
@@ -209,12 +216,16 @@ fn check_reachable_by_workers(workspace: &Path) -> Result<(), StartupError> {
     Ok(())
 }
 
-/// Kills every process the workers of a previous run left (registry records, the reserved
-/// uid range when workers had their own uids, leftover worker cgroups), then returns the
-/// registry for this run.
-fn sweep_leftovers(d: &DaemonConfig, uids: Option<(u32, u32)>) -> Result<Registry, StartupError> {
+/// Kills every process the workers of this daemon's previous run left, as its own records
+/// name them (the registry in the state dir, each record naming a uid swept only under that
+/// uid's lease; leftover worker cgroups), then returns the registry for this run. Nothing
+/// is killed for its uid alone: another daemon on the host may share the range.
+fn sweep_leftovers(
+    d: &DaemonConfig,
+    pool: Option<&crate::sandbox::Pool>,
+) -> Result<Registry, StartupError> {
     let registry = Registry::open(&d.state_dir.join("workers")).map_err(StartupError::Registry)?;
-    let mut lines = registry.sweep(uids);
+    let mut lines = registry.sweep(pool);
     if let Some(cg) = &d.cgroup {
         lines.extend(crate::sandbox::sweep_cgroups(cg));
     }

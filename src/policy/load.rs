@@ -377,6 +377,7 @@ struct RawDaemon {
     cgroup: Option<PathBuf>,
     worker_user: Option<Spanned<String>>,
     worker_uids: Option<Spanned<String>>,
+    worker_uid_lock_dir: Option<Spanned<PathBuf>>,
 }
 
 fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
@@ -534,6 +535,17 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
         match parse_uid_range(v.get_ref()) {
             Ok(range) => d.worker_uids = range,
             Err(m) => cx.at(path, &text, v.span(), m),
+        }
+    }
+    if let Some(v) = r.worker_uid_lock_dir {
+        if v.get_ref().is_absolute() {
+            d.worker_uid_lock_dir = v.into_inner();
+        } else {
+            let m = format!(
+                "worker_uid_lock_dir {:?} must be an absolute path",
+                v.get_ref().display().to_string()
+            );
+            cx.at(path, &text, v.span(), m);
         }
     }
     Some(d)
@@ -1302,6 +1314,24 @@ mod tests {
         for bad in ["0-10", "10-5", "65000-66000", "a-b", "5", "1-4294967295"] {
             assert!(parse_uid_range(bad).is_err(), "{bad} accepted");
         }
+    }
+
+    #[test]
+    fn worker_uid_lock_dirs_are_absolute_paths() {
+        let daemon = |extra: &str| with_extra("airlock.toml", &format!("[daemon]\n{extra}"));
+        let p = daemon("").expect("valid");
+        assert_eq!(
+            p.daemon.worker_uid_lock_dir,
+            PathBuf::from("/run/airlock/uids")
+        );
+        let p = daemon("worker_uid_lock_dir = \"/run/x/uids\"\n").expect("valid");
+        assert_eq!(p.daemon.worker_uid_lock_dir, PathBuf::from("/run/x/uids"));
+        let e = daemon("worker_uid_lock_dir = \"run/uids\"\n").expect_err("relative");
+        assert!(
+            e.to_string()
+                .contains("worker_uid_lock_dir \"run/uids\" must be an absolute path"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -72,6 +72,10 @@ pub struct DaemonConfig {
     pub worker_user: WorkerUser,
     /// The uids (and gids, same numbers) reserved for workers, inclusive (`worker_uids`).
     pub worker_uids: (u32, u32),
+    /// Where worker uid leases are, one `flock`ed file per uid (`worker_uid_lock_dir`,
+    /// absolute; default [`DEFAULT_WORKER_UID_LOCK_DIR`]). Every daemon sharing a range must
+    /// share it.
+    pub worker_uid_lock_dir: PathBuf,
 }
 
 /// `worker_user` in `[daemon]`: whether each worker gets a uid of its own.
@@ -100,6 +104,10 @@ impl WorkerUser {
 /// The default `worker_uids`: 500 ids no distribution or systemd allocates by default.
 pub const DEFAULT_WORKER_UIDS: (u32, u32) = (60600, 61099);
 
+/// The default `worker_uid_lock_dir`: beneath the socket's `/run/airlock` (root-owned, made by
+/// airlock.socket), created root-owned by airlock.tmpfiles.
+pub const DEFAULT_WORKER_UID_LOCK_DIR: &str = "/run/airlock/uids";
+
 impl Default for DaemonConfig {
     fn default() -> Self {
         DaemonConfig {
@@ -127,6 +135,7 @@ impl Default for DaemonConfig {
             cgroup: None,
             worker_user: WorkerUser::Auto,
             worker_uids: DEFAULT_WORKER_UIDS,
+            worker_uid_lock_dir: PathBuf::from(DEFAULT_WORKER_UID_LOCK_DIR),
         }
     }
 }

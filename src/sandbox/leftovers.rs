@@ -12,8 +12,11 @@
 //!   the leader's start time: a survivor is a process of that group and session that started
 //!   no earlier than the leader (setsid and setpgid are denied to workers, so it cannot have
 //!   left either). The files need no fsync: a machine crash leaves no process to kill.
-//! * with workers under their own uids, the reserved range itself: no process but a worker
-//!   ever runs as one of those uids, so every process that does is a leftover.
+//!   With workers under their own uids, it also names the worker's uid: a process is a
+//!   survivor only if it runs as that uid, and it is killed only under that uid's lease
+//!   (see [`super::identity::LeaseDir`]), which no other daemon's live worker can be
+//!   running under. A process is never killed merely for running as a uid of the range:
+//!   another daemon on the host may share the range.
 //!
 //! A delegated cgroup is the third record: each leftover worker cgroup is killed through
 //! `cgroup.kill` and removed.
@@ -27,7 +30,7 @@ use std::time::{Duration, Instant};
 use rustix::process::{Pid, Signal};
 use serde::{Deserialize, Serialize};
 
-use super::identity::lock_uid;
+use super::identity::Pool;
 use super::procfs::{all_processes, read_stat, ProcStat};
 
 /// The directory of live-worker records.
@@ -42,6 +45,10 @@ struct Record {
     sid: i32,
     /// The leader's start time, in clock ticks since boot (`/proc/PID/stat` field 22).
     start: u64,
+    /// The worker's own uid, when it has one (absent in records of workers under the
+    /// daemon's uid).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    uid: Option<u32>,
 }
 
 /// Removes its registry file when the worker's group is confirmed gone.
@@ -70,14 +77,16 @@ impl Registry {
         })
     }
 
-    /// Records the worker whose leader is `pgid` (already forked, not yet running the tool).
-    pub(crate) fn record(&self, pgid: i32) -> io::Result<Entry> {
+    /// Records the worker whose leader is `pgid` (already forked, not yet running the tool),
+    /// with the uid it leased if it has one of its own.
+    pub(crate) fn record(&self, pgid: i32, uid: Option<u32>) -> io::Result<Entry> {
         let stat = read_stat(pgid)
             .ok_or_else(|| io::Error::other(format!("cannot read /proc/{pgid}/stat")))?;
         let rec = Record {
             pgid,
             sid: stat.session,
             start: stat.start,
+            uid,
         };
         let path = self.dir.join(pgid.to_string());
         let bytes = serde_json::to_vec(&rec).map_err(io::Error::other)?;
@@ -86,10 +95,10 @@ impl Registry {
         Ok(Entry { path })
     }
 
-    /// Kills every process a previous daemon's workers left, and waits until they are gone.
-    /// `uids`: the reserved worker range, when workers run under their own uids. Returns one
-    /// line per process killed, for the log.
-    pub fn sweep(&self, uids: Option<(u32, u32)>) -> Vec<String> {
+    /// Kills every process this daemon's previous run's workers left, as its records name
+    /// them, and waits until they are gone. `pool`: the uid leases, when workers run under
+    /// their own uids. Returns one line per process killed or spared, for the log.
+    pub fn sweep(&self, pool: Option<&Pool>) -> Vec<String> {
         let mut records = Vec::new();
         if let Ok(dir) = std::fs::read_dir(&self.dir) {
             for entry in dir.flatten() {
@@ -106,24 +115,51 @@ impl Registry {
                 }
             }
         }
+        let mut lines = Vec::new();
+        // A record naming a uid is swept only under that uid's lease, held until its
+        // survivors are gone: if another daemon holds it, that daemon runs a worker under it
+        // right now, and whatever matches the record may be that worker.
+        let mut uid_locks: BTreeMap<u32, OwnedFd> = BTreeMap::new();
+        let mut sweepable = Vec::new();
+        for (_, rec) in &records {
+            let Some(uid) = rec.uid else {
+                sweepable.push(*rec);
+                continue;
+            };
+            let spared = |why: String| {
+                format!(
+                    "left alone the processes of worker group {} (uid {uid}): {why}",
+                    rec.pgid
+                )
+            };
+            match pool {
+                None => lines.push(spared(
+                    "workers no longer get uids of their own, so its lease cannot be taken".into(),
+                )),
+                Some(p) if !p.contains(uid) => lines.push(spared(format!(
+                    "uid {uid} is no longer in worker_uids, so its lease cannot be taken"
+                ))),
+                Some(_) if uid_locks.contains_key(&uid) => sweepable.push(*rec),
+                Some(p) => match p.hold(uid) {
+                    Ok(Some(lock)) => {
+                        uid_locks.insert(uid, lock);
+                        sweepable.push(*rec);
+                    }
+                    Ok(None) => lines.push(spared(format!(
+                        "another process holds the lease of uid {uid} (another daemon's worker \
+                         may run under it)"
+                    ))),
+                    Err(e) => lines.push(spared(e.to_string())),
+                },
+            }
+        }
         let me = rustix::process::getpid().as_raw_nonzero().get();
-        // A uid of the range is swept only under its host-wide lock: another daemon sharing
-        // the range may be running a worker under it right now.
-        let mut uid_locks: BTreeMap<u32, Option<OwnedFd>> = BTreeMap::new();
-        let mut is_leftover = |p: &ProcStat| {
-            if p.pid == me || p.dead() {
-                return false;
-            }
-            if records.iter().any(|(_, r)| survivor_of(r, p)) {
-                return true;
-            }
-            let Some((a, b)) = uids else { return false };
-            match real_uid(p.pid) {
-                Some(u) if (a..=b).contains(&u) => {
-                    uid_locks.entry(u).or_insert_with(|| lock_uid(u)).is_some()
-                }
-                _ => false,
-            }
+        let is_leftover = |p: &ProcStat| {
+            p.pid != me
+                && !p.dead()
+                && sweepable
+                    .iter()
+                    .any(|r| survivor_of(r, p) && r.uid.is_none_or(|u| real_uid(p.pid) == Some(u)))
         };
         let mut killed = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -153,15 +189,14 @@ impl Registry {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+        drop(uid_locks);
         for (path, _) in &records {
             let _ = std::fs::remove_file(path);
         }
-        killed
-            .into_iter()
-            .map(|(pid, pgid)| {
-                format!("killed process {pid} (group {pgid}) left by a worker of a previous run")
-            })
-            .collect()
+        lines.extend(killed.into_iter().map(|(pid, pgid)| {
+            format!("killed process {pid} (group {pgid}) left by a worker of a previous run")
+        }));
+        lines
     }
 }
 
@@ -227,6 +262,7 @@ mod tests {
             pgid: 100,
             sid: 7,
             start: 5000,
+            uid: None,
         };
         let p = |pgrp, session, start| ProcStat {
             pid: 101,
@@ -243,15 +279,95 @@ mod tests {
         assert!(!survivor_of(&r, &p(101, 7, 9000)), "another group");
     }
 
+    /// A process of its own group (the test's session), running as `uid`.
+    fn child_as(uid: u32) -> std::process::Child {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new("sleep")
+            .arg("600")
+            .uid(uid)
+            .gid(uid)
+            .process_group(0)
+            .spawn()
+            .expect("spawn sleep")
+    }
+
+    fn alive(c: &mut std::process::Child) -> bool {
+        c.try_wait().expect("try_wait").is_none()
+    }
+
+    #[test]
+    fn a_recorded_worker_is_killed_only_under_its_uids_lease_and_as_its_uid() {
+        use super::super::identity::{LeaseDir, Pool};
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "this test needs root (its processes run as other uids)"
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let reg = Registry::open(&tmp.path().join("workers")).unwrap();
+        let leases = tmp.path().join("uids");
+        let pool = Pool::new(70500, 70501, LeaseDir::open(&leases).unwrap());
+        // Another daemon sharing the lease dir holds 70500's lease.
+        let other = Pool::new(70500, 70500, LeaseDir::open(&leases).unwrap());
+        let held = other.hold(70500).unwrap().expect("70500 free");
+        let mut a = child_as(70500);
+        let mut b = child_as(70501);
+        let pid = |c: &std::process::Child| i32::try_from(c.id()).unwrap();
+        // A record naming 70500, and one naming 70500 for a process running as 70501.
+        std::mem::forget(reg.record(pid(&a), Some(70500)).unwrap());
+        std::mem::forget(reg.record(pid(&b), Some(70500)).unwrap());
+        let lines = reg.sweep(Some(&pool));
+        assert!(
+            alive(&mut a),
+            "killed under a lease another daemon holds: {lines:?}"
+        );
+        assert!(alive(&mut b), "killed a process of another uid: {lines:?}");
+        assert!(
+            lines.iter().any(
+                |l| l.contains(&format!("worker group {} (uid 70500)", pid(&a)))
+                    && l.contains("another process holds the lease")
+            ),
+            "{lines:?}"
+        );
+        // Without a pool (workers under the daemon's uid now), a uid's record is left too.
+        std::mem::forget(reg.record(pid(&a), Some(70500)).unwrap());
+        drop(held);
+        let lines = reg.sweep(None);
+        assert!(alive(&mut a), "{lines:?}");
+        // Its lease free, the recorded process of the recorded uid is killed, nothing else.
+        std::mem::forget(reg.record(pid(&a), Some(70500)).unwrap());
+        let lines = reg.sweep(Some(&pool));
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("killed process {} ", pid(&a)))),
+            "{lines:?}"
+        );
+        a.wait().unwrap();
+        assert!(alive(&mut b), "{lines:?}");
+        assert!(
+            pool.hold(70500).unwrap().is_some(),
+            "the sweep kept the lease"
+        );
+        b.kill().unwrap();
+        b.wait().unwrap();
+        assert_eq!(
+            std::fs::read_dir(tmp.path().join("workers"))
+                .unwrap()
+                .count(),
+            0
+        );
+    }
+
     #[test]
     fn records_and_removes() {
         let dir = tempfile::tempdir().unwrap();
         let reg = Registry::open(&dir.path().join("workers")).unwrap();
         let me = rustix::process::getpid().as_raw_nonzero().get();
-        let entry = reg.record(me).unwrap();
+        let entry = reg.record(me, Some(70400)).unwrap();
         let file = dir.path().join("workers").join(me.to_string());
         let rec: Record = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
         assert_eq!(rec.pgid, me);
+        assert_eq!(rec.uid, Some(70400));
         assert!(rec.start > 0);
         drop(entry);
         assert!(!file.exists());

@@ -59,7 +59,7 @@ use group::{Leaders, Pgid};
 pub use cgroup::CgroupError;
 pub use explain::explain;
 pub use filters::Filters;
-pub use identity::{Identities, IdentityError, Lease, NEEDED_CAPS};
+pub use identity::{Identities, IdentityError, Lease, LeaseDir, LeaseDirFault, Pool, NEEDED_CAPS};
 pub use landlock::LandlockStatus;
 pub use leftovers::{sweep_cgroups, Registry};
 pub use progress::{ProgressSender, WorkerProgress, PROGRESS_FD_ENV};
@@ -422,7 +422,8 @@ impl Worker {
         let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };
         // Recorded before the launcher has its spec, so before the tool can fork anything a
         // restart would have to find.
-        let entry = match registry.as_ref().map(|r| r.record(leader.raw())) {
+        let uid = lease.as_ref().map(Lease::uid);
+        let entry = match registry.as_ref().map(|r| r.record(leader.raw(), uid)) {
             None => None,
             Some(Ok(entry)) => Some(entry),
             Some(Err(e)) => {

@@ -133,6 +133,30 @@ fn ruid(pid: i32) -> Option<u32> {
         .ok()
 }
 
+/// The shipped `worker_uid_lock_dir`, which the tests that set none share with every daemon
+/// on the host.
+const DEFAULT_LEASE_DIR: &str = "/run/airlock/uids";
+
+/// Whether some process holds a `flock` on `path`, from `/proc/locks` (which names the
+/// inode of every lock held on the host).
+fn lease_locked(path: &Path) -> bool {
+    let ino = std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .ino();
+    std::fs::read_to_string("/proc/locks")
+        .expect("/proc/locks")
+        .lines()
+        .filter(|l| !l.contains("->"))
+        .any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(1) == Some(&"FLOCK")
+                && f.get(5)
+                    .and_then(|d| d.rsplit(':').next())
+                    .and_then(|i| i.parse::<u64>().ok())
+                    == Some(ino)
+        })
+}
+
 /// Names of the bound abstract Unix sockets (`@name`) in the test's network namespace.
 fn abstract_sockets() -> Vec<String> {
     std::fs::read_to_string("/proc/net/unix")
@@ -516,9 +540,10 @@ async fn concurrent_workers_get_distinct_uids_from_the_range_and_free_them() {
             uids.iter().all(|u| (62010..=62011).contains(u)) && uids[0] != uids[1],
             "[{profile}] worker uids {uids:?}"
         );
+        let leases = Path::new(DEFAULT_LEASE_DIR);
         for u in &uids {
             assert!(
-                abstract_sockets().contains(&format!("@airlock-worker-uid-{u}")),
+                lease_locked(&leases.join(u.to_string())),
                 "uid {u} is not locked while leased"
             );
         }
@@ -537,7 +562,7 @@ async fn concurrent_workers_get_distinct_uids_from_the_range_and_free_them() {
         }
         for u in &uids {
             assert!(
-                !abstract_sockets().contains(&format!("@airlock-worker-uid-{u}")),
+                !lease_locked(&leases.join(u.to_string())),
                 "uid {u} still locked after its call"
             );
             assert!(
@@ -728,9 +753,8 @@ async fn outliving(profile: &str, nobody: bool, tool: &str, death: Death) {
     if nobody {
         as_nobody(&mut d);
     } else {
-        // A range of its own: a daemon of another test starting meanwhile would otherwise
-        // sweep this one's leftovers (any process of the range whose uid lock is free) and
-        // the test would prove nothing.
+        // A range of its own: the worker uids say whose leftovers are whose in the failure
+        // message, and no other test's worker competes for the leases.
         let first = match (tool, death) {
             ("hs", Death::Kill9) => 62200,
             ("hr", Death::Kill9) => 62300,
@@ -1067,4 +1091,493 @@ async fn a_workspace_workers_cannot_reach_refuses_to_start() {
     .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("o.txt").as_deref(), Some("ok\n"));
+}
+
+// ---------------------------------------------------------------------------------------
+// 7. Worker uid leases are host-wide, and only privilege can take them.
+
+/// A uid no account, no test daemon and no worker range uses: the hostile local user.
+const HOSTILE_UID: u32 = 62990;
+
+/// A lease dir of the test's own, `<root-owned 0755 tmp dir>/uids`, not yet made (the daemon
+/// makes it), outside the daemon's dir so that `give_to_nobody` leaves it root's.
+fn lease_dir() -> (tempfile::TempDir, PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let dir = tmp.path().join("uids");
+    (tmp, dir)
+}
+
+/// `argv` run as [`HOSTILE_UID`] (no groups, no capabilities).
+fn as_hostile(argv: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new("setpriv");
+    c.args([
+        format!("--reuid={HOSTILE_UID}"),
+        format!("--regid={HOSTILE_UID}"),
+        "--clear-groups".into(),
+        "--inh-caps=-all".into(),
+        "--bounding-set=-all".into(),
+        "--".into(),
+    ])
+    .args(argv);
+    c
+}
+
+/// Every entry of the lease dir: name, owner, mode (with the file type bits), regular file.
+fn lease_entries(dir: &Path) -> Vec<(String, u32, u32, bool)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|e| {
+            let m = std::fs::symlink_metadata(e.path()).expect("lstat");
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                m.uid(),
+                m.mode(),
+                m.file_type().is_file(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The hostile user's attempt at every lease of `first..=last` in `dir`: binds the abstract
+/// names the leases once were, then tries to create, open (read-only too) and flock each
+/// lease file, and to make a directory, a symlink and a FIFO in the dir; prints what it got
+/// as one JSON line and holds all of it until its stdin closes.
+const TAKE_EVERY_LEASE: &str = r#"
+import errno, fcntl, json, os, socket, sys
+d, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+got = {"bound": [], "created": [], "opened": [], "locked": [], "made": [],
+       "errors": {"created": [], "opened": [], "made": []}}
+held = []
+for u in range(first, last + 1):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        s.bind("\0airlock-worker-uid-%d" % u)
+        got["bound"].append(u)
+        held.append(s)
+    except OSError:
+        pass
+    p = os.path.join(d, str(u))
+    for flags, key in ((os.O_RDWR | os.O_CREAT, "created"), (os.O_RDONLY, "opened")):
+        try:
+            fd = os.open(p, flags, 0o666)
+        except OSError as e:
+            got["errors"][key].append(errno.errorcode[e.errno])
+            continue
+        got[key].append(u)
+        held.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            got["locked"].append(u)
+        except OSError:
+            pass
+for name, make in (("dir", os.mkdir), ("link", lambda p: os.symlink("/tmp", p)), ("fifo", os.mkfifo)):
+    try:
+        make(os.path.join(d, "x-" + name))
+        got["made"].append(name)
+    except OSError as e:
+        got["errors"]["made"].append(errno.errorcode[e.errno])
+print(json.dumps(got), flush=True)
+sys.stdin.read()
+"#;
+
+/// An unprivileged local user with no grant and no access to the socket tries to take every
+/// worker uid lease: it can still bind every abstract socket name the leases once were, but
+/// it can neither create, nor open (even read-only), nor so lock a lease file, nor make
+/// anything in the lease dir; while it holds all it got, an external tool call of the daemon
+/// runs under a uid of the range, whose lease file is the daemon's, 0600. As root and as a
+/// capable `nobody` daemon.
+#[tokio::test]
+async fn an_unprivileged_user_cannot_take_the_worker_uid_leases() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    require_root();
+    for (profile, nobody) in [("default", false), ("strict", false), ("default", true)] {
+        let ctx = format!("[{profile}, nobody={nobody}]");
+        let mut d = daemon(profile);
+        let (_tmp, leases) = lease_dir();
+        daemon_setting(
+            &d,
+            &format!(
+                "worker_user = \"separate\"\nworker_uids = \"62900-62903\"\n\
+                 max_concurrent_calls = 4\nworker_uid_lock_dir = \"{}\"",
+                leases.display()
+            ),
+        );
+        let owner = if nobody {
+            as_nobody(&mut d);
+            d.ambient_caps = Some("setuid,setgid,chown,fowner,dac_override,kill".into());
+            65534
+        } else {
+            0
+        };
+        d.start();
+        let c = d.client().await;
+        session(&c, "h").await;
+        // One lease file exists before the attempt (the first call's), the others do not.
+        let r = call(&c, "hs", json!({"session": "h", "script": "id -u"})).await;
+        assert_eq!(text(&r).trim(), "62900", "{ctx} {r}");
+        let mut hostile = as_hostile(&[
+            "/usr/bin/python3",
+            "-c",
+            TAKE_EVERY_LEASE,
+            &leases.display().to_string(),
+            "62900",
+            "62903",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("setpriv");
+        let mut line = String::new();
+        BufReader::new(hostile.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("hostile report");
+        let got: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("{ctx} {line:?}: {e}"));
+        assert_eq!(
+            got["bound"],
+            json!([62900, 62901, 62902, 62903]),
+            "{ctx} the old abstract names are anyone's to bind: {got}"
+        );
+        for key in ["created", "opened", "locked", "made"] {
+            assert_eq!(got[key], json!([]), "{ctx} the hostile user {key}: {got}");
+        }
+        // Denied by permissions, not by chance: the lease file that exists (62900) cannot
+        // be opened even read-only; the others cannot be created.
+        assert_eq!(
+            got["errors"],
+            json!({
+                "created": ["EACCES", "EACCES", "EACCES", "EACCES"],
+                "opened": ["EACCES", "ENOENT", "ENOENT", "ENOENT"],
+                "made": ["EACCES", "EACCES", "EACCES"],
+            }),
+            "{ctx} {got}"
+        );
+        assert!(
+            abstract_sockets().contains(&"@airlock-worker-uid-62901".to_string()),
+            "{ctx} the hostile user does not hold the names"
+        );
+        // While the hostile user holds everything it got, calls run under worker uids.
+        let mut ran = Vec::new();
+        for _ in 0..2 {
+            let r = call(&c, "hs", json!({"session": "h", "script": "id -u"})).await;
+            assert!(!is_error(&r), "{ctx} {r}\n{}", d.log_text());
+            let u: u32 = text(&r)
+                .trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{ctx} {r}"));
+            assert!((62900..=62903).contains(&u), "{ctx} {u}");
+            ran.push(u);
+        }
+        drop(hostile.stdin.take());
+        assert!(hostile.wait().expect("wait").success(), "{ctx}");
+        // The lease dir holds lease files only, each the daemon's, 0600, none locked now.
+        let m = std::fs::symlink_metadata(&leases).expect("lease dir");
+        assert!(m.is_dir(), "{ctx}");
+        assert_eq!(
+            (m.uid(), m.mode() & 0o7777),
+            (0, 0o755),
+            "{ctx} the lease dir"
+        );
+        let entries = lease_entries(&leases);
+        assert!(!entries.is_empty(), "{ctx}");
+        for (name, uid, mode, file) in &entries {
+            let n: u32 = name
+                .parse()
+                .unwrap_or_else(|_| panic!("{ctx} {name} in {entries:?}"));
+            assert!((62900..=62903).contains(&n), "{ctx} {entries:?}");
+            assert!(
+                *file && *uid == owner && mode & 0o7777 == 0o600,
+                "{ctx} {entries:?}"
+            );
+            assert!(
+                !lease_locked(&leases.join(name)),
+                "{ctx} {name} still locked"
+            );
+        }
+        for u in &ran {
+            assert!(
+                entries.iter().any(|(n, ..)| n == &u.to_string()),
+                "{ctx} no lease file for {u}"
+            );
+        }
+        assert!(
+            all_pids()
+                .into_iter()
+                .all(|p| !ruid(p).is_some_and(|u| (62900..=62903).contains(&u))),
+            "{ctx} a worker outlived its call"
+        );
+        assert!(!d.log_text().contains("panicked"), "{ctx}");
+    }
+}
+
+/// The net namespace of `pid`, as `/proc/PID/ns/net` names it.
+fn net_ns(pid: u32) -> String {
+    std::fs::read_link(format!("/proc/{pid}/ns/net"))
+        .expect("ns/net")
+        .display()
+        .to_string()
+}
+
+/// Two daemons on one host, with different workspaces and state dirs, the same worker range
+/// and lease dir, one of them in a network namespace of its own (where the abstract socket
+/// names the leases once were are not shared): each runs a worker at once, under a
+/// different uid. The namespaced daemon is killed, leaving its worker's background child,
+/// and restarted: its startup sweep kills that child (its own record) and not the other
+/// daemon's live worker, whose call then completes; both daemons serve after.
+#[tokio::test]
+async fn two_daemons_in_different_network_namespaces_lease_different_uids_and_spare_each_others_workers(
+) {
+    require_root();
+    let (_tmp, leases) = lease_dir();
+    let setting = format!(
+        "worker_user = \"separate\"\nworker_uids = \"62920-62921\"\n\
+         max_concurrent_calls = 2\nworker_uid_lock_dir = \"{}\"",
+        leases.display()
+    );
+    let mut b = daemon("default");
+    daemon_setting(&b, &setting);
+    b.write("gate/.keep", "");
+    b.start();
+    let mut a = daemon("default");
+    daemon_setting(&a, &setting);
+    a.wrap = vec!["unshare".into(), "--net".into(), "--".into()];
+    a.start();
+    assert_ne!(
+        net_ns(a.pid()),
+        net_ns(b.pid()),
+        "the daemons share a network namespace: this test would prove nothing"
+    );
+    let cb = b.client().await;
+    session(&cb, "b").await;
+    let ca = a.client().await;
+    session(&ca, "a").await;
+    // B's worker waits for a gate only the test opens.
+    let marker_b = format!("35.{}", unique());
+    let mut raw_b = b.raw();
+    raw_b.initialize();
+    raw_b.call(
+        1,
+        "hp",
+        json!({"session": "b", "input": "gate", "code": format!(
+            "import sys, subprocess\nprint(open('/proc/self/status').read())\nsubprocess.run(['/bin/sh', '-c', 'until [ -e \"$0/open\" ]; do sleep 0.05; done # {marker_b}', sys.argv[1]])\n"
+        )}),
+    );
+    // Its leader (python) and the shell it runs, both naming the marker.
+    wait_until("B's worker and its shell", || {
+        processes_with(&marker_b).len() == 2
+    })
+    .await;
+    let pids_b = processes_with(&marker_b);
+    let uid_b = ruid(pids_b[0]).expect("uid of B's worker");
+    // A's worker leaves a background child and blocks in its leader.
+    let marker_a = format!("36.{}", unique());
+    let leader_a = format!("37.{}", unique());
+    let mut raw_a = a.raw();
+    raw_a.initialize();
+    raw_a.call(
+        1,
+        "hs",
+        json!({"session": "a", "script": format!("sleep {marker_a} & exec sleep {leader_a}")}),
+    );
+    wait_for_exact(&format!("sleep {marker_a}")).await;
+    wait_for_exact(&format!("sleep {leader_a}")).await;
+    let uid_a = ruid(processes_with(&format!("sleep {marker_a}"))[0]).expect("uid of A's worker");
+    assert!(
+        (62920..=62921).contains(&uid_a) && (62920..=62921).contains(&uid_b) && uid_a != uid_b,
+        "worker uids: A {uid_a}, B {uid_b}"
+    );
+    for u in [uid_a, uid_b] {
+        assert!(
+            lease_locked(&leases.join(u.to_string())),
+            "uid {u} unlocked"
+        );
+    }
+    // A dies; its leader dies with it, its background child does not.
+    // (Its connection stays open: a closed one would cancel the call and end the worker.)
+    drop(ca);
+    a.kill9();
+    drop(raw_a);
+    wait_no_process(&leader_a).await;
+    assert!(
+        !processes_with(&marker_a).is_empty(),
+        "A's background child died with A: this test would prove nothing"
+    );
+    a.start();
+    let log_a = a.log_text();
+    assert!(
+        processes_with(&marker_a).is_empty(),
+        "A's restart left its own leftover:\n{log_a}"
+    );
+    assert_eq!(
+        processes_with(&marker_b),
+        pids_b,
+        "A's restart touched B's live worker:\n{log_a}"
+    );
+    for p in &pids_b {
+        assert!(
+            !log_a.contains(&format!("killed process {p} ")),
+            "A claims B's worker:\n{log_a}"
+        );
+    }
+    assert!(
+        lease_locked(&leases.join(uid_b.to_string())),
+        "B's lease was lost"
+    );
+    // B's call completes, under its uid; B's worker is then gone.
+    std::fs::write(b.workspace.join("gate/open"), "").expect("open the gate");
+    let r = raw_b.response(1);
+    assert!(
+        r["result"]["isError"] != json!(true),
+        "{r}\n{}",
+        b.log_text()
+    );
+    let t = r["result"]["content"][0]["text"].as_str().unwrap_or("");
+    assert!(
+        t.contains(&format!("Uid:\t{uid_b}\t{uid_b}\t{uid_b}\t{uid_b}")),
+        "{r}"
+    );
+    wait_no_process(&marker_b).await;
+    // Both serve on, under uids of the range.
+    for d in [&a, &b] {
+        let c = d.client().await;
+        session(&c, "after").await;
+        let r = call(&c, "hs", json!({"session": "after", "script": "id -u"})).await;
+        let u: u32 = text(&r).trim().parse().unwrap_or_else(|_| panic!("{r}"));
+        assert!((62920..=62921).contains(&u), "{u}");
+    }
+    assert!(a.job_dirs().is_empty() && b.job_dirs().is_empty());
+    assert!(
+        !a.log_text().contains("panicked") && !b.log_text().contains("panicked"),
+        "{}\n{}",
+        a.log_text(),
+        b.log_text()
+    );
+}
+
+/// A lease dir a daemon cannot trust is refused at startup with a message naming the path
+/// and what is wrong, and nothing is made in it: made by a hostile user (who could then
+/// create, open and lock every lease file), writable by others, a symlink, or beneath a
+/// directory others can write. As root and as a capable `nobody` daemon.
+#[tokio::test]
+async fn an_unsafe_worker_uid_lock_dir_refuses_to_start() {
+    use std::os::unix::fs::PermissionsExt;
+    require_root();
+    let chmod = |p: &Path, mode| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod")
+    };
+    for nobody in [false, true] {
+        // Made by the hostile user, in a sticky world-writable dir such as /tmp.
+        let (tmp_hostile, hostile_dir) = lease_dir();
+        chmod(tmp_hostile.path(), 0o1777);
+        let st = as_hostile(&[
+            "/bin/sh",
+            "-c",
+            "mkdir -m 0755 \"$0\" && : > \"$0/62940\"",
+            &hostile_dir.display().to_string(),
+        ])
+        .status()
+        .expect("setpriv");
+        assert!(st.success(), "the hostile user could not make its dir");
+        // Root's, writable by others.
+        let (_tmp_open, open_dir) = lease_dir();
+        std::fs::create_dir(&open_dir).expect("mkdir");
+        chmod(&open_dir, 0o777);
+        // A symlink to a good dir.
+        let (tmp_link, good) = lease_dir();
+        std::fs::create_dir(&good).expect("mkdir");
+        let link = tmp_link.path().join("link");
+        std::os::unix::fs::symlink(&good, &link).expect("symlink");
+        // Beneath a group-writable, not sticky, dir.
+        let (tmp_group, grouped) = lease_dir();
+        chmod(tmp_group.path(), 0o775);
+        let cases = [
+            (
+                &hostile_dir,
+                hostile_dir.clone(),
+                format!("is owned by uid {HOSTILE_UID}"),
+            ),
+            (
+                &open_dir,
+                open_dir.clone(),
+                "is writable by group or others (mode 0777)".to_string(),
+            ),
+            (
+                &link,
+                link.clone(),
+                "is a symlink or not a directory".to_string(),
+            ),
+            (
+                &grouped,
+                tmp_group.path().to_path_buf(),
+                "is writable by group or others (mode 0775)".to_string(),
+            ),
+        ];
+        for (dir, culprit, what) in cases {
+            let ctx = format!("[nobody={nobody}, {}]", dir.display());
+            let mut d = daemon("default");
+            daemon_setting(
+                &d,
+                &format!(
+                    "worker_user = \"separate\"\nworker_uids = \"62940-62943\"\n\
+                     max_concurrent_calls = 4\nworker_uid_lock_dir = \"{}\"",
+                    dir.display()
+                ),
+            );
+            if nobody {
+                as_nobody(&mut d);
+                d.ambient_caps = Some("setuid,setgid,chown,fowner,dac_override,kill".into());
+            }
+            let before: Vec<_> = [&hostile_dir, &open_dir, &good]
+                .iter()
+                .map(|p| lease_entries(p))
+                .collect();
+            let status = d.try_start().expect_err("started with an unsafe lease dir");
+            assert!(!status.success(), "{ctx}");
+            let log = d.log_text();
+            let want = format!(
+                "worker_uid_lock_dir {}: {} {what}",
+                dir.display(),
+                culprit.display()
+            );
+            assert!(log.contains(&want), "{ctx} {want:?} not in:\n{log}");
+            assert!(!d.socket.exists(), "{ctx} a socket was left");
+            let after: Vec<_> = [&hostile_dir, &open_dir, &good]
+                .iter()
+                .map(|p| lease_entries(p))
+                .collect();
+            assert_eq!(after, before, "{ctx} something was made in a lease dir");
+            assert!(!grouped.exists(), "{ctx} made beneath a group-writable dir");
+            assert_eq!(
+                std::fs::metadata(&hostile_dir).expect("hostile dir").uid(),
+                HOSTILE_UID,
+                "{ctx}"
+            );
+        }
+        // The hostile user's file is still its, and the same settings with a safe dir serve.
+        let (_tmp, safe) = lease_dir();
+        let mut d = daemon("default");
+        daemon_setting(
+            &d,
+            &format!(
+                "worker_user = \"separate\"\nworker_uids = \"62940-62943\"\n\
+                 max_concurrent_calls = 4\nworker_uid_lock_dir = \"{}\"",
+                safe.display()
+            ),
+        );
+        if nobody {
+            as_nobody(&mut d);
+            d.ambient_caps = Some("setuid,setgid,chown,fowner,dac_override,kill".into());
+        }
+        d.start();
+        let c = d.client().await;
+        session(&c, "h").await;
+        let r = call(&c, "hs", json!({"session": "h", "script": "id -u"})).await;
+        assert_eq!(text(&r).trim(), "62940", "[nobody={nobody}] {r}");
+    }
 }
