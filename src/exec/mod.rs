@@ -524,6 +524,9 @@ impl Executor {
                     Some(id) => id.to_string(),
                     None => format!("s-{}", self.new_call_id()),
                 };
+                // Its state is copied and serialized in memory: a call slot bounds how many
+                // creates do so at once.
+                let _slot = self.slot(call, cancel).await?;
                 let state = raw
                     .get("state")
                     .and_then(Value::as_object)

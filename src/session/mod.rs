@@ -535,14 +535,19 @@ impl SessionStore {
         Ok(snap)
     }
 
-    /// Whether `owner` may create session `id` with `state` now (the check `create`
-    /// repeats; a create may still fail if others of the owner's run meanwhile).
+    /// Whether `owner` may create session `id` with `state` now: the id is not destroyed
+    /// and the bounds hold (the checks `create` repeats; a create may still fail if others
+    /// of the owner's run meanwhile).
     pub fn check_create(
         &self,
         id: &str,
         state: &Map<String, Value>,
         owner: u32,
     ) -> Result<(), SessionError> {
+        check_id(id)?;
+        if self.tombstone(id)?.is_some() {
+            return Err(SessionError::Destroyed(id.to_string()));
+        }
         let u = self.usage(owner);
         Ok(self.quota_for_create(id, state_bytes(state), owner, u)?)
     }
