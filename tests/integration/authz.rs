@@ -41,7 +41,7 @@ pub(crate) fn daemon(grants: &str) -> Daemon {
 /// spoken to over its stdio.
 pub(crate) struct Foreign {
     pub(crate) client: Client,
-    _child: tokio::process::Child,
+    pub(crate) _child: tokio::process::Child,
 }
 
 pub(crate) async fn as_nobody(d: &Daemon) -> Foreign {

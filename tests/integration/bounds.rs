@@ -344,9 +344,14 @@ fn slow_reads(client: &Client, n: usize) -> Vec<tokio::task::JoinHandle<Result<V
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_principal_past_its_share_of_call_slots_is_refused_and_another_is_served_at_once() {
-    // nobody may only read, with slow_read.
+/// The hostile principal A floods `slow_read` past its share; B's `write_text` must be
+/// served while all of A's calls are in flight. With the daemon as root, A is `nobody`
+/// (granted only `slow_read`) and B root; with the daemon as `nobody`, A is root and B the
+/// daemon's own user. Both tools run under `profile`.
+async fn a_flood_past_the_share_is_refused_and_another_uid_is_served(
+    unprivileged: bool,
+    profile: &str,
+) {
     let mut d =
         daemon("[[grant]]\nuids = [65534]\ncapabilities = [\"read\"]\ntools = [\"slow_read\"]\n");
     set_daemon(
@@ -357,13 +362,39 @@ async fn one_principal_past_its_share_of_call_slots_is_refused_and_another_is_se
             ("max_queued_per_principal", "2"),
         ],
     );
+    for (tool, from, to) in [
+        (
+            "slow_read",
+            "capability = \"read\"\n",
+            format!("capability = \"read\"\nprofile = \"{profile}\"\n"),
+        ),
+        (
+            "write_text",
+            "profile = \"default\"",
+            format!("profile = \"{profile}\""),
+        ),
+    ] {
+        let path = d.policies.join(format!("tools/{tool}.toml"));
+        let text = std::fs::read_to_string(&path).expect("tool");
+        assert!(text.contains(from), "{tool}.toml moved");
+        std::fs::write(&path, text.replacen(from, &to, 1)).expect("write tool");
+    }
+    if unprivileged {
+        crate::sandbox::give_to_nobody(&d);
+        d.user = Some((65534, 65534));
+    }
     d.start();
     let root = d.client().await;
-    session(&root, "b").await;
-    let a = as_nobody(&d).await;
+    let nobody = as_nobody(&d).await;
+    let (a, a_uid, b, b_uid) = if unprivileged {
+        (&root, 0, &nobody.client, NOBODY)
+    } else {
+        (&nobody.client, NOBODY, &root, 0)
+    };
+    session(b, "b").await;
 
     // A sends 7 calls of 25 s: 2 run (its share), 2 wait (its queue), 3 are refused at once.
-    let mut calls = slow_reads(&a.client, 7);
+    let mut calls = slow_reads(a, 7);
     let mut busy = 0;
     while busy < 3 {
         let (r, _, rest) = futures_select_ready(calls).await;
@@ -377,27 +408,27 @@ async fn one_principal_past_its_share_of_call_slots_is_refused_and_another_is_se
         assert!(
             text(&r).contains("max_calls_per_principal = 2")
                 && text(&r).contains("max_queued_per_principal (2)")
-                && text(&r).contains("uid 65534"),
+                && text(&r).contains(&format!("uid {a_uid} ")),
             "{r}"
         );
         busy += 1;
     }
     // A's share is running: two workers started.
-    wait_until_events(&root, "slow_read", |ev| {
+    wait_until_events(&root, a_uid, "slow_read", |ev| {
         ev.iter().filter(|e| e["kind"] == "start").count() == 2
     })
     .await;
 
     // B's write starts and completes while all of A's calls are still in flight.
     let r = call(
-        &root,
+        b,
         "write_text",
         json!({"session": "b", "text": "B", "out": "b.txt"}),
     )
     .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("b.txt").as_deref(), Some("B"));
-    let a_events = events_of(&root, NOBODY, "slow_read").await;
+    let a_events = events_of(&root, a_uid, "slow_read").await;
     assert!(
         calls.iter().all(|c| !c.is_finished()),
         "an A call ended before B's write completed"
@@ -419,10 +450,10 @@ async fn one_principal_past_its_share_of_call_slots_is_refused_and_another_is_se
         assert_eq!(e["detail"]["code"], "BUSY", "{e}");
         assert_eq!(e["detail"]["phase"], "queued", "{e}");
     }
-    let b_commit = audit(&root)
+    let b_commit = events_of(&root, b_uid, "write_text")
         .await
         .into_iter()
-        .find(|e| e["tool"] == "write_text" && e["kind"] == "commit")
+        .find(|e| e["kind"] == "commit")
         .expect("B's commit");
     let a_starts: Vec<u64> = a_events
         .iter()
@@ -436,23 +467,35 @@ async fn one_principal_past_its_share_of_call_slots_is_refused_and_another_is_se
         "B committed while A's share ran: {a_starts:?} < {b_commit}"
     );
 
-    // A's client goes: its 4 calls are cancelled (2 running, 2 queued), nothing else runs.
+    // A's calls are cancelled (2 running, 2 queued): its client goes (nobody), or its
+    // requests are cancelled (root, whose connection reads the audit).
     drop(calls);
-    drop(a);
-    wait_until_events(&root, "slow_read", |ev| {
+    if unprivileged {
+        // Root's calls end when its connection does; read the audit as nobody (the
+        // daemon's own user, granted it) afterwards.
+        drop(root);
+    } else {
+        drop(nobody);
+    }
+    let (reader, _bridge) = if unprivileged {
+        let f = as_nobody(&d).await;
+        (f.client, Some(f._child))
+    } else {
+        (d.client().await, None)
+    };
+    wait_until_events(&reader, a_uid, "slow_read", |ev| {
         ev.iter().filter(|e| e["kind"] == "cancel").count() == 4
     })
     .await;
-    let a_events = events_of(&root, NOBODY, "slow_read").await;
-    let phases: Vec<&str> = a_events
+    let a_events = events_of(&reader, a_uid, "slow_read").await;
+    let mut phases: Vec<&str> = a_events
         .iter()
         .filter(|e| e["kind"] == "cancel")
         .map(|e| e["detail"]["phase"].as_str().unwrap_or(""))
         .collect();
-    let mut sorted = phases.clone();
-    sorted.sort();
+    phases.sort();
     assert_eq!(
-        sorted,
+        phases,
         ["queued", "queued", "running", "running"],
         "{a_events:#?}"
     );
@@ -462,22 +505,32 @@ async fn one_principal_past_its_share_of_call_slots_is_refused_and_another_is_se
         "a queued call started after its client left: {a_events:#?}"
     );
     wait_no_process("slow_read").await;
-    drop(root);
+    drop(reader);
     assert!(d.stop().success());
     verify_audit(&d);
 }
 
-/// Waits (polling the audit, by events) until `done` holds for nobody's events of `tool`.
-async fn wait_until_events(root: &Client, tool: &str, done: impl Fn(&[Value]) -> bool) {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_principal_past_its_share_of_call_slots_is_refused_and_another_is_served_at_once() {
+    a_flood_past_the_share_is_refused_and_another_uid_is_served(false, "default").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_share_of_call_slots_holds_with_the_daemon_unprivileged_and_the_strict_profile() {
+    a_flood_past_the_share_is_refused_and_another_uid_is_served(true, "strict").await;
+}
+
+/// Waits (polling the audit, by events) until `done` holds for `uid`'s events of `tool`.
+async fn wait_until_events(reader: &Client, uid: u32, tool: &str, done: impl Fn(&[Value]) -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
-        let ev = events_of(root, NOBODY, tool).await;
+        let ev = events_of(reader, uid, tool).await;
         if done(&ev) {
             return;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "waited 20 s for nobody's {tool} events: {ev:#?}"
+            "waited 20 s for uid {uid}'s {tool} events: {ev:#?}"
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
