@@ -30,12 +30,14 @@ pub enum ErrorCode {
     PublishFailed,
     StateError,
     AuditFailed,
+    QuotaExceeded,
+    Busy,
     Internal,
 }
 
 impl ErrorCode {
     /// Every code, in README's order.
-    pub const ALL: [ErrorCode; 15] = [
+    pub const ALL: [ErrorCode; 17] = [
         ErrorCode::InvalidArgument,
         ErrorCode::PathRejected,
         ErrorCode::OverlappingOutputs,
@@ -50,6 +52,8 @@ impl ErrorCode {
         ErrorCode::PublishFailed,
         ErrorCode::StateError,
         ErrorCode::AuditFailed,
+        ErrorCode::QuotaExceeded,
+        ErrorCode::Busy,
         ErrorCode::Internal,
     ];
 
@@ -69,6 +73,8 @@ impl ErrorCode {
             ErrorCode::PublishFailed => "PUBLISH_FAILED",
             ErrorCode::StateError => "STATE_ERROR",
             ErrorCode::AuditFailed => "AUDIT_FAILED",
+            ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
+            ErrorCode::Busy => "BUSY",
             ErrorCode::Internal => "INTERNAL",
         }
     }
@@ -143,6 +149,9 @@ pub enum CallError {
     /// The `commit` event could not be made durable in the audit log: the call rolled back.
     #[error("the commit could not be recorded durably in the audit log; nothing was committed")]
     AuditFailed(#[source] crate::audit::AuditError),
+    /// The principal's share of call slots is running and its queue full.
+    #[error(transparent)]
+    Busy(#[from] super::slots::Busy),
     #[error("{0}")]
     Internal(String),
 }
@@ -159,6 +168,7 @@ impl CallError {
                 SessionError::Exists(_) => ErrorCode::SessionExists,
                 SessionError::BadId(_) => ErrorCode::InvalidArgument,
                 SessionError::Io { .. } | SessionError::Corrupt { .. } => ErrorCode::StateError,
+                SessionError::Quota(_) => ErrorCode::QuotaExceeded,
             },
             CallError::SessionForbidden { .. } => ErrorCode::SessionForbidden,
             CallError::ToolForbidden { .. } | CallError::ToolWithdrawn { .. } => {
@@ -172,6 +182,7 @@ impl CallError {
                 ErrorCode::PublishFailed
             }
             CallError::AuditFailed(_) => ErrorCode::AuditFailed,
+            CallError::Busy(_) => ErrorCode::Busy,
             CallError::Internal(_) => ErrorCode::Internal,
         }
     }

@@ -8,6 +8,7 @@ pub mod progress;
 #[cfg(test)]
 mod proptests;
 pub mod response;
+mod slots;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -16,7 +17,6 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 pub use error::{CallError, ErrorCode};
@@ -157,7 +157,8 @@ pub struct Executor {
     pub workspace: Workspace,
     pub audit: Audit,
     targets: locks::TargetLocks,
-    slots: Arc<Semaphore>,
+    /// `max_concurrent_calls` slots, each principal's share bounded (`slots.rs`).
+    slots: slots::Slots,
     shutdown: CancellationToken,
     counter: AtomicU64,
     /// Who workers run as.
@@ -202,13 +203,18 @@ impl Executor {
             workspace_lock,
             state_lock,
             workspace,
-            sessions,
+            mut sessions,
             identities,
             registry,
             audit,
             recovered: _,
         } = opened;
         tracing::info!("workers run as {}", identities.describe());
+        sessions.set_limits(crate::session::SessionLimits {
+            sessions_per_principal: d.max_sessions_per_principal,
+            session_state_bytes: d.max_session_state_bytes,
+            state_bytes_per_principal: d.max_state_bytes_per_principal,
+        });
         let filters = Filters::new();
         prepare_filters(&filters, &policy, identities.range().is_none());
         Executor {
@@ -219,7 +225,11 @@ impl Executor {
             _lock: workspace_lock,
             _state_lock: state_lock,
             audit,
-            slots: Arc::new(Semaphore::new(d.max_concurrent_calls)),
+            slots: slots::Slots::new(
+                d.max_concurrent_calls,
+                d.max_calls_per_principal,
+                d.max_queued_per_principal,
+            ),
             policy: std::sync::RwLock::new(policy),
             reloads: tokio::sync::watch::channel(0).0,
             in_flight: AtomicUsize::new(0),
@@ -589,6 +599,9 @@ impl Executor {
                     Some(id) => id.to_string(),
                     None => format!("s-{}", self.new_call_id()),
                 };
+                // Its state is copied and serialized in memory: a call slot bounds how many
+                // creates do so at once.
+                let _slot = self.slot(call, cancel).await?;
                 let state = raw
                     .get("state")
                     .and_then(Value::as_object)
@@ -597,9 +610,13 @@ impl Executor {
                 self.record_start(call, json!({}));
                 // The commit event is durable before the session exists; a create that fails
                 // anyway (the id is taken) is followed by its error and rollback.
-                let fresh = crate::session::valid_id(&id) && self.sessions.snapshot(&id).is_err();
+                let fresh = crate::session::valid_id(&id) && !self.sessions.is_live(&id);
                 let detail = json!({"version": 0, "created": true});
                 if fresh {
+                    // Past a bound: refused before its commit is recorded.
+                    self.sessions
+                        .check_create(&id, &state, caller.uid)
+                        .map_err(session_fault)?;
                     self.commit_event(call, detail.clone())?;
                 }
                 let snap = self
@@ -622,9 +639,9 @@ impl Executor {
                 let guard = self.lock_session(id, cancel).await?;
                 let caller = self.recheck(policy, call, tool)?;
                 // Checked again under the lock: the id may have been created since step 1.
-                caller.check(id, guard.snapshot().owner)?;
+                caller.check(id, guard.meta().owner)?;
                 self.record_start(call, json!({}));
-                let version = guard.snapshot().version;
+                let version = guard.meta().version;
                 self.commit_event(call, json!({"destroyed": true, "version": version}))?;
                 self.sessions.destroy(guard).map_err(session_fault)?;
                 Ok(ToolReply::ok(
@@ -637,6 +654,9 @@ impl Executor {
                     .get("session")
                     .and_then(Value::as_str)
                     .unwrap_or_default();
+                // The state is read from its file into memory: a call slot bounds how many
+                // such reads run at once.
+                let _slot = self.slot(call, cancel).await?;
                 self.record_start(call, json!({}));
                 let snap = self.sessions.snapshot(id).map_err(session_fault)?;
                 caller.check(id, snap.owner)?;
@@ -744,7 +764,7 @@ impl Executor {
         let mut bound = args::bind(&values, &paths, &root, None, |_| root.clone());
         bound.env = args::bind_env(tool, &values).map_err(Stop::from)?;
         self.check_bounds(policy, tool, ext, &bound, None)?;
-        let _slot = self.slot(cancel).await?;
+        let _slot = self.slot(call, cancel).await?;
         self.recheck(policy, call, tool)?;
         let stdin = match ext.protocol {
             Protocol::Json => json_request(&tool.name, &bound.arguments, None),
@@ -794,21 +814,21 @@ impl Executor {
         // 2. Lock: the session, then the output targets in sorted order.
         let guard = self.lock_session(session, cancel).await?;
         // Checked again under the lock: the id may have been created since step 1.
-        caller.check(session, guard.snapshot().owner)?;
+        caller.check(session, guard.meta().owner)?;
         let mut targets: Vec<PathBuf> = outputs.iter().map(|(_, p)| p.clone()).collect();
         targets.sort();
         let _target_guards = tokio::select! {
             g = self.targets.lock_all(&targets) => g,
             _ = cancel.cancelled() => return Err(Stop::Cancelled),
         };
-        let _slot = self.slot(cancel).await?;
+        let _slot = self.slot(call, cancel).await?;
         // The call starts here: its tool and grant are checked again against the policy
         // current now, and the session's owner against the caller that policy sees.
         let caller = self.recheck(policy, call, tool)?;
-        caller.check(session, guard.snapshot().owner)?;
+        caller.check(session, guard.meta().owner)?;
 
-        // 3. Clone the state.
-        let before = guard.snapshot();
+        // 3. Clone the state: read from its file, under the lock.
+        let before = self.sessions.load_locked(&guard).map_err(session_fault)?;
 
         // What the worker would be handed is bounded before the job dir exists.
         let env = args::bind_env(tool, &values).map_err(Stop::from)?;
@@ -884,6 +904,16 @@ impl Executor {
             discard(job).await;
             return Err(stop);
         }
+        // The new state within the session's and its owner's bounds, its room taken before
+        // anything is published (QUOTA_EXCEEDED otherwise: nothing published or committed).
+        let state = new_state.unwrap_or_else(|| before.state.clone());
+        let reserved = match self.sessions.reserve(&guard, &state) {
+            Ok(r) => r,
+            Err(e) => {
+                discard(job).await;
+                return Err(session_fault(e));
+            }
+        };
 
         // The point of no return: publication starts. A cancel that came before it rolls
         // the call back (nothing published, no response); one that comes after it is too
@@ -899,7 +929,6 @@ impl Executor {
 
         // 7. Publish the outputs, then commit the state: the commit point. The `commit`
         // event is durable in the audit log before it; if it cannot be, the call rolls back.
-        let state = new_state.unwrap_or_else(|| before.state.clone());
         let mut committed = None;
         let mut audit_failed = None;
         let hash_limit = policy.daemon.audit_hash_limit;
@@ -917,7 +946,7 @@ impl Executor {
                     return Err("the commit event could not be recorded in the audit log".into());
                 }
                 self.sessions
-                    .commit(&guard, state, &call.call)
+                    .commit_reserved(&guard, reserved, state, &call.call)
                     .map(|snap| committed = Some(snap))
                     .map_err(Into::into)
             })
@@ -966,14 +995,14 @@ impl Executor {
             .map_err(|e| CallError::Staging(e).into())
     }
 
-    async fn slot(
-        &self,
-        cancel: &CancellationToken,
-    ) -> Result<tokio::sync::OwnedSemaphorePermit, Stop> {
-        tokio::select! {
-            p = self.slots.clone().acquire_owned() => p.map_err(|_| Stop::Cancelled),
-            _ = cancel.cancelled() => Err(Stop::Cancelled),
-        }
+    /// A call slot for the call's principal, within its share; `BUSY` at once if its
+    /// share is running and its queue full.
+    async fn slot(&self, call: &Call, cancel: &CancellationToken) -> Result<slots::Slot, Stop> {
+        let uid = call.principal.as_ref().map_or(u32::MAX, |p| p.uid);
+        self.slots.acquire(uid, cancel).await.map_err(|e| match e {
+            slots::NoSlot::Busy(b) => CallError::Busy(b).into(),
+            slots::NoSlot::Cancelled => Stop::Cancelled,
+        })
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -378,6 +378,11 @@ struct RawDaemon {
     worker_user: Option<Spanned<String>>,
     worker_uids: Option<Spanned<String>>,
     worker_uid_lock_dir: Option<Spanned<PathBuf>>,
+    max_sessions_per_principal: Option<Spanned<usize>>,
+    max_session_state_bytes: Option<Spanned<Size>>,
+    max_state_bytes_per_principal: Option<Spanned<Size>>,
+    max_calls_per_principal: Option<Spanned<usize>>,
+    max_queued_per_principal: Option<usize>,
 }
 
 fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
@@ -548,7 +553,103 @@ fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
             cx.at(path, &text, v.span(), m);
         }
     }
+    let bounds = RawPrincipalBounds {
+        max_sessions_per_principal: r.max_sessions_per_principal,
+        max_session_state_bytes: r.max_session_state_bytes,
+        max_state_bytes_per_principal: r.max_state_bytes_per_principal,
+        max_calls_per_principal: r.max_calls_per_principal,
+        max_queued_per_principal: r.max_queued_per_principal,
+    };
+    load_principal_bounds(cx, path, &text, &bounds, &mut d);
     Some(d)
+}
+
+/// The per-principal bounds of `[daemon]`, as written.
+struct RawPrincipalBounds {
+    max_sessions_per_principal: Option<Spanned<usize>>,
+    max_session_state_bytes: Option<Spanned<Size>>,
+    max_state_bytes_per_principal: Option<Spanned<Size>>,
+    max_calls_per_principal: Option<Spanned<usize>>,
+    max_queued_per_principal: Option<usize>,
+}
+
+/// The per-principal bounds of `[daemon]`: sessions (count, state bytes) and call slots.
+fn load_principal_bounds(
+    cx: &mut Cx,
+    path: &Path,
+    text: &str,
+    r: &RawPrincipalBounds,
+    d: &mut DaemonConfig,
+) {
+    if let Some(v) = &r.max_sessions_per_principal {
+        match *v.get_ref() {
+            0 => cx.at(
+                path,
+                text,
+                v.span(),
+                "max_sessions_per_principal must be at least 1",
+            ),
+            n => d.max_sessions_per_principal = n,
+        }
+    }
+    let sizes = [
+        (
+            "max_session_state_bytes",
+            &r.max_session_state_bytes,
+            &mut d.max_session_state_bytes,
+        ),
+        (
+            "max_state_bytes_per_principal",
+            &r.max_state_bytes_per_principal,
+            &mut d.max_state_bytes_per_principal,
+        ),
+    ];
+    for (name, v, slot) in sizes {
+        let Some(v) = v else { continue };
+        match v.get_ref().bytes(text, v.span()) {
+            Ok(n) if n >= 1024 => *slot = n,
+            Ok(_) => cx.at(
+                path,
+                text,
+                v.span(),
+                format!("{name} must be at least 1KiB"),
+            ),
+            Err(m) => cx.at(path, text, v.span(), m),
+        }
+    }
+    if d.max_state_bytes_per_principal < d.max_session_state_bytes {
+        let span = r
+            .max_state_bytes_per_principal
+            .as_ref()
+            .or(r.max_session_state_bytes.as_ref())
+            .map(|v| v.span());
+        let m = format!(
+            "max_state_bytes_per_principal ({}) must be at least max_session_state_bytes ({})",
+            d.max_state_bytes_per_principal, d.max_session_state_bytes
+        );
+        match span {
+            Some(s) => cx.at(path, text, s, m),
+            None => cx.at(path, text, 0..0, m),
+        }
+    }
+    d.max_calls_per_principal = super::model::default_calls_per_principal(d.max_concurrent_calls);
+    if let Some(v) = &r.max_calls_per_principal {
+        match *v.get_ref() {
+            n if n >= 1 && n <= d.max_concurrent_calls => d.max_calls_per_principal = n,
+            n => cx.at(
+                path,
+                text,
+                v.span(),
+                format!(
+                    "max_calls_per_principal ({n}) must be between 1 and max_concurrent_calls ({})",
+                    d.max_concurrent_calls
+                ),
+            ),
+        }
+    }
+    if let Some(v) = r.max_queued_per_principal {
+        d.max_queued_per_principal = v;
+    }
 }
 
 /// `"FIRST-LAST"`: an inclusive range of unprivileged ids, at least 2 long.
@@ -1453,6 +1554,64 @@ mod tests {
             .to_string();
         assert!(e.contains("extra.toml:3:"), "{e}");
         assert!(e.contains("unknown syscall \"nonsense\""), "{e}");
+    }
+
+    #[test]
+    fn per_principal_bounds_load_with_defaults_and_are_checked_with_file_and_line() {
+        let daemon = |lines: &str| with_extra("airlock.toml", &format!("[daemon]\n{lines}"));
+        let d = daemon("").expect("valid").daemon;
+        assert_eq!(
+            (
+                d.max_sessions_per_principal,
+                d.max_session_state_bytes,
+                d.max_state_bytes_per_principal
+            ),
+            (64, 1 << 20, 16 << 20)
+        );
+        assert_eq!(
+            (d.max_calls_per_principal, d.max_queued_per_principal),
+            (16, 256)
+        );
+        // The share follows max_concurrent_calls when not set.
+        let d = daemon("max_concurrent_calls = 6\n").expect("valid").daemon;
+        assert_eq!(d.max_calls_per_principal, 1);
+        let d = daemon(
+            "max_concurrent_calls = 8\nmax_calls_per_principal = 3\nmax_queued_per_principal = 0\n\
+             max_sessions_per_principal = 5\nmax_session_state_bytes = \"64KiB\"\n\
+             max_state_bytes_per_principal = \"1MiB\"\n",
+        )
+        .expect("valid")
+        .daemon;
+        assert_eq!(
+            (d.max_calls_per_principal, d.max_queued_per_principal),
+            (3, 0)
+        );
+        assert_eq!(
+            (
+                d.max_sessions_per_principal,
+                d.max_session_state_bytes,
+                d.max_state_bytes_per_principal
+            ),
+            (5, 64 << 10, 1 << 20)
+        );
+        for (lines, at, says) in [
+            ("max_sessions_per_principal = 0\n", 2, "max_sessions_per_principal must be at least 1"),
+            ("max_session_state_bytes = \"10\"\n", 2, "max_session_state_bytes must be at least 1KiB"),
+            (
+                "max_session_state_bytes = \"2MiB\"\nmax_state_bytes_per_principal = \"1MiB\"\n",
+                3,
+                "max_state_bytes_per_principal (1048576) must be at least max_session_state_bytes (2097152)",
+            ),
+            (
+                "max_concurrent_calls = 4\nmax_calls_per_principal = 5\n",
+                3,
+                "max_calls_per_principal (5) must be between 1 and max_concurrent_calls (4)",
+            ),
+            ("max_calls_per_principal = 0\n", 2, "max_calls_per_principal (0) must be between 1"),
+        ] {
+            let e = daemon(lines).expect_err(lines).to_string();
+            assert!(e.contains(&format!("airlock.toml:{at}:")) && e.contains(says), "{lines}: {e}");
+        }
     }
 
     #[test]

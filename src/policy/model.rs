@@ -76,6 +76,18 @@ pub struct DaemonConfig {
     /// absolute; default [`DEFAULT_WORKER_UID_LOCK_DIR`]). Every daemon sharing a range must
     /// share it.
     pub worker_uid_lock_dir: PathBuf,
+    /// Live sessions one uid may own (default 64).
+    pub max_sessions_per_principal: usize,
+    /// The state of one session, as compact JSON (default 1 MiB).
+    pub max_session_state_bytes: u64,
+    /// The states of one uid's live sessions together (default 16 MiB).
+    pub max_state_bytes_per_principal: u64,
+    /// Call slots (of `max_concurrent_calls`) one uid may hold at once (default a quarter
+    /// of `max_concurrent_calls`, at least 1).
+    pub max_calls_per_principal: usize,
+    /// Calls of one uid that may wait for a slot; one more is refused at once with `BUSY`
+    /// (default 256).
+    pub max_queued_per_principal: usize,
 }
 
 /// `worker_user` in `[daemon]`: whether each worker gets a uid of its own.
@@ -136,8 +148,19 @@ impl Default for DaemonConfig {
             worker_user: WorkerUser::Auto,
             worker_uids: DEFAULT_WORKER_UIDS,
             worker_uid_lock_dir: PathBuf::from(DEFAULT_WORKER_UID_LOCK_DIR),
+            max_sessions_per_principal: 64,
+            max_session_state_bytes: 1 << 20,
+            max_state_bytes_per_principal: 16 << 20,
+            max_calls_per_principal: default_calls_per_principal(64),
+            max_queued_per_principal: 256,
         }
     }
+}
+
+/// `max_calls_per_principal` when airlock.toml does not set it: a quarter of the slots,
+/// so that four principals at their share still leave none waiting on another.
+pub fn default_calls_per_principal(max_concurrent_calls: usize) -> usize {
+    (max_concurrent_calls / 4).max(1)
 }
 
 impl DaemonConfig {

@@ -1,8 +1,13 @@
 //! Sessions: a JSON state object with a version, one async lock each, persisted one file per
 //! session in `state_dir/sessions/`, tombstones for destroyed ids.
 //!
-//! Mutators hold the session's [`SessionGuard`] from before they clone the state until after
-//! they commit. Readers never take the lock: they read the last committed snapshot.
+//! Mutators hold the session's [`SessionGuard`] from before they load the state until after
+//! they commit. Readers never take the lock: they read the last committed file.
+//!
+//! Memory holds only what is bounded per session (its id, version, owner and state size);
+//! the state itself is read from its file when a call needs it, and tombstones stay on disk.
+//! Each owner's sessions are bounded in count and state bytes ([`SessionLimits`]), counted
+//! again from the files at every start.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -32,6 +37,64 @@ pub enum SessionError {
     },
     #[error("corrupt session file {path}: {reason}")]
     Corrupt { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Quota(#[from] QuotaError),
+}
+
+/// A bound of [`SessionLimits`] that a create or a commit would pass: nothing was created
+/// or committed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuotaError {
+    #[error("uid {uid} already holds {held} live sessions, the most max_sessions_per_principal ({limit}) allows; destroy one first")]
+    Sessions { uid: u32, held: usize, limit: usize },
+    #[error("the state of session {session:?} would be {bytes} bytes (as compact JSON), more than max_session_state_bytes ({limit})")]
+    SessionBytes {
+        session: String,
+        bytes: u64,
+        limit: u64,
+    },
+    #[error("the sessions of uid {uid} hold {held} bytes of state; session {session:?} would add {more}, past max_state_bytes_per_principal ({limit})")]
+    PrincipalBytes {
+        uid: u32,
+        session: String,
+        held: u64,
+        more: u64,
+        limit: u64,
+    },
+}
+
+/// The bounds of one owner's sessions (`[daemon]` in airlock.toml).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionLimits {
+    /// Live sessions one uid may own (`max_sessions_per_principal`).
+    pub sessions_per_principal: usize,
+    /// The state of one session, as compact JSON (`max_session_state_bytes`).
+    pub session_state_bytes: u64,
+    /// The states of one uid's live sessions together (`max_state_bytes_per_principal`).
+    pub state_bytes_per_principal: u64,
+}
+
+impl Default for SessionLimits {
+    fn default() -> Self {
+        SessionLimits {
+            sessions_per_principal: usize::MAX,
+            session_state_bytes: u64::MAX,
+            state_bytes_per_principal: u64::MAX,
+        }
+    }
+}
+
+/// The size a state is counted at: its compact JSON.
+pub fn state_bytes(state: &Map<String, Value>) -> u64 {
+    serde_json::to_vec(state).map_or(u64::MAX, |v| v.len() as u64)
+}
+
+/// What one owner's live sessions hold.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub sessions: usize,
+    /// Committed state bytes, plus the growth commits have reserved and not yet made.
+    pub bytes: u64,
 }
 
 /// A committed snapshot of one session.
@@ -63,31 +126,76 @@ struct SessionFile {
     owner: Option<u32>,
 }
 
+/// What memory keeps of a session: everything but its state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meta {
+    pub id: String,
+    pub version: u64,
+    pub owner: Option<u32>,
+    /// The committed state's size as compact JSON ([`state_bytes`]).
+    pub bytes: u64,
+}
+
 struct Session {
     /// Serializes mutators and destruction.
     lock: Arc<tokio::sync::Mutex<()>>,
     /// Set under `lock` by destruction; a mutator that gets the lock afterwards fails.
     destroyed: AtomicBool,
-    current: RwLock<Snapshot>,
+    current: RwLock<Meta>,
 }
 
-/// Exclusive right to mutate one session, held from clone to commit.
+/// Exclusive right to mutate one session, held from load to commit.
 pub struct SessionGuard {
     session: Arc<Session>,
     _lock: tokio::sync::OwnedMutexGuard<()>,
 }
 
 impl SessionGuard {
-    pub fn snapshot(&self) -> Snapshot {
+    /// The committed version, owner and size (no file read).
+    pub fn meta(&self) -> Meta {
         read(&self.session.current).clone()
+    }
+}
+
+/// Room a commit has taken in its owner's state bytes before publication; given back
+/// when dropped uncommitted.
+pub struct Reserved<'a> {
+    store: &'a SessionStore,
+    owner: Option<u32>,
+    /// The growth added to the owner's bytes.
+    grown: u64,
+    /// The new state's size.
+    bytes: u64,
+    committed: bool,
+}
+
+impl Reserved<'_> {
+    /// The new state's size.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if self.committed {
+            return;
+        }
+        if let Some(uid) = self.owner {
+            let mut usage = lock(&self.store.usage);
+            if let Some(u) = usage.get_mut(&uid) {
+                u.bytes = u.bytes.saturating_sub(self.grown);
+            }
+        }
     }
 }
 
 pub struct SessionStore {
     dir: PathBuf,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
-    /// Destroyed ids and the owner each had.
-    tombstones: Mutex<HashMap<String, Option<u32>>>,
+    /// Each owner's live sessions and state bytes (recounted from the files at open).
+    usage: Mutex<HashMap<u32, Usage>>,
+    limits: SessionLimits,
     dir_sync: DirSync,
 }
 
@@ -216,7 +324,7 @@ impl SessionStore {
             source,
         })?;
         let mut sessions = HashMap::new();
-        let mut tombstones = HashMap::new();
+        let mut usage: HashMap<u32, Usage> = HashMap::new();
         let entries = std::fs::read_dir(&dir).map_err(|source| SessionError::Io {
             op: "list",
             path: dir.clone(),
@@ -241,23 +349,60 @@ impl SessionStore {
             }
             let file = read_file(&path)?;
             if file.destroyed {
-                tombstones.insert(file.id, file.owner);
+                // A tombstone stays on disk only: `get` reads it when its id is named.
                 continue;
             }
-            let snap = Snapshot {
+            let meta = Meta {
                 id: file.id.clone(),
                 version: file.version,
-                state: file.state,
                 owner: file.owner,
+                bytes: state_bytes(&file.state),
             };
-            sessions.insert(file.id, Arc::new(Session::new(snap)));
+            if let Some(uid) = meta.owner {
+                let u = usage.entry(uid).or_default();
+                u.sessions += 1;
+                u.bytes = u.bytes.saturating_add(meta.bytes);
+            }
+            sessions.insert(file.id, Arc::new(Session::new(meta)));
         }
         Ok(SessionStore {
             dir,
             sessions: Mutex::new(sessions),
-            tombstones: Mutex::new(tombstones),
+            usage: Mutex::new(usage),
+            limits: SessionLimits::default(),
             dir_sync: DirSync::default(),
         })
+    }
+
+    /// Applies the bounds of `[daemon]` to every create and commit from now on. Sessions
+    /// that were already past them stay; their owner's creates and growing commits are
+    /// refused until back under.
+    pub fn set_limits(&mut self, limits: SessionLimits) {
+        self.limits = limits;
+    }
+
+    /// What `uid`'s live sessions hold.
+    pub fn usage(&self, uid: u32) -> Usage {
+        lock(&self.usage).get(&uid).copied().unwrap_or_default()
+    }
+
+    /// The owner recorded in the tombstone of `id`, if `id` was destroyed (`Ok(None)` if
+    /// there is no tombstone; `Ok(Some(None))` a tombstone from before owners were recorded).
+    fn tombstone(&self, id: &str) -> Result<Option<Option<u32>>, SessionError> {
+        let path = self.path(id);
+        match std::fs::symlink_metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(SessionError::Io {
+                    op: "stat",
+                    path,
+                    source,
+                })
+            }
+            Ok(_) => {}
+        }
+        let file = read_file(&path)?;
+        Ok(file.destroyed.then_some(file.owner))
     }
 
     fn path(&self, id: &str) -> PathBuf {
@@ -269,7 +414,7 @@ impl SessionStore {
         if let Some(s) = lock(&self.sessions).get(id) {
             return Ok(s.clone());
         }
-        if lock(&self.tombstones).contains_key(id) {
+        if self.tombstone(id)?.is_some() {
             return Err(SessionError::Destroyed(id.to_string()));
         }
         Err(SessionError::NotFound(id.to_string()))
@@ -282,20 +427,56 @@ impl SessionStore {
         if let Some(s) = lock(&self.sessions).get(id) {
             return Ok(read(&s.current).owner);
         }
-        if let Some(owner) = lock(&self.tombstones).get(id) {
-            return Ok(*owner);
+        if let Some(owner) = self.tombstone(id)? {
+            return Ok(owner);
         }
         Err(SessionError::NotFound(id.to_string()))
     }
 
-    /// The last committed snapshot, without taking the session's lock.
-    pub fn snapshot(&self, id: &str) -> Result<Snapshot, SessionError> {
-        Ok(read(&self.get(id)?.current).clone())
+    /// Whether `id` names a live session (no file is read).
+    pub fn is_live(&self, id: &str) -> bool {
+        lock(&self.sessions).contains_key(id)
     }
 
-    pub fn list(&self) -> Vec<Snapshot> {
+    /// The last committed snapshot, read from its file without taking the session's lock.
+    pub fn snapshot(&self, id: &str) -> Result<Snapshot, SessionError> {
+        let session = self.get(id)?;
+        let meta = read(&session.current).clone();
+        self.load(&meta)
+    }
+
+    /// Reads the committed state of the session `meta` describes from its file.
+    fn load(&self, meta: &Meta) -> Result<Snapshot, SessionError> {
+        let path = self.path(&meta.id);
+        let file = match read_file(&path) {
+            Err(SessionError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                return Err(SessionError::NotFound(meta.id.clone()))
+            }
+            r => r?,
+        };
+        if file.destroyed {
+            return Err(SessionError::Destroyed(meta.id.clone()));
+        }
+        Ok(Snapshot {
+            id: file.id,
+            version: file.version,
+            state: file.state,
+            owner: file.owner,
+        })
+    }
+
+    /// The state of the session `guard` holds, read from its file under the lock: the
+    /// version the next commit follows.
+    pub fn load_locked(&self, guard: &SessionGuard) -> Result<Snapshot, SessionError> {
+        self.load(&guard.meta())
+    }
+
+    /// Every live session, without its state, sorted by id.
+    pub fn list(&self) -> Vec<Meta> {
         let sessions = lock(&self.sessions);
-        let mut out: Vec<Snapshot> = sessions
+        let mut out: Vec<Meta> = sessions
             .values()
             .map(|s| read(&s.current).clone())
             .collect();
@@ -311,13 +492,24 @@ impl SessionStore {
         owner: u32,
     ) -> Result<Snapshot, SessionError> {
         check_id(id)?;
-        // Holding the map lock across the write keeps two creators of one id apart.
+        // Holding the map lock across the write keeps two creators of one id apart, and
+        // two creates of one owner from both taking its last room.
         let mut sessions = lock(&self.sessions);
         if sessions.contains_key(id) {
             return Err(SessionError::Exists(id.to_string()));
         }
-        if lock(&self.tombstones).contains_key(id) {
+        if self.tombstone(id)?.is_some() {
             return Err(SessionError::Destroyed(id.to_string()));
+        }
+        let bytes = state_bytes(&state);
+        {
+            let mut usage = lock(&self.usage);
+            let u = usage.entry(owner).or_default();
+            self.quota_for_create(id, bytes, owner, *u)?;
+            // Counted before the write (under the map lock, so no other create of this
+            // owner runs), given back if it fails.
+            u.sessions += 1;
+            u.bytes = u.bytes.saturating_add(bytes);
         }
         let snap = Snapshot {
             id: id.to_string(),
@@ -325,9 +517,118 @@ impl SessionStore {
             state,
             owner: Some(owner),
         };
-        self.persist(&snap, None, false)?;
-        sessions.insert(id.to_string(), Arc::new(Session::new(snap.clone())));
+        if let Err(e) = self.persist(&snap, None, false) {
+            let mut usage = lock(&self.usage);
+            if let Some(u) = usage.get_mut(&owner) {
+                u.sessions = u.sessions.saturating_sub(1);
+                u.bytes = u.bytes.saturating_sub(bytes);
+            }
+            return Err(e);
+        }
+        let meta = Meta {
+            id: snap.id.clone(),
+            version: 0,
+            owner: snap.owner,
+            bytes,
+        };
+        sessions.insert(id.to_string(), Arc::new(Session::new(meta)));
         Ok(snap)
+    }
+
+    /// Whether `owner` may create session `id` with `state` now: the id is not destroyed
+    /// and the bounds hold (the checks `create` repeats; a create may still fail if others
+    /// of the owner's run meanwhile).
+    pub fn check_create(
+        &self,
+        id: &str,
+        state: &Map<String, Value>,
+        owner: u32,
+    ) -> Result<(), SessionError> {
+        check_id(id)?;
+        if self.tombstone(id)?.is_some() {
+            return Err(SessionError::Destroyed(id.to_string()));
+        }
+        let u = self.usage(owner);
+        Ok(self.quota_for_create(id, state_bytes(state), owner, u)?)
+    }
+
+    fn quota_for_create(
+        &self,
+        id: &str,
+        bytes: u64,
+        owner: u32,
+        u: Usage,
+    ) -> Result<(), QuotaError> {
+        let l = self.limits;
+        if bytes > l.session_state_bytes {
+            return Err(QuotaError::SessionBytes {
+                session: id.to_string(),
+                bytes,
+                limit: l.session_state_bytes,
+            });
+        }
+        if u.sessions >= l.sessions_per_principal {
+            return Err(QuotaError::Sessions {
+                uid: owner,
+                held: u.sessions,
+                limit: l.sessions_per_principal,
+            });
+        }
+        if u.bytes.saturating_add(bytes) > l.state_bytes_per_principal {
+            return Err(QuotaError::PrincipalBytes {
+                uid: owner,
+                session: id.to_string(),
+                held: u.bytes,
+                more: bytes,
+                limit: l.state_bytes_per_principal,
+            });
+        }
+        Ok(())
+    }
+
+    /// Takes room for the session `guard` holds to commit `state`: refused with
+    /// [`QuotaError`] if the state is past `max_session_state_bytes` or its owner's
+    /// sessions would pass `max_state_bytes_per_principal`. Called before publication, so
+    /// a refused commit publishes nothing; the room is held until the commit or the drop.
+    pub fn reserve(
+        &self,
+        guard: &SessionGuard,
+        state: &Map<String, Value>,
+    ) -> Result<Reserved<'_>, SessionError> {
+        let meta = guard.meta();
+        let bytes = state_bytes(state);
+        let l = self.limits;
+        if bytes > l.session_state_bytes {
+            return Err(QuotaError::SessionBytes {
+                session: meta.id,
+                bytes,
+                limit: l.session_state_bytes,
+            }
+            .into());
+        }
+        let grown = bytes.saturating_sub(meta.bytes);
+        if let (Some(uid), true) = (meta.owner, grown > 0) {
+            let mut usage = lock(&self.usage);
+            let u = usage.entry(uid).or_default();
+            if u.bytes.saturating_add(grown) > l.state_bytes_per_principal {
+                return Err(QuotaError::PrincipalBytes {
+                    uid,
+                    session: meta.id,
+                    held: u.bytes,
+                    more: grown,
+                    limit: l.state_bytes_per_principal,
+                }
+                .into());
+            }
+            u.bytes = u.bytes.saturating_add(grown);
+        }
+        Ok(Reserved {
+            store: self,
+            owner: meta.owner,
+            grown,
+            bytes,
+            committed: false,
+        })
     }
 
     /// Waits for the session's lock. Fails with `Destroyed` if the session was destroyed
@@ -344,15 +645,27 @@ impl SessionStore {
         })
     }
 
-    /// The commit point of a mutating call: persists `state` at the next version, recording
-    /// `job`, then makes it visible to readers.
+    /// [`SessionStore::reserve`], then [`SessionStore::commit_reserved`].
     pub fn commit(
         &self,
         guard: &SessionGuard,
         state: Map<String, Value>,
         job: &str,
     ) -> Result<Snapshot, SessionError> {
-        let cur = guard.snapshot();
+        let reserved = self.reserve(guard, &state)?;
+        self.commit_reserved(guard, reserved, state, job)
+    }
+
+    /// The commit point of a mutating call: persists `state` (the one `reserved` was taken
+    /// for) at the next version, recording `job`, then makes it visible to readers.
+    pub fn commit_reserved(
+        &self,
+        guard: &SessionGuard,
+        mut reserved: Reserved<'_>,
+        state: Map<String, Value>,
+        job: &str,
+    ) -> Result<Snapshot, SessionError> {
+        let cur = guard.meta();
         let next = Snapshot {
             id: cur.id,
             version: cur.version + 1,
@@ -360,19 +673,42 @@ impl SessionStore {
             owner: cur.owner,
         };
         self.persist(&next, Some(job), false)?;
-        *write(&guard.session.current) = next.clone();
+        reserved.committed = true;
+        let shrunk = cur.bytes.saturating_sub(reserved.bytes);
+        if let (Some(uid), true) = (cur.owner, shrunk > 0) {
+            if let Some(u) = lock(&self.usage).get_mut(&uid) {
+                u.bytes = u.bytes.saturating_sub(shrunk);
+            }
+        }
+        *write(&guard.session.current) = Meta {
+            id: next.id.clone(),
+            version: next.version,
+            owner: next.owner,
+            bytes: reserved.bytes,
+        };
         Ok(next)
     }
 
     /// Destroys a session under its lock: marks it destroyed, writes the tombstone, then
-    /// forgets the state.
-    pub fn destroy(&self, guard: SessionGuard) -> Result<Snapshot, SessionError> {
-        let snap = guard.snapshot();
-        self.persist(&snap, None, true)?;
+    /// forgets it (its count and bytes leave its owner's usage; the tombstone stays on disk).
+    pub fn destroy(&self, guard: SessionGuard) -> Result<Meta, SessionError> {
+        let meta = guard.meta();
+        let tomb = Snapshot {
+            id: meta.id.clone(),
+            version: meta.version,
+            state: Map::new(),
+            owner: meta.owner,
+        };
+        self.persist(&tomb, None, true)?;
         guard.session.destroyed.store(true, Ordering::SeqCst);
-        lock(&self.tombstones).insert(snap.id.clone(), snap.owner);
-        lock(&self.sessions).remove(&snap.id);
-        Ok(snap)
+        lock(&self.sessions).remove(&meta.id);
+        if let Some(uid) = meta.owner {
+            if let Some(u) = lock(&self.usage).get_mut(&uid) {
+                u.sessions = u.sessions.saturating_sub(1);
+                u.bytes = u.bytes.saturating_sub(meta.bytes);
+            }
+        }
+        Ok(meta)
     }
 
     /// Whether the session file records `job` as its last commit (recovery's question).
@@ -403,7 +739,8 @@ impl SessionStore {
             destroyed,
             owner: snap.owner,
         };
-        let bytes = serde_json::to_vec_pretty(&file).map_err(|e| SessionError::Corrupt {
+        // Compact: the file is the state's counted size plus a few fields.
+        let bytes = serde_json::to_vec(&file).map_err(|e| SessionError::Corrupt {
             path: self.path(&snap.id),
             reason: e.to_string(),
         })?;
@@ -419,11 +756,11 @@ impl SessionStore {
 }
 
 impl Session {
-    fn new(snap: Snapshot) -> Session {
+    fn new(meta: Meta) -> Session {
         Session {
             lock: Arc::new(tokio::sync::Mutex::new(())),
             destroyed: AtomicBool::new(false),
-            current: RwLock::new(snap),
+            current: RwLock::new(meta),
         }
     }
 }
@@ -552,5 +889,174 @@ mod tests {
             queued.await.unwrap(),
             Err(SessionError::Destroyed(_))
         ));
+    }
+
+    fn limits(sessions: usize, per_session: u64, per_principal: u64) -> SessionLimits {
+        SessionLimits {
+            sessions_per_principal: sessions,
+            session_state_bytes: per_session,
+            state_bytes_per_principal: per_principal,
+        }
+    }
+
+    fn state_of(len: usize) -> Map<String, Value> {
+        let mut st = Map::new();
+        // {"s":"xxx..."}: 8 bytes of JSON around the string.
+        st.insert("s".into(), "x".repeat(len - 8).into());
+        st
+    }
+
+    #[tokio::test]
+    async fn quotas_refuse_creates_and_commits_per_owner_and_count_again_after_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = SessionStore::open(dir.path()).unwrap();
+        store.set_limits(limits(2, 100, 150));
+        assert_eq!(state_bytes(&state_of(100)), 100);
+        // Past the per-session bound: refused, nothing on disk.
+        let e = store.create("big", state_of(101), 7).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SessionError::Quota(QuotaError::SessionBytes {
+                    bytes: 101,
+                    limit: 100,
+                    ..
+                })
+            ),
+            "{e}"
+        );
+        assert!(!dir.path().join("sessions/big.json").exists());
+        store.create("a", state_of(100), 7).unwrap();
+        // Past the owner's bytes: refused; another owner is not affected.
+        let e = store.create("b", state_of(60), 7).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SessionError::Quota(QuotaError::PrincipalBytes {
+                    uid: 7,
+                    held: 100,
+                    more: 60,
+                    limit: 150,
+                    ..
+                })
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("max_state_bytes_per_principal (150)"),
+            "{e}"
+        );
+        store.create("other", state_of(100), 8).unwrap();
+        store.create("b", state_of(50), 7).unwrap();
+        // Past the owner's count.
+        let e = store.create("c", Map::new(), 7).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SessionError::Quota(QuotaError::Sessions {
+                    uid: 7,
+                    held: 2,
+                    limit: 2
+                })
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("max_sessions_per_principal (2)"),
+            "{e}"
+        );
+        assert_eq!(
+            store.usage(7),
+            Usage {
+                sessions: 2,
+                bytes: 150
+            }
+        );
+        // A commit that grows past the owner's bytes is refused and changes nothing.
+        let g = store.lock("b").await.unwrap();
+        let e = store.commit(&g, state_of(51), "j1").unwrap_err();
+        assert!(
+            matches!(e, SessionError::Quota(QuotaError::PrincipalBytes { .. })),
+            "{e}"
+        );
+        assert_eq!(store.load_locked(&g).unwrap().version, 0);
+        assert_eq!(store.usage(7).bytes, 150);
+        // A dropped reservation gives its room back; a shrinking commit frees room.
+        let r = store.reserve(&g, &state_of(50)).unwrap();
+        drop(r);
+        assert_eq!(store.usage(7).bytes, 150);
+        store.commit(&g, state_of(10), "j2").unwrap();
+        assert_eq!(store.usage(7).bytes, 110);
+        drop(g);
+        // Recounted from the files.
+        let mut again = SessionStore::open(dir.path()).unwrap();
+        again.set_limits(limits(2, 100, 150));
+        assert_eq!(
+            again.usage(7),
+            Usage {
+                sessions: 2,
+                bytes: 110
+            }
+        );
+        assert_eq!(
+            again.usage(8),
+            Usage {
+                sessions: 1,
+                bytes: 100
+            }
+        );
+        assert!(matches!(
+            again.create("c", Map::new(), 7),
+            Err(SessionError::Quota(QuotaError::Sessions { .. }))
+        ));
+        // A destroyed session counts toward neither bound; its tombstone stays on disk.
+        let g = again.lock("a").await.unwrap();
+        again.destroy(g).unwrap();
+        assert_eq!(
+            again.usage(7),
+            Usage {
+                sessions: 1,
+                bytes: 10
+            }
+        );
+        again.create("c", state_of(100), 7).unwrap();
+        assert!(matches!(
+            again.create("a", Map::new(), 7),
+            Err(SessionError::Destroyed(_))
+        ));
+        assert_eq!(again.owner("a").unwrap(), Some(7));
+        let reopened = SessionStore::open(dir.path()).unwrap();
+        assert_eq!(
+            reopened.usage(7),
+            Usage {
+                sessions: 2,
+                bytes: 110
+            }
+        );
+        assert!(matches!(
+            reopened.snapshot("a"),
+            Err(SessionError::Destroyed(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn memory_holds_no_state_and_reads_see_the_committed_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SessionStore::open(dir.path()).unwrap();
+        store.create("s", state_of(1000), 1).unwrap();
+        let g = store.lock("s").await.unwrap();
+        store.commit(&g, state_of(2000), "j").unwrap();
+        let m = g.meta();
+        assert_eq!((m.version, m.bytes, m.owner), (1, 2000, Some(1)));
+        drop(g);
+        let snap = store.snapshot("s").unwrap();
+        assert_eq!((snap.version, state_bytes(&snap.state)), (1, 2000));
+        let file = std::fs::read(dir.path().join("sessions/s.json")).unwrap();
+        assert!(
+            file.len() < 2000 + 200,
+            "the file is compact: {} bytes",
+            file.len()
+        );
     }
 }

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::harness::*;
 
-const NOBODY: u32 = 65534;
+pub(crate) const NOBODY: u32 = 65534;
 
 fn require_root() {
     assert!(
@@ -39,12 +39,12 @@ pub(crate) fn daemon(grants: &str) -> Daemon {
 
 /// An MCP client whose connection belongs to `nobody`: `airlock connect` run under setpriv,
 /// spoken to over its stdio.
-struct Foreign {
-    client: Client,
-    _child: tokio::process::Child,
+pub(crate) struct Foreign {
+    pub(crate) client: Client,
+    pub(crate) _child: tokio::process::Child,
 }
 
-async fn as_nobody(d: &Daemon) -> Foreign {
+pub(crate) async fn as_nobody(d: &Daemon) -> Foreign {
     as_nobody_in(d, &[]).await
 }
 
@@ -83,7 +83,7 @@ async fn as_nobody_in(d: &Daemon, groups: &[u32]) -> Foreign {
 }
 
 /// The audit events of uid `uid` for `tool` (read by root, which holds admin).
-async fn events_of(root: &Client, uid: u32, tool: &str) -> Vec<Value> {
+pub(crate) async fn events_of(root: &Client, uid: u32, tool: &str) -> Vec<Value> {
     audit(root)
         .await
         .into_iter()

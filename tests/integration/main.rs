@@ -3,6 +3,7 @@
 
 mod audit;
 mod authz;
+mod bounds;
 mod cancel;
 mod client_cli;
 mod containment;

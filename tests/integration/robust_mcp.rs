@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use crate::harness::*;
 
 /// Sets `[daemon]` keys of the daemon's `airlock.toml` (before `start`).
-fn set_daemon(d: &Daemon, kv: &[(&str, &str)]) {
+pub(crate) fn set_daemon(d: &Daemon, kv: &[(&str, &str)]) {
     let path = d.policies.join("airlock.toml");
     let text = std::fs::read_to_string(&path).expect("airlock.toml");
     let mut out = Vec::new();
@@ -87,7 +87,7 @@ async fn admitted(d: &Daemon) -> Raw {
     got.expect("admitted")
 }
 
-fn status_kib(pid: u32, field: &str) -> u64 {
+pub(crate) fn status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
     status
         .lines()
@@ -219,7 +219,7 @@ async fn client_strings_are_bounded_before_they_are_stored_or_audited() {
 
 /// The worst case documented in README ("Limits and memory"), in bytes, for this config.
 #[allow(clippy::too_many_arguments)]
-fn memory_bound(
+pub(crate) fn memory_bound(
     connections: u64,
     message: u64,
     queue: u64,

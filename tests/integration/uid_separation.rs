@@ -502,11 +502,11 @@ async fn concurrent_workers_get_distinct_uids_from_the_range_and_free_them() {
     require_root();
     for profile in PROFILES {
         let mut d = daemon(profile);
-        // A range of exactly two ids (and two call slots) no other test uses: a third call
-        // runs only if both were released.
+        // A range of exactly two ids (and two call slots, both for this one principal) no
+        // other test uses: a third call runs only if both were released.
         daemon_setting(
             &d,
-            "worker_uids = \"62010-62011\"\nmax_concurrent_calls = 2",
+            "worker_uids = \"62010-62011\"\nmax_concurrent_calls = 2\nmax_calls_per_principal = 2",
         );
         d.write("gate/.keep", "");
         d.start();
