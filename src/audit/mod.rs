@@ -163,7 +163,8 @@ impl std::fmt::Display for EventKind {
 /// One step of one call: one line of the log.
 #[derive(Debug, Clone, Serialize)]
 pub struct Event {
-    /// Position in the log, from 0, never reused across restarts.
+    /// Position in the log: one per line, headers included (the genesis header is 0), never
+    /// reused across restarts.
     pub seq: u64,
     /// RFC 3339, UTC, milliseconds.
     pub time: String,
@@ -325,8 +326,8 @@ impl Audit {
         self.updates.subscribe()
     }
 
-    /// Records one event. A log write failure is logged and the event still reaches the
-    /// ring: only [`Audit::record_durable`] events decide anything.
+    /// Records one event. A log write failure is logged (the event is then in neither the
+    /// log nor the ring): only [`Audit::record_durable`] events decide anything.
     ///
     /// A `deny` goes through its uid's bound ([`deny`]): over it, the denial is counted and
     /// written later in an aggregated `deny`. Every event of another kind first writes the

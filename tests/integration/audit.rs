@@ -1165,8 +1165,19 @@ async fn deny_flood(unprivileged: bool) {
     // The ring was not flooded empty of the commit either.
     let ring = audit(&c).await;
     assert!(ring.contains(&commit), "the ring lost the commit");
+    // Denials still counted when the daemon stops are written on its way out.
+    let codes = flood_as(&d, INTRUDER, 100);
+    assert_eq!(codes.get("TOOL_FORBIDDEN"), Some(&100), "{codes:?}");
     drop(c);
     d.stop();
+    let counted: u64 = lines_of(&log)
+        .iter()
+        .filter(|e| e["kind"] == "deny" && e["principal"]["uid"] == json!(INTRUDER))
+        .map(|e| e["detail"]["aggregated"]["count"].as_u64().unwrap_or(1))
+        .sum();
+    assert_eq!(counted, N as u64 + 100);
+    let (code_, out, err) = verify_log(&log);
+    assert_eq!(code_, 0, "{out}{err}");
 }
 
 #[tokio::test]
