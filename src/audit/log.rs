@@ -390,10 +390,9 @@ enum Found {
         header: Header,
         head: Head,
     },
-    /// A new file follows (`restarted` for `reason`, or `rotated` when `reason` is None and
-    /// the rotated file is whole), after `prior`.
+    /// A new file follows, whose header says the chain restarted for `reason`.
     NewFile {
-        reason: Option<String>,
+        reason: String,
         /// Where the chain stood, when known, and the log's id and last file index.
         head: Head,
         after: Option<After>,
@@ -483,20 +482,14 @@ impl Log {
             } => {
                 log.id = id.unwrap_or_else(new_log_id);
                 log.index = index.unwrap_or(0);
-                if let Some(r) = &reason {
-                    tracing::error!(path = %path.display(), reason = %r,
-                        "the audit chain cannot be continued; a new file says it restarted");
-                }
+                tracing::error!(path = %path.display(), %reason,
+                    "the audit chain cannot be continued; a new file says it restarted");
                 let header = Header {
                     format: FORMAT,
                     log: log.id.clone(),
                     file: index.map_or(0, |i| i + 1),
-                    chain: if reason.is_some() {
-                        Chain::Restarted
-                    } else {
-                        Chain::Rotated
-                    },
-                    reason,
+                    chain: Chain::Restarted,
+                    reason: Some(reason),
                     after,
                     retained: log.retained_after(retire_current, head.next_seq),
                 };
@@ -531,7 +524,7 @@ impl Log {
                 None => (Head::default(), None),
             };
             Found::NewFile {
-                reason: Some(reason),
+                reason,
                 head,
                 after,
                 id: header.as_ref().map(|(_, h)| h.log.clone()),
@@ -603,7 +596,7 @@ impl Log {
                     sha256: sha256_hex(&last),
                 });
                 Ok(Found::NewFile {
-                    reason: Some(reason),
+                    reason,
                     head: Head {
                         next_seq: seq.map_or(0, |s| s + 1),
                         prev: sha256_hex(&last),
