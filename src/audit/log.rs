@@ -2,9 +2,21 @@
 //! size with a retention count, each line carrying the SHA-256 of the line before it.
 //!
 //! Files, newest last: `audit.jsonl.N` (oldest kept) ... `audit.jsonl.1`, `audit.jsonl`.
-//! The chain runs across them: the first line of a file names the hash of the last line of
-//! the file rotated before it. Only the first line ever written names [`GENESIS`]; a chain
-//! whose oldest retained line names anything else starts where retention cut it.
+//! The chain runs across them. Every file begins with a **header** line (`"kind":"header"`),
+//! itself a link of the chain (it has a `seq` and a `prev` like every line), whose detail
+//! names the log (`log`, a random id chosen at genesis), the file's index in the log (`file`,
+//! 0 for the first), how the file follows the one before it (`chain`: `genesis` for the very
+//! first file, `rotated` after a rotation, `restarted` when the daemon could not continue the
+//! chain, with a `reason`), the last line of the file before it (`after`: its seq and
+//! SHA-256), and what retention keeps once this file exists (`retained`: the index and the
+//! first seq of the oldest file kept). `verify` tells files retention removed (older than
+//! `retained`) from files removed by anything else.
+//!
+//! Rotation creates the next file first (`audit.jsonl.next`: its header written and
+//! fsynced), then renames the current file and the older ones up by one and the next file
+//! into place, and only then removes the files past `audit_log_keep`, oldest first. A
+//! rotation that fails (no inode, no space) leaves every file as it was: the line goes to
+//! the current file, and the rotation is tried again at the next write.
 //!
 //! A line is written with one `write(2)` of the whole line; a write that fails part-way is cut
 //! back (`ftruncate`) so the file never keeps half a line. A partial last line found at open
@@ -16,15 +28,25 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-/// The `prev` of the first line ever written.
+/// The `prev` of the first line ever written (the genesis header).
 pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// The `kind` of a file's first line.
+pub const HEADER: &str = "header";
+
+/// The version of the header's detail.
+const FORMAT: u64 = 1;
 
 /// How much of a file's end is read to find its last line (an event is at most
 /// [`super::MAX_EVENT`] bytes plus its envelope).
 const TAIL: u64 = 256 * 1024;
+
+/// How much of a file's start is read to find its header.
+const HEAD: u64 = 64 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
@@ -70,15 +92,46 @@ pub fn rotated(path: &Path, n: usize) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Where the next file is prepared before a rotation puts it in place.
+fn next_path(path: &Path) -> PathBuf {
+    let mut s = path.as_os_str().to_os_string();
+    s.push(".next");
+    PathBuf::from(s)
+}
+
+/// The rotated files that exist, as (number, path), lowest number (newest) first. The
+/// directory is listed, so a hole in the numbers (a rename that failed) hides no file.
+fn numbered(path: &Path) -> Vec<(usize, PathBuf)> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return vec![];
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!("{}.", name.to_string_lossy());
+    let mut out: Vec<(usize, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name();
+            let n = n.to_str()?.strip_prefix(&prefix)?;
+            if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) || n.starts_with('0') {
+                return None;
+            }
+            let n: usize = n.parse().ok()?;
+            Some((n, rotated(path, n)))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 /// The log's files that exist, oldest first.
 pub fn files(path: &Path) -> Vec<PathBuf> {
-    let mut out = vec![];
-    let mut n = 1;
-    while rotated(path, n).exists() {
-        out.push(rotated(path, n));
-        n += 1;
-    }
-    out.reverse();
+    let mut out: Vec<PathBuf> = numbered(path).into_iter().rev().map(|(_, p)| p).collect();
     if path.exists() {
         out.push(path.to_path_buf());
     }
@@ -101,14 +154,131 @@ impl Default for Head {
     }
 }
 
+impl Head {
+    /// The head after `line` (a line of seq `self.next_seq`).
+    fn after(&self, line: &[u8]) -> Head {
+        Head {
+            next_seq: self.next_seq + 1,
+            prev: sha256_hex(line),
+        }
+    }
+}
+
+/// How a file follows the one before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Chain {
+    /// The first file of the log: seq 0, `prev` [`GENESIS`].
+    Genesis,
+    /// The successor of the file rotated before it.
+    Rotated,
+    /// The daemon could not continue the chain (its `reason` says why): `verify` reports it.
+    Restarted,
+}
+
+/// The last line of the file before: its seq and SHA-256.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct After {
+    pub seq: u64,
+    pub sha256: String,
+}
+
+/// What retention keeps once the file holding this record exists: the oldest file kept
+/// (its index in the log) and its first seq. Files older than it were removed by retention.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retained {
+    pub first_file: Option<u64>,
+    pub first_seq: Option<u64>,
+}
+
+/// The detail of a header line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Header {
+    pub format: u64,
+    /// The log's id, chosen at genesis, the same in every file.
+    pub log: String,
+    /// The file's index in the log: 0 for the genesis file, one more for each next file.
+    pub file: u64,
+    pub chain: Chain,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub after: Option<After>,
+    pub retained: Retained,
+}
+
+#[derive(Serialize)]
+struct HeaderLine<'a> {
+    seq: u64,
+    time: String,
+    time_ms: u64,
+    kind: &'static str,
+    detail: &'a Header,
+    prev: &'a str,
+}
+
+fn header_text(head: &Head, h: &Header) -> String {
+    let time_ms = super::now_ms();
+    serde_json::to_string(&HeaderLine {
+        seq: head.next_seq,
+        time: super::format_rfc3339(time_ms),
+        time_ms,
+        kind: HEADER,
+        detail: h,
+        prev: &head.prev,
+    })
+    .unwrap_or_default()
+}
+
+/// The seq and header of `line`, when it is a header.
+fn header_of(line: &[u8]) -> Option<(u64, Header)> {
+    let v: Value = serde_json::from_slice(line).ok()?;
+    if v.get("kind").and_then(Value::as_str) != Some(HEADER) {
+        return None;
+    }
+    let seq = v.get("seq").and_then(Value::as_u64)?;
+    let h = serde_json::from_value(v.get("detail")?.clone()).ok()?;
+    Some((seq, h))
+}
+
+/// The seq of `line`, when it is a JSON line with one.
+fn seq_of(line: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<Value>(line)
+        .ok()?
+        .get("seq")
+        .and_then(Value::as_u64)
+}
+
+/// A new log id: 16 random bytes, hex.
+fn new_log_id() -> String {
+    let mut b = [0u8; 16];
+    // SAFETY: `b` is a valid, writable buffer of `b.len()` bytes for the whole call.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        // No entropy source: the time and pid still tell logs apart.
+        let t = super::now_ms().to_le_bytes();
+        b[..8].copy_from_slice(&t);
+        b[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    hex(&b)
+}
+
 /// The open current file of the log.
 pub struct Log {
     path: PathBuf,
     file: std::sync::Arc<File>,
     /// Bytes in the current file.
     size: u64,
+    /// Bytes of the current file's header (a file holding only its header is not rotated).
+    header_len: u64,
     max_bytes: u64,
     keep: usize,
+    /// The log's id and the current file's index and first seq.
+    id: String,
+    index: u64,
+    first_seq: u64,
+    /// Rotations that failed in a row (retried at every write until one succeeds).
+    rotation_failures: u64,
 }
 
 impl std::fmt::Debug for Log {
@@ -117,15 +287,7 @@ impl std::fmt::Debug for Log {
     }
 }
 
-fn open_file(path: &Path) -> Result<File, LogError> {
-    let file = std::fs::OpenOptions::new()
-        .append(true)
-        .read(true)
-        .create(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(io("open", path))?;
+fn check_file(file: &File, path: &Path) -> Result<(), LogError> {
     let meta = file.metadata().map_err(io("stat", path))?;
     if !meta.file_type().is_file() {
         return Err(LogError::NotRegular {
@@ -137,6 +299,33 @@ fn open_file(path: &Path) -> Result<File, LogError> {
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(io("chmod", path))?;
     }
+    Ok(())
+}
+
+/// Opens an existing file of the log for appending.
+fn open_existing(path: &Path) -> Result<File, LogError> {
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io("open", path))?;
+    check_file(&file, path)?;
+    Ok(file)
+}
+
+/// Creates (or empties) a file of the log, mode 0600.
+fn create(path: &Path) -> Result<File, LogError> {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .read(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_APPEND | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io("create", path))?;
+    check_file(&file, path)?;
     Ok(file)
 }
 
@@ -170,26 +359,193 @@ fn last_line(file: &mut File, path: &Path) -> Result<(Option<Vec<u8>>, u64), Log
     Ok((Some(buf[line_start..end].to_vec()), complete))
 }
 
-/// The head after `line`.
-fn head_after(line: &[u8]) -> Head {
-    let seq = serde_json::from_slice::<Value>(line)
-        .ok()
-        .and_then(|v| v.get("seq").and_then(Value::as_u64));
-    Head {
-        next_seq: seq.map_or(0, |s| s + 1),
-        prev: sha256_hex(line),
-    }
+/// The first complete line of the file at `path` (None when it has none or cannot be read).
+fn first_line(path: &Path) -> Option<Vec<u8>> {
+    let f = File::open(path).ok()?;
+    let mut buf = Vec::new();
+    f.take(HEAD).read_to_end(&mut buf).ok()?;
+    let end = buf.iter().position(|&b| b == b'\n')?;
+    buf.truncate(end);
+    Some(buf)
+}
+
+/// The last line of a rotated file, when it reads as a line of the chain.
+fn tail_of(path: &Path) -> Option<(Vec<u8>, u64)> {
+    let mut f = File::open(path).ok()?;
+    let line = last_line(&mut f, path).ok()?.0?;
+    let seq = seq_of(&line)?;
+    Some((line, seq))
+}
+
+/// Why the current file cannot be continued, or how it continues.
+enum Found {
+    /// No file at all: a new log.
+    Nothing,
+    /// The current file continues: its header and last line.
+    Continues {
+        file: File,
+        size: u64,
+        header_len: u64,
+        first_seq: u64,
+        header: Header,
+        head: Head,
+    },
+    /// A new file follows, whose header says the chain restarted for `reason`.
+    NewFile {
+        reason: String,
+        /// Where the chain stood, when known, and the log's id and last file index.
+        head: Head,
+        after: Option<After>,
+        id: Option<String>,
+        index: Option<u64>,
+        /// The current file exists and must be rotated out first.
+        retire_current: bool,
+    },
 }
 
 impl Log {
-    /// Opens (creating, 0600) the log at `path` and finds where its chain stands: after the
-    /// last line of the current file, or of the newest rotated file when the current one is
-    /// empty.
+    /// Opens the log at `path`, creating it (a genesis header, 0600) when there is none,
+    /// and finds where its chain stands: after the last line of the current file. A rotation
+    /// a crash interrupted is completed or undone; a current file that cannot be continued
+    /// (no header, an unreadable last line, missing while older files exist) is followed by
+    /// a new file whose header says the chain restarted and why.
     pub fn open(path: &Path, max_bytes: u64, keep: usize) -> Result<(Log, Head), LogError> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(io("create the dir of", path))?;
         }
-        let mut file = open_file(path)?;
+        let next = next_path(path);
+        if std::fs::symlink_metadata(&next).is_ok() {
+            if std::fs::symlink_metadata(path).is_ok() {
+                // The rotation stopped before the current file moved: undo it.
+                std::fs::remove_file(&next).map_err(io("remove", &next))?;
+            } else {
+                // It stopped between the two renames: the next file takes its place.
+                std::fs::rename(&next, path).map_err(io("rename into place", &next))?;
+            }
+            fsync_parent(path)?;
+        }
+        let found = Self::find(path)?;
+        let mut log = Log {
+            path: path.to_path_buf(),
+            file: std::sync::Arc::new(File::open("/dev/null").map_err(io("open", path))?),
+            size: 0,
+            header_len: 0,
+            max_bytes: max_bytes.max(1),
+            keep,
+            id: String::new(),
+            index: 0,
+            first_seq: 0,
+            rotation_failures: 0,
+        };
+        match found {
+            Found::Continues {
+                file,
+                size,
+                header_len,
+                first_seq,
+                header,
+                head,
+            } => {
+                log.file = std::sync::Arc::new(file);
+                log.size = size;
+                log.header_len = header_len;
+                log.first_seq = first_seq;
+                log.id = header.log;
+                log.index = header.file;
+                Ok((log, head))
+            }
+            Found::Nothing => {
+                let mut head = Head::default();
+                log.id = new_log_id();
+                let header = Header {
+                    format: FORMAT,
+                    log: log.id.clone(),
+                    file: 0,
+                    chain: Chain::Genesis,
+                    reason: None,
+                    after: None,
+                    retained: Retained {
+                        first_file: Some(0),
+                        first_seq: Some(0),
+                    },
+                };
+                log.start_file(&mut head, &header, false)?;
+                Ok((log, head))
+            }
+            Found::NewFile {
+                reason,
+                mut head,
+                after,
+                id,
+                index,
+                retire_current,
+            } => {
+                log.id = id.unwrap_or_else(new_log_id);
+                log.index = index.unwrap_or(0);
+                tracing::error!(path = %path.display(), %reason,
+                    "the audit chain cannot be continued; a new file says it restarted");
+                let header = Header {
+                    format: FORMAT,
+                    log: log.id.clone(),
+                    file: index.map_or(0, |i| i + 1),
+                    chain: Chain::Restarted,
+                    reason: Some(reason),
+                    after,
+                    retained: log.retained_after(retire_current, head.next_seq),
+                };
+                log.start_file(&mut head, &header, retire_current)?;
+                Ok((log, head))
+            }
+        }
+    }
+
+    /// What the files at `path` say about where the chain stands.
+    fn find(path: &Path) -> Result<Found, LogError> {
+        let older = numbered(path);
+        let newest_older = older.first().map(|(_, p)| p.clone());
+        // What the newest rotated file says, for a new file after it.
+        let after_older = |reason: String, retire_current: bool| {
+            let tail = newest_older.as_deref().and_then(tail_of);
+            let header = newest_older
+                .as_deref()
+                .and_then(first_line)
+                .and_then(|l| header_of(&l));
+            let (head, after) = match tail {
+                Some((line, seq)) => {
+                    let sha = sha256_hex(&line);
+                    (
+                        Head {
+                            next_seq: seq + 1,
+                            prev: sha.clone(),
+                        },
+                        Some(After { seq, sha256: sha }),
+                    )
+                }
+                None => (Head::default(), None),
+            };
+            Found::NewFile {
+                reason,
+                head,
+                after,
+                id: header.as_ref().map(|(_, h)| h.log.clone()),
+                index: header.map(|(_, h)| h.file),
+                retire_current,
+            }
+        };
+        let mut file = match open_existing(path) {
+            Ok(f) => f,
+            Err(LogError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                if older.is_empty() {
+                    return Ok(Found::Nothing);
+                }
+                let why = format!(
+                    "{} is missing while older files exist (removed outside the daemon)",
+                    path.display()
+                );
+                return Ok(after_older(why, false));
+            }
+            Err(e) => return Err(e),
+        };
         let (last, complete) = last_line(&mut file, path)?;
         let len = file.metadata().map_err(io("stat", path))?.len();
         if complete < len {
@@ -198,29 +554,60 @@ impl Log {
             file.set_len(complete).map_err(io("truncate", path))?;
             file.sync_all().map_err(io("fsync", path))?;
         }
-        let head = match last {
-            Some(line) => head_after(&line),
-            None => {
-                let older = rotated(path, 1);
-                match File::open(&older) {
-                    Ok(mut f) => match last_line(&mut f, &older)?.0 {
-                        Some(line) => head_after(&line),
-                        None => Head::default(),
-                    },
-                    Err(_) => Head::default(),
-                }
+        let Some(last) = last else {
+            if older.is_empty() {
+                // An empty file and nothing before it: a new log.
+                drop(file);
+                std::fs::remove_file(path).map_err(io("remove", path))?;
+                return Ok(Found::Nothing);
             }
+            return Ok(after_older(
+                format!("{} is empty while older files exist", path.display()),
+                true,
+            ));
         };
-        Ok((
-            Log {
-                path: path.to_path_buf(),
-                file: std::sync::Arc::new(file),
+        let first = first_line(path).unwrap_or_default();
+        let header = header_of(&first);
+        let seq = seq_of(&last);
+        match (header, seq) {
+            (Some((first_seq, header)), Some(seq)) => Ok(Found::Continues {
+                file,
                 size: complete,
-                max_bytes: max_bytes.max(1),
-                keep,
-            },
-            head,
-        ))
+                header_len: first.len() as u64 + 1,
+                first_seq,
+                header,
+                head: Head {
+                    next_seq: seq + 1,
+                    prev: sha256_hex(&last),
+                },
+            }),
+            (header, seq) => {
+                let reason = if header.is_none() {
+                    format!("{} does not begin with a header line", path.display())
+                } else {
+                    format!("the last line of {} is not an audit line", path.display())
+                };
+                let (index, id) = match &header {
+                    Some((_, h)) => (Some(h.file), Some(h.log.clone())),
+                    None => (None, None),
+                };
+                let after = seq.map(|s| After {
+                    seq: s,
+                    sha256: sha256_hex(&last),
+                });
+                Ok(Found::NewFile {
+                    reason,
+                    head: Head {
+                        next_seq: seq.map_or(0, |s| s + 1),
+                        prev: sha256_hex(&last),
+                    },
+                    after,
+                    id,
+                    index,
+                    retire_current: true,
+                })
+            }
+        }
     }
 
     /// The same log writing to `file` instead (a failing device, in tests).
@@ -239,13 +626,43 @@ impl Log {
         self.file.clone()
     }
 
-    /// Appends one line (newline added), rotating first when it would take the current
-    /// file past its size. On failure nothing of the line stays in the file.
-    pub fn write_line(&mut self, line: &str) -> Result<(), LogError> {
-        let len = line.len() as u64 + 1;
-        if self.size > 0 && self.size + len > self.max_bytes {
-            self.rotate()?;
+    /// Appends the line `make` builds from where the chain stands, rotating first when it
+    /// would take the current file past its size (then `make` builds it again, after the new
+    /// file's header), and advances `head` past it. A rotation that fails is logged and
+    /// retried at the next write; the line goes to the current file. On failure to write,
+    /// nothing of the line stays in the file and `head` is unchanged.
+    pub fn append(
+        &mut self,
+        head: &mut Head,
+        mut make: impl FnMut(&Head) -> String,
+    ) -> Result<String, LogError> {
+        let mut text = make(head);
+        if self.size > self.header_len && self.size + text.len() as u64 + 1 > self.max_bytes {
+            match self.rotate(head) {
+                Ok(()) => {
+                    if self.rotation_failures > 0 {
+                        tracing::warn!(path = %self.path.display(), failed = self.rotation_failures,
+                            "the audit log rotated again after failed attempts");
+                    }
+                    self.rotation_failures = 0;
+                    text = make(head);
+                }
+                Err(e) => {
+                    if self.rotation_failures == 0 {
+                        tracing::error!(path = %self.path.display(), error = %e,
+                            "cannot rotate the audit log; writing on in the current file and retrying at every write");
+                    }
+                    self.rotation_failures += 1;
+                }
+            }
         }
+        self.write_line(&text)?;
+        *head = head.after(text.as_bytes());
+        Ok(text)
+    }
+
+    /// Appends one line (newline added). On failure nothing of the line stays in the file.
+    fn write_line(&mut self, line: &str) -> Result<(), LogError> {
         let mut buf = Vec::with_capacity(line.len() + 1);
         buf.extend_from_slice(line.as_bytes());
         buf.push(b'\n');
@@ -256,51 +673,162 @@ impl Log {
             }
             return Err(io("write", &self.path)(e));
         }
-        self.size += len;
+        self.size += buf.len() as u64;
         Ok(())
     }
 
-    /// `audit.jsonl` becomes `audit.jsonl.1` (each older one moves up one, the one past
-    /// `keep` is removed), and a new empty file takes its place. The old file is fsynced
-    /// first, so every line written before the rotation is durable.
-    fn rotate(&mut self) -> Result<(), LogError> {
-        self.file.sync_all().map_err(io("fsync", &self.path))?;
-        if self.keep == 0 {
-            std::fs::remove_file(&self.path).map_err(io("remove", &self.path))?;
-        } else {
-            let oldest = rotated(&self.path, self.keep);
-            match std::fs::remove_file(&oldest) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io("remove", &oldest)(e)),
-            }
-            for n in (1..self.keep).rev() {
-                let from = rotated(&self.path, n);
-                match std::fs::rename(&from, rotated(&self.path, n + 1)) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(io("rotate", &from)(e)),
-                }
-            }
-            std::fs::rename(&self.path, rotated(&self.path, 1))
-                .map_err(io("rotate", &self.path))?;
+    /// What retention keeps once a new file exists (the current one rotated out when
+    /// `current_moves`): the oldest of the newest `keep` old files, or the new file itself
+    /// (whose first seq is `new_seq`) when `keep` is 0.
+    fn retained_after(&self, current_moves: bool, new_seq: u64) -> Retained {
+        let mut olds: Vec<PathBuf> = vec![];
+        if current_moves {
+            olds.push(self.path.clone());
         }
-        let file = open_file(&self.path)?;
+        olds.extend(numbered(&self.path).into_iter().map(|(_, p)| p));
+        if self.keep == 0 || olds.is_empty() {
+            return Retained {
+                first_file: Some(self.index + u64::from(current_moves)),
+                first_seq: Some(new_seq),
+            };
+        }
+        let oldest = &olds[self.keep.min(olds.len()) - 1];
+        match first_line(oldest) {
+            Some(l) => match header_of(&l) {
+                Some((seq, h)) => Retained {
+                    first_file: Some(h.file),
+                    first_seq: Some(seq),
+                },
+                None => Retained {
+                    first_file: None,
+                    first_seq: seq_of(&l),
+                },
+            },
+            None => Retained {
+                first_file: None,
+                first_seq: None,
+            },
+        }
+    }
+
+    /// The current file becomes `audit.jsonl.1` after a new one (its header written and
+    /// fsynced) is ready; see [`Log::start_file`].
+    fn rotate(&mut self, head: &mut Head) -> Result<(), LogError> {
+        // Every line written before the rotation is durable before the file is retired.
+        self.file.sync_all().map_err(io("fsync", &self.path))?;
+        let after = match head.next_seq.checked_sub(1) {
+            Some(seq) => Some(After {
+                seq,
+                sha256: head.prev.clone(),
+            }),
+            None => None,
+        };
+        let header = Header {
+            format: FORMAT,
+            log: self.id.clone(),
+            file: self.index + 1,
+            chain: Chain::Rotated,
+            reason: None,
+            after,
+            retained: self.retained_after(true, head.next_seq),
+        };
+        self.start_file(head, &header, true)
+    }
+
+    /// Makes the file that begins with `header` the current one: written (header, fsync) as
+    /// `audit.jsonl.next`; then, when `retire_current`, every rotated file moves up one
+    /// number and the current file becomes `.1`; then the next file is renamed into place.
+    /// Only after that are the old files past `keep` removed, oldest first. On failure no
+    /// file is removed and `head` is unchanged.
+    fn start_file(
+        &mut self,
+        head: &mut Head,
+        header: &Header,
+        retire_current: bool,
+    ) -> Result<(), LogError> {
+        let text = header_text(head, header);
+        let next = next_path(&self.path);
+        let file = create(&next)?;
+        let mut line = text.clone().into_bytes();
+        line.push(b'\n');
+        let written = (&file)
+            .write_all(&line)
+            .map_err(io("write", &next))
+            .and_then(|()| file.sync_all().map_err(io("fsync", &next)));
+        if let Err(e) = written {
+            drop(file);
+            let _ = std::fs::remove_file(&next);
+            return Err(e);
+        }
+        if retire_current {
+            // Highest number first, so that no rename lands on a file not yet moved.
+            for (n, p) in numbered(&self.path).into_iter().rev() {
+                std::fs::rename(&p, rotated(&self.path, n + 1)).map_err(io("rotate", &p))?;
+            }
+            match std::fs::rename(&self.path, rotated(&self.path, 1)) {
+                Ok(()) => {}
+                // An earlier attempt moved it and stopped before the next file was in place.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io("rotate", &self.path)(e)),
+            }
+        }
+        std::fs::rename(&next, &self.path).map_err(io("rename into place", &next))?;
         fsync_parent(&self.path)?;
         self.file = std::sync::Arc::new(file);
-        self.size = 0;
+        self.size = line.len() as u64;
+        self.header_len = self.size;
+        self.index = header.file;
+        self.first_seq = head.next_seq;
+        *head = head.after(text.as_bytes());
+        self.retire();
         Ok(())
+    }
+
+    /// Retention: removes the rotated files past the newest `keep`, oldest first (a crash
+    /// part-way leaves the newest ones). A file that cannot be removed stays (and is logged).
+    fn retire(&self) {
+        let old = numbered(&self.path);
+        if old.len() <= self.keep {
+            return;
+        }
+        for (_, p) in old[self.keep..].iter().rev() {
+            if let Err(e) = std::fs::remove_file(p) {
+                tracing::error!(path = %p.display(), error = %e, "cannot remove an audit file past audit_log_keep");
+                return;
+            }
+        }
+        if let Err(e) = fsync_parent(&self.path) {
+            tracing::warn!(error = %e, "after removing old audit files");
+        }
     }
 }
 
 /// What `verify` found.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Verified {
     pub files: usize,
+    /// Lines, headers included.
     pub lines: u64,
-    /// The seq of the oldest retained line (0 when the log starts at its first line).
+    /// Event lines (not headers).
+    pub events: u64,
+    /// The seq of the oldest retained line (0 when the log starts at its genesis header).
     pub first_seq: Option<u64>,
     pub last_seq: Option<u64>,
+    /// The log's id (its genesis header's, carried by every header).
+    pub log: Option<String>,
+    /// What retention removed, as the newest header records it: how many files (all files
+    /// of the log before the oldest kept) and the first seq still present. None when the log
+    /// is whole from its genesis header.
+    pub retention: Option<Removed>,
+    /// Every break found, in order (none: the chain is intact).
+    pub breaks: Vec<Broken>,
+}
+
+/// Files retention removed: the count, and the first seq kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    pub files: u64,
+    pub first_seq: u64,
 }
 
 /// A break in the chain: where, and why.
@@ -312,135 +840,329 @@ pub struct Broken {
     pub reason: String,
 }
 
-/// Checks the chain across every file of the log at `path`, oldest first: each line is a
-/// JSON event whose `prev` is the SHA-256 of the line before it and whose `seq` follows
-/// the previous one. The oldest retained line may name a line retention removed, unless
-/// its seq is 0 (then it must name [`GENESIS`]).
+/// Checks the chain across every file of the log at `path`, oldest first, and returns the
+/// first break.
 pub fn verify(path: &Path) -> Result<Verified, Broken> {
+    let v = check(path);
+    match v.breaks.first() {
+        Some(b) => Err(b.clone()),
+        None => Ok(v),
+    }
+}
+
+/// Checks the chain across every file of the log at `path`, oldest first, and reports every
+/// break: each line is JSON whose `prev` is the SHA-256 of the line before it and whose `seq`
+/// follows the previous one; each file begins with a header of the same log whose index
+/// follows the file before it (a header that says `restarted` is a break); the oldest file
+/// is the genesis one, or one retention kept (the newest header's `retained` record): a file
+/// missing at the start that retention did not remove is a break. After a break the check
+/// goes on from the next line.
+pub fn check(path: &Path) -> Verified {
     let files = files(path);
     let mut out = Verified {
         files: files.len(),
-        lines: 0,
-        first_seq: None,
-        last_seq: None,
+        ..Verified::default()
     };
+    // The chain's head, None at the start or after a break (the next line resyncs).
     let mut head: Option<Head> = None;
+    let mut at_start = true;
+    // The previous file's header index, and the oldest file's (index, first seq, chain).
+    let mut last_index: Option<u64> = None;
+    let mut oldest: Option<(u64, u64, Chain)> = None;
+    let mut newest_retained: Option<(PathBuf, Retained)> = None;
+    let mut breaks: Vec<Broken> = Vec::new();
     for f in &files {
-        let broken = |line: u64, reason: String| Broken {
-            file: f.clone(),
-            line,
-            reason,
+        let mut broken = |line: u64, reason: String| {
+            breaks.push(Broken {
+                file: f.clone(),
+                line,
+                reason,
+            })
         };
-        let text = std::fs::read(f).map_err(|e| broken(0, format!("cannot read: {e}")))?;
-        if !text.is_empty() && text.last() != Some(&b'\n') {
-            return Err(broken(
-                text.split(|&b| b == b'\n').count() as u64,
-                "the file ends with a partial line".into(),
-            ));
-        }
-        for (i, line) in text.split(|&b| b == b'\n').enumerate() {
-            let n = i as u64 + 1;
-            if line.is_empty() && i == text.split(|&b| b == b'\n').count() - 1 {
-                break;
+        let text = match std::fs::read(f) {
+            Ok(t) => t,
+            Err(e) => {
+                broken(0, format!("cannot read: {e}"));
+                head = None;
+                continue;
             }
-            let v: Value = serde_json::from_slice(line)
-                .map_err(|e| broken(n, format!("not a JSON event: {e}")))?;
-            let seq = v
-                .get("seq")
-                .and_then(Value::as_u64)
-                .ok_or_else(|| broken(n, "no seq".into()))?;
-            let prev = v
-                .get("prev")
-                .and_then(Value::as_str)
-                .ok_or_else(|| broken(n, "no prev".into()))?;
-            match &head {
-                None => {
-                    if seq == 0 && prev != GENESIS {
-                        return Err(broken(n, "the first event does not start the chain".into()));
-                    }
-                    out.first_seq = Some(seq);
+        };
+        let mut body: &[u8] = &text;
+        if !text.is_empty() && text.last() != Some(&b'\n') {
+            let n = text.split(|&b| b == b'\n').count() as u64;
+            broken(n, "the file ends with a partial line".into());
+            let end = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            body = &text[..end];
+        }
+        if body.is_empty() {
+            broken(1, "the file is empty: it has no header line".into());
+            head = None;
+            continue;
+        }
+        let body = &body[..body.len() - 1];
+        for (i, line) in body.split(|&b| b == b'\n').enumerate() {
+            let n = i as u64 + 1;
+            let v: Value = match serde_json::from_slice(line) {
+                Ok(v) => v,
+                Err(e) => {
+                    broken(n, format!("not a JSON line: {e}"));
+                    head = None;
+                    continue;
                 }
-                Some(h) => {
+            };
+            let (Some(seq), Some(prev)) = (
+                v.get("seq").and_then(Value::as_u64),
+                v.get("prev").and_then(Value::as_str),
+            ) else {
+                broken(n, "no seq or no prev".into());
+                head = None;
+                continue;
+            };
+            let header = if v.get("kind").and_then(Value::as_str) == Some(HEADER) {
+                match v
+                    .get("detail")
+                    .cloned()
+                    .map(serde_json::from_value::<Header>)
+                {
+                    Some(Ok(h)) => Some(h),
+                    _ => {
+                        broken(n, "a header line without a valid header detail".into());
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            let mut resync = false;
+            match (&header, n) {
+                (None, 1) => broken(
+                    1,
+                    "the file does not begin with a header line: its first lines were removed (or it was written before the log had headers)"
+                        .into(),
+                ),
+                (Some(_), n) if n > 1 => broken(n, "a header line inside a file".into()),
+                _ => {}
+            }
+            if let Some(h) = &header {
+                match &out.log {
+                    None => out.log = Some(h.log.clone()),
+                    Some(id) if *id != h.log => broken(
+                        n,
+                        format!(
+                            "the header names log {} but the files before name log {id}",
+                            h.log
+                        ),
+                    ),
+                    _ => {}
+                }
+                match h.chain {
+                    Chain::Restarted => {
+                        broken(
+                            n,
+                            format!(
+                                "the chain restarted here: {}",
+                                h.reason.as_deref().unwrap_or("no reason given")
+                            ),
+                        );
+                        resync = true;
+                    }
+                    Chain::Genesis => {
+                        if seq != 0 || prev != GENESIS {
+                            broken(
+                                n,
+                                "a genesis header that is not seq 0 with the genesis prev".into(),
+                            );
+                        }
+                        if !at_start {
+                            broken(n, "a new log (genesis) begins after older files".into());
+                            resync = true;
+                        }
+                    }
+                    Chain::Rotated => {
+                        if let Some(last) = last_index {
+                            if h.file > last + 1 {
+                                broken(
+                                    n,
+                                    format!(
+                                        "file {} follows file {last}: {} file(s) missing in the middle",
+                                        h.file,
+                                        h.file - last - 1
+                                    ),
+                                );
+                                resync = true;
+                            } else if h.file != last + 1 {
+                                broken(n, format!("file {} follows file {last}", h.file));
+                                resync = true;
+                            }
+                        }
+                        match (&h.after, &head) {
+                            (None, _) => broken(
+                                n,
+                                "a rotated file's header does not name the last line of the file before it"
+                                    .into(),
+                            ),
+                            (Some(a), Some(hd))
+                                if !resync && (a.seq + 1 != hd.next_seq || a.sha256 != hd.prev) =>
+                            {
+                                broken(
+                                    n,
+                                    format!(
+                                        "the header names seq {} ({}) as the last line before it, but the line before it is seq {} ({})",
+                                        a.seq,
+                                        a.sha256,
+                                        hd.next_seq.wrapping_sub(1),
+                                        hd.prev
+                                    ),
+                                );
+                                resync = true;
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                if at_start {
+                    oldest = Some((h.file, seq, h.chain));
+                }
+                last_index = Some(h.file);
+                newest_retained = Some((f.clone(), h.retained.clone()));
+            } else if n == 1 {
+                last_index = None;
+            }
+            match &head {
+                Some(h) if !resync => {
                     if prev != h.prev {
-                        return Err(broken(
+                        broken(
                             n,
                             format!(
                                 "prev {prev} is not the SHA-256 of the line before it ({}): a line was edited, removed or inserted",
                                 h.prev
                             ),
-                        ));
-                    }
-                    if seq != h.next_seq {
-                        return Err(broken(
+                        );
+                    } else if seq != h.next_seq {
+                        broken(
                             n,
                             format!("seq {seq} follows seq {}", h.next_seq.wrapping_sub(1)),
-                        ));
+                        );
+                    }
+                }
+                _ => {
+                    if at_start {
+                        out.first_seq = Some(seq);
+                        if seq == 0 && prev != GENESIS {
+                            broken(n, "the first line does not start the chain".into());
+                        }
                     }
                 }
             }
+            at_start = false;
             head = Some(Head {
                 next_seq: seq + 1,
                 prev: sha256_hex(line),
             });
             out.lines += 1;
+            if header.is_none() {
+                out.events += 1;
+            }
             out.last_seq = Some(seq);
         }
     }
-    Ok(out)
+    out.breaks = breaks;
+    // The start of the log: the genesis file, or the files retention kept.
+    match (oldest, newest_retained) {
+        (Some((0, 0, Chain::Genesis)), _) => {}
+        (Some((file, first_seq, _)), Some((by, r))) => match r.first_file {
+            Some(kept) if file <= kept => {
+                out.retention = Some(Removed {
+                    files: file,
+                    first_seq,
+                })
+            }
+            Some(kept) => out.breaks.push(Broken {
+                file: files[0].clone(),
+                line: 1,
+                reason: format!(
+                    "the oldest file is file {file} (seq {first_seq}), but the header of {} says retention kept every file from file {kept} (seq {}): {} file(s) were removed outside retention",
+                    by.display(),
+                    r.first_seq.map_or("?".into(), |s| s.to_string()),
+                    file - kept
+                ),
+            }),
+            None => {}
+        },
+        _ => {}
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn line(seq: u64, prev: &str) -> String {
-        serde_json::json!({"seq": seq, "kind": "allow", "prev": prev}).to_string()
+    fn line(h: &Head) -> String {
+        serde_json::json!({"seq": h.next_seq, "kind": "allow", "job": "j".repeat(40), "prev": h.prev})
+            .to_string()
     }
 
     fn write_n(log: &mut Log, head: &mut Head, n: u64) {
         for _ in 0..n {
-            let l = line(head.next_seq, &head.prev);
-            log.write_line(&l).unwrap();
-            *head = Head {
-                next_seq: head.next_seq + 1,
-                prev: sha256_hex(l.as_bytes()),
-            };
+            log.append(head, line).unwrap();
         }
+    }
+
+    fn open(path: &Path, max: u64, keep: usize) -> (Log, Head) {
+        Log::open(path, max, keep).unwrap()
+    }
+
+    fn reasons(path: &Path) -> Vec<String> {
+        check(path).breaks.iter().map(|b| b.to_string()).collect()
     }
 
     #[test]
     fn the_chain_continues_across_reopen_and_rotation() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.jsonl");
-        let (mut log, mut head) = Log::open(&path, 300, 3).unwrap();
-        assert_eq!(head, Head::default());
+        let (mut log, mut head) = open(&path, 1000, 3);
+        // The genesis header is seq 0.
+        assert_eq!(head.next_seq, 1);
+        let (_, h) = header_of(&first_line(&path).unwrap()).unwrap();
+        assert_eq!((h.file, h.chain), (0, Chain::Genesis));
         write_n(&mut log, &mut head, 5);
         drop(log);
-        let (mut log, mut h2) = Log::open(&path, 300, 3).unwrap();
+        let (mut log, mut h2) = open(&path, 1000, 3);
         assert_eq!(h2, head);
-        write_n(&mut log, &mut h2, 20);
+        write_n(&mut log, &mut h2, 60);
         // Rotated by size, at most 3 kept; the chain verifies from where retention cut it.
         let fs = files(&path);
         assert_eq!(fs.len(), 4, "{fs:?}");
         assert!(!rotated(&path, 4).exists());
+        assert!(!next_path(&path).exists());
         for f in &fs {
             let m = std::fs::metadata(f).unwrap();
             assert_eq!(m.permissions().mode() & 0o7777, 0o600);
-            assert!(m.len() <= 300, "{} has {} bytes", f.display(), m.len());
+            assert!(m.len() <= 1000, "{} has {} bytes", f.display(), m.len());
+            assert!(
+                header_of(&first_line(f).unwrap()).is_some(),
+                "{}",
+                f.display()
+            );
         }
         let v = verify(&path).unwrap();
-        assert_eq!(v.last_seq, Some(24));
-        assert!(v.first_seq.unwrap() > 0);
-        assert_eq!(v.lines, 25 - v.first_seq.unwrap());
+        assert_eq!(v.last_seq, Some(h2.next_seq - 1));
+        let r = v.retention.clone().expect("retention removed files");
+        assert!(r.files > 0 && r.first_seq > 0, "{v:?}");
+        assert_eq!(v.first_seq, Some(r.first_seq));
+        assert_eq!(v.lines, h2.next_seq - r.first_seq);
+        // The events: every line but the headers.
+        assert_eq!(v.events, v.lines - 4);
     }
 
     #[test]
     fn an_edited_or_removed_line_breaks_the_chain() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.jsonl");
-        let (mut log, mut head) = Log::open(&path, 1 << 20, 3).unwrap();
+        let (mut log, mut head) = open(&path, 1 << 20, 3);
         write_n(&mut log, &mut head, 5);
-        assert_eq!(verify(&path).unwrap().lines, 5);
+        assert_eq!(verify(&path).unwrap().events, 5);
         let good = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<&str> = good.lines().collect();
         // Edited.
@@ -448,23 +1170,23 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, l)| match i {
-                1 => format!("{}\n", l.replace("\"allow\"", "\"deny\"")),
+                2 => format!("{}\n", l.replace("\"allow\"", "\"deny\"")),
                 _ => format!("{l}\n"),
             })
             .collect();
         std::fs::write(&path, &edited).unwrap();
         let e = verify(&path).unwrap_err();
-        assert_eq!(e.line, 3, "{e}");
+        assert_eq!(e.line, 4, "{e}");
         assert!(e.reason.contains("edited, removed or inserted"), "{e}");
         // Removed.
         let removed: String = lines
             .iter()
             .enumerate()
-            .filter(|(i, _)| *i != 2)
+            .filter(|(i, _)| *i != 3)
             .map(|(_, l)| format!("{l}\n"))
             .collect();
         std::fs::write(&path, removed).unwrap();
-        assert_eq!(verify(&path).unwrap_err().line, 3);
+        assert_eq!(verify(&path).unwrap_err().line, 4);
         std::fs::write(&path, good).unwrap();
         assert!(verify(&path).is_ok());
     }
@@ -472,30 +1194,216 @@ mod tests {
     #[test]
     fn a_failing_sink_leaves_no_partial_line() {
         // /dev/full: every write fails with ENOSPC, a real failing device.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let (log, mut head) = open(&path, 1 << 20, 1);
+        let before = std::fs::read(&path).unwrap();
         let f = File::options().append(true).open("/dev/full").unwrap();
-        let mut log = Log {
-            path: PathBuf::from("/dev/full"),
-            file: std::sync::Arc::new(f),
-            size: 0,
-            max_bytes: 1 << 20,
-            keep: 1,
-        };
-        let e = log.write_line("{}").unwrap_err();
+        let mut log = log.replace_file_for_test(f);
+        let was = head.clone();
+        let e = log.append(&mut head, line).unwrap_err();
         assert!(e.to_string().contains("No space left"), "{e}");
+        assert_eq!(head, was);
+        assert_eq!(std::fs::read(&path).unwrap(), before);
     }
 
     #[test]
     fn a_partial_last_line_is_cut_at_open() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.jsonl");
-        let (mut log, mut head) = Log::open(&path, 1 << 20, 3).unwrap();
+        let (mut log, mut head) = open(&path, 1 << 20, 3);
         write_n(&mut log, &mut head, 2);
         drop(log);
         let mut f = File::options().append(true).open(&path).unwrap();
-        f.write_all(b"{\"seq\":2,\"ki").unwrap();
+        f.write_all(b"{\"seq\":3,\"ki").unwrap();
         drop(f);
-        let (_log, h) = Log::open(&path, 1 << 20, 3).unwrap();
+        let (_log, h) = open(&path, 1 << 20, 3);
         assert_eq!(h, head);
-        assert_eq!(verify(&path).unwrap().lines, 2);
+        assert_eq!(verify(&path).unwrap().events, 2);
+    }
+
+    /// A rotation whose next file cannot be created (here a directory in its place; on a
+    /// full disk, ENOSPC or no inode) removes nothing, writes on in the current file, and
+    /// succeeds at the next write once the obstacle is gone.
+    #[test]
+    fn a_rotation_that_cannot_create_the_next_file_loses_nothing_and_recovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let (mut log, mut head) = open(&path, 1000, 1);
+        write_n(&mut log, &mut head, 30);
+        let kept: Vec<(PathBuf, Vec<u8>)> = files(&path)
+            .into_iter()
+            .map(|f| {
+                let b = std::fs::read(&f).unwrap();
+                (f, b)
+            })
+            .collect();
+        assert_eq!(kept.len(), 2);
+        std::fs::create_dir(next_path(&path)).unwrap();
+        write_n(&mut log, &mut head, 30);
+        assert!(
+            log.rotation_failures >= 20,
+            "every write past the size retried: {}",
+            log.rotation_failures
+        );
+        // Nothing removed, the old file untouched, the current one grown past its size.
+        assert_eq!(files(&path).len(), 2);
+        assert_eq!(std::fs::read(&kept[0].0).unwrap(), kept[0].1);
+        let now = std::fs::read(&path).unwrap();
+        assert!(now.starts_with(&kept[1].1) && now.len() > 1000);
+        assert!(verify(&path).is_ok());
+        // The obstacle gone, the next write rotates; retention removes the file it replaced.
+        std::fs::remove_dir(next_path(&path)).unwrap();
+        write_n(&mut log, &mut head, 1);
+        assert_eq!(log.rotation_failures, 0);
+        assert_eq!(std::fs::read(rotated(&path, 1)).unwrap().len(), now.len());
+        assert!(!rotated(&path, 2).exists());
+        let v = verify(&path).unwrap();
+        assert_eq!(v.last_seq, Some(head.next_seq - 1));
+        assert!(v.retention.is_some(), "{v:?}");
+    }
+
+    #[test]
+    fn verify_tells_retention_from_lines_or_files_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        // A log never rotated whose first lines were removed.
+        let path = dir.path().join("one.jsonl");
+        let (mut log, mut head) = open(&path, 1 << 20, 3);
+        write_n(&mut log, &mut head, 6);
+        drop(log);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let rest: String = text.lines().skip(3).map(|l| format!("{l}\n")).collect();
+        std::fs::write(&path, rest).unwrap();
+        let r = reasons(&path);
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert!(
+            r[0].contains(":1: the file does not begin with a header line"),
+            "{r:?}"
+        );
+
+        // Rotated files, none removed by retention (keep 10).
+        let path = dir.path().join("many.jsonl");
+        let (mut log, mut head) = open(&path, 1000, 10);
+        write_n(&mut log, &mut head, 40);
+        drop(log);
+        let v = verify(&path).unwrap();
+        assert!(
+            v.files >= 4 && v.retention.is_none() && v.first_seq == Some(0),
+            "{v:?}"
+        );
+        // A file missing in the middle.
+        let middle = rotated(&path, 2);
+        let saved = std::fs::read(&middle).unwrap();
+        std::fs::remove_file(&middle).unwrap();
+        let r = reasons(&path);
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert!(r[0].contains("1 file(s) missing in the middle"), "{r:?}");
+        std::fs::write(&middle, saved).unwrap();
+        // The oldest file removed, which retention (keep 10) did not do.
+        let n = files(&path).len() - 1;
+        std::fs::remove_file(rotated(&path, n)).unwrap();
+        let r = reasons(&path);
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert!(r[0].contains("removed outside retention"), "{r:?}");
+
+        // Retention (keep 1) removes the oldest: reported as such, not as a break.
+        let path = dir.path().join("kept.jsonl");
+        let (mut log, mut head) = open(&path, 1000, 1);
+        write_n(&mut log, &mut head, 40);
+        drop(log);
+        let v = verify(&path).unwrap();
+        assert_eq!(v.files, 2);
+        let removed = v.retention.expect("retention recorded");
+        assert!(removed.files >= 2, "{removed:?}");
+        assert_eq!(Some(removed.first_seq), v.first_seq);
+        // And the file retention kept, removed: a break.
+        std::fs::remove_file(rotated(&path, 1)).unwrap();
+        let r = reasons(&path);
+        assert!(
+            r.iter().any(|r| r.contains("removed outside retention")),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn a_damaged_or_missing_current_file_restarts_the_chain_and_verify_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let (mut log, mut head) = open(&path, 1 << 20, 3);
+        write_n(&mut log, &mut head, 3);
+        drop(log);
+        // Garbage after the last line.
+        let mut f = File::options().append(true).open(&path).unwrap();
+        f.write_all(b"not json\n").unwrap();
+        drop(f);
+        let (mut log, mut h) = open(&path, 1 << 20, 3);
+        write_n(&mut log, &mut h, 1);
+        drop(log);
+        let (_, hd) = header_of(&first_line(&path).unwrap()).unwrap();
+        assert_eq!(hd.chain, Chain::Restarted);
+        assert!(hd.reason.unwrap().contains("not an audit line"));
+        assert_eq!(files(&path).len(), 2);
+        let r = reasons(&path);
+        assert!(r.iter().any(|r| r.contains("not a JSON line")), "{r:?}");
+        assert!(
+            r.iter().any(|r| r.contains("the chain restarted here")),
+            "{r:?}"
+        );
+
+        // The current file removed: the next start says so.
+        let path = dir.path().join("b.jsonl");
+        let (mut log, mut head) = open(&path, 1000, 3);
+        write_n(&mut log, &mut head, 20);
+        drop(log);
+        std::fs::remove_file(&path).unwrap();
+        let (_log, h) = open(&path, 1000, 3);
+        let (seq, hd) = header_of(&first_line(&path).unwrap()).unwrap();
+        assert_eq!(hd.chain, Chain::Restarted);
+        assert!(hd.reason.unwrap().contains("is missing"));
+        // The seq goes on from the newest file kept.
+        assert_eq!(h.next_seq, seq + 1);
+        assert!(seq > 1);
+        assert!(reasons(&path).iter().any(|r| r.contains("restarted")));
+    }
+
+    #[test]
+    fn a_rotation_cut_by_a_crash_is_completed_or_undone_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let (mut log, mut head) = open(&path, 1000, 3);
+        write_n(&mut log, &mut head, 12);
+        let before = check(&path);
+        // Stopped between the renames: the current file moved, the next one not in place.
+        let mut hd = head.clone();
+        let header = Header {
+            format: FORMAT,
+            log: log.id.clone(),
+            file: log.index + 1,
+            chain: Chain::Rotated,
+            reason: None,
+            after: Some(After {
+                seq: head.next_seq - 1,
+                sha256: head.prev.clone(),
+            }),
+            retained: log.retained_after(true, head.next_seq),
+        };
+        std::fs::write(next_path(&path), header_text(&hd, &header) + "\n").unwrap();
+        hd = hd.after(header_text(&hd, &header).as_bytes());
+        let _ = hd;
+        for (n, p) in numbered(&path).into_iter().rev() {
+            std::fs::rename(p, rotated(&path, n + 1)).unwrap();
+        }
+        std::fs::rename(&path, rotated(&path, 1)).unwrap();
+        drop(log);
+        let (_log, h) = open(&path, 1000, 3);
+        assert_eq!(h.next_seq, head.next_seq + 1);
+        let v = verify(&path).unwrap();
+        assert_eq!(v.files, before.files + 1);
+        // Stopped before the current file moved: the next file is removed.
+        std::fs::write(next_path(&path), b"{}\n").unwrap();
+        let (_log, h2) = open(&path, 1000, 3);
+        assert_eq!(h2, h);
+        assert!(!next_path(&path).exists());
+        assert!(verify(&path).is_ok());
     }
 }

@@ -13,6 +13,7 @@
 //! durable events share one fsync (group commit): a caller whose line an fsync already
 //! covered returns without one.
 
+pub mod deny;
 pub mod log;
 mod time;
 
@@ -175,7 +176,8 @@ impl std::fmt::Display for EventKind {
 /// One step of one call: one line of the log.
 #[derive(Debug, Clone, Serialize)]
 pub struct Event {
-    /// Position in the log, from 0, never reused across restarts.
+    /// Position in the log: one per line, headers included (the genesis header is 0), never
+    /// reused across restarts.
     pub seq: u64,
     /// RFC 3339, UTC, milliseconds.
     pub time: String,
@@ -297,6 +299,8 @@ pub struct Audit {
     max_bytes: usize,
     /// The newest seq, for `notifications/resources/updated`.
     updates: tokio::sync::watch::Sender<u64>,
+    /// The bound on `deny` events per uid ([`deny`]).
+    denials: Mutex<deny::Limiter>,
 }
 
 impl Audit {
@@ -326,6 +330,7 @@ impl Audit {
             capacity: capacity.max(1),
             max_bytes: max_bytes.max(MAX_EVENT),
             updates: tokio::sync::watch::channel(0).0,
+            denials: Mutex::new(deny::Limiter::default()),
         }
     }
 
@@ -334,11 +339,58 @@ impl Audit {
         self.updates.subscribe()
     }
 
-    /// Records one event. A log write failure is logged and the event still reaches the
-    /// ring: only [`Audit::record_durable`] events decide anything.
+    /// Records one event. A log write failure is logged (the event is then in neither the
+    /// log nor the ring): only [`Audit::record_durable`] events decide anything.
+    ///
+    /// A `deny` goes through its uid's bound ([`deny`]): over it, the denial is counted and
+    /// written later in an aggregated `deny`. Every event of another kind first writes the
+    /// aggregates pending.
     pub fn record(&self, call: &CallRef, kind: EventKind, detail: Value) {
+        if kind == EventKind::Deny {
+            let code = detail.get("code").and_then(Value::as_str).unwrap_or("");
+            let d = self.denials.lock().unwrap_or_else(|p| p.into_inner()).deny(
+                call.principal.as_ref(),
+                &call.tool,
+                code,
+                now_ms(),
+            );
+            if let Some(a) = d.aggregate {
+                self.record_aggregate(a);
+            }
+            if !d.write {
+                return;
+            }
+        } else {
+            self.flush_denials();
+        }
         if let Err(e) = self.append(call, kind, detail, false) {
             tracing::error!(call = %call.call, %kind, error = %e, "cannot write an audit event to the log");
+        }
+    }
+
+    /// Writes every pending aggregate of denials.
+    pub fn flush_denials(&self) {
+        let pending = self
+            .denials
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .flush(now_ms());
+        for a in pending {
+            self.record_aggregate(a);
+        }
+    }
+
+    fn record_aggregate(&self, a: deny::Pending) {
+        let call = CallRef {
+            call: "-".into(),
+            tool: "-".into(),
+            session: None,
+            principal: a.principal.clone(),
+            secrets: Default::default(),
+            request_id: None,
+        };
+        if let Err(e) = self.append(&call, EventKind::Deny, a.detail(), false) {
+            tracing::error!(count = a.count, error = %e, "cannot write an aggregated deny to the audit log");
         }
     }
 
@@ -352,6 +404,7 @@ impl Audit {
         kind: EventKind,
         detail: Value,
     ) -> Result<(), AuditError> {
+        self.flush_denials();
         self.append(call, kind, detail, true)
     }
 
@@ -370,7 +423,8 @@ impl Audit {
             bound_strings(r, 0, &call.secrets);
         }
         let time_ms = now_ms();
-        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let w = &mut *guard;
         let mut event = Event {
             seq: w.head.next_seq,
             time: format_rfc3339(time_ms),
@@ -388,22 +442,37 @@ impl Audit {
             prev: w.head.prev.clone(),
         };
         tracing::debug!(job = %event.job, tool = %event.tool, %kind, "audit");
-        let mut text = serde_json::to_string(&event).unwrap_or_default();
-        if text.len() > MAX_EVENT {
-            event.detail =
-                serde_json::json!({"truncated": format!("detail of {} bytes dropped", text.len())});
-            text = serde_json::to_string(&event).unwrap_or_default();
-        }
-        if let Some(log) = &mut w.log {
-            if durable {
-                crate::failpoint::hit("audit.durable_write").map_err(AuditError::Failpoint)?;
+        // The text of the event at the chain's head `h` (a rotation moves the head past the
+        // new file's header, so the text is built again).
+        let mut make = |h: &log::Head| {
+            event.seq = h.next_seq;
+            event.prev = h.prev.clone();
+            let text = serde_json::to_string(&event).unwrap_or_default();
+            if text.len() <= MAX_EVENT {
+                return text;
             }
-            log.write_line(&text)?;
-            w.written += 1;
-        }
-        w.head = log::Head {
-            next_seq: event.seq + 1,
-            prev: log::sha256_hex(text.as_bytes()),
+            let mut cut = event.clone();
+            cut.detail =
+                serde_json::json!({"truncated": format!("detail of {} bytes dropped", text.len())});
+            serde_json::to_string(&cut).unwrap_or_default()
+        };
+        let text = match &mut w.log {
+            Some(log) => {
+                if durable {
+                    crate::failpoint::hit("audit.durable_write").map_err(AuditError::Failpoint)?;
+                }
+                let text = log.append(&mut w.head, &mut make)?;
+                w.written += 1;
+                text
+            }
+            None => {
+                let text = make(&w.head);
+                w.head = log::Head {
+                    next_seq: w.head.next_seq + 1,
+                    prev: log::sha256_hex(text.as_bytes()),
+                };
+                text
+            }
         };
         let entry = Entry {
             text: text.into_boxed_str(),
@@ -425,7 +494,7 @@ impl Audit {
             }
         }
         let mine = w.written;
-        drop(w);
+        drop(guard);
         self.updates.send_replace(event.seq);
         if durable {
             self.sync(mine)?;
@@ -494,6 +563,13 @@ impl Audit {
     pub fn usage(&self) -> (usize, usize) {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         (ring.events.len(), ring.bytes)
+    }
+}
+
+impl Drop for Audit {
+    /// The denials still counted are written before the log closes.
+    fn drop(&mut self) {
+        self.flush_denials();
     }
 }
 
@@ -649,12 +725,17 @@ mod tests {
         a.record_durable(&call(), EventKind::Commit, Value::Null)
             .unwrap();
         let v = log::verify(&path).unwrap();
-        assert_eq!((v.lines, v.first_seq, v.last_seq), (2, Some(0), Some(1)));
+        // The genesis header is seq 0, the events 1 and 2.
+        assert_eq!(
+            (v.lines, v.events, v.first_seq, v.last_seq),
+            (3, 2, Some(0), Some(2))
+        );
         let ring: Vec<Value> =
             serde_json::from_str(&a.newest_json(usize::MAX, &Filter::default())).unwrap();
         let file: Vec<Value> = std::fs::read_to_string(&path)
             .unwrap()
             .lines()
+            .skip(1)
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
         assert_eq!(ring, file);
@@ -670,6 +751,54 @@ mod tests {
             .record_durable(&call(), EventKind::Commit, Value::Null)
             .is_err());
         assert_eq!(b.usage().0, 0);
+    }
+
+    /// 20,000 denials of one uid do not push a commit out of the ring or the log, and every
+    /// denial is counted: the ones written one by one plus the aggregates' counts.
+    #[test]
+    fn a_flood_of_denials_is_bounded_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let (l, head) = log::Log::open(&path, 1 << 20, 1).unwrap();
+        let a = Audit::with_log(1000, 1 << 20, l, head);
+        a.record_durable(&call(), EventKind::Commit, Value::Null)
+            .unwrap();
+        let nobody = CallRef {
+            principal: Some(Principal {
+                uid: 65534,
+                gid: 65534,
+                pid: None,
+                client: None,
+                groups: vec![],
+            }),
+            ..call()
+        };
+        for _ in 0..20_000 {
+            a.record(
+                &nobody,
+                EventKind::Deny,
+                serde_json::json!({"code": "TOOL_FORBIDDEN"}),
+            );
+        }
+        // The next event of another kind writes the aggregate first.
+        a.record(&call(), EventKind::Allow, Value::Null);
+        let lines: Vec<Value> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert!(lines.len() < 100, "{} lines", lines.len());
+        let denied: u64 = lines
+            .iter()
+            .filter(|e| e["kind"] == "deny")
+            .map(|e| e["detail"]["aggregated"]["count"].as_u64().unwrap_or(1))
+            .sum();
+        assert_eq!(denied, 20_000);
+        assert!(lines.iter().any(|e| e["kind"] == "commit"));
+        let ring: Vec<Value> =
+            serde_json::from_str(&a.newest_json(usize::MAX, &Filter::default())).unwrap();
+        assert!(ring.iter().any(|e| e["kind"] == "commit"));
+        assert_eq!(log::verify(&path).unwrap().events, lines.len() as u64 - 1);
     }
 
     #[test]

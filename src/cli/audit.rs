@@ -1,6 +1,7 @@
 //! `airlock audit`: read the durable log (every rotated file, oldest first) with the
-//! resource's filters, as a table or as JSON Lines, optionally following new events; and
-//! `airlock audit verify`: check the hash chain.
+//! resource's filters, as a table or as JSON Lines (events only: each file's header line is
+//! left out), optionally following new events; and `airlock audit verify`: check the hash
+//! chain, the files' headers and what retention removed.
 
 use std::io::{BufRead, Seek, Write};
 use std::path::{Path, PathBuf};
@@ -23,7 +24,8 @@ pub(super) struct AuditArgs {
 
 #[derive(Subcommand)]
 enum AuditCommand {
-    /// Check the hash chain across every file of the log; exit 1 at the first break.
+    /// Check the hash chain across every file of the log, its headers and what retention
+    /// removed; print every break and exit 1 if there is one.
     Verify {
         #[command(flatten)]
         log: LogArg,
@@ -113,27 +115,36 @@ fn verify(path: &Path) -> Exit {
         eprintln!("airlock: {}: no audit log there", path.display());
         return Exit::Error;
     }
-    match log::verify(path) {
-        Ok(v) => {
-            let range = match (v.first_seq, v.last_seq) {
-                (Some(a), Some(b)) => format!("seq {a} to {b}"),
-                _ => "no events".into(),
-            };
-            let start = match v.first_seq {
-                Some(0) | None => "from the first event".to_string(),
-                Some(s) => format!("from seq {s} (older files were removed by retention)"),
-            };
-            println!(
-                "ok: {} events in {} file(s), {range}; the chain is intact {start}",
-                v.lines, v.files
-            );
-            Exit::Ok
-        }
-        Err(b) => {
-            eprintln!("airlock: audit verify: chain broken at {b}");
-            Exit::Failed
-        }
+    let v = log::check(path);
+    let range = match (v.first_seq, v.last_seq) {
+        (Some(a), Some(b)) => format!("seq {a} to {b}"),
+        _ => "no lines".into(),
+    };
+    let start = match &v.retention {
+        None if v.first_seq == Some(0) => "from its genesis header".to_string(),
+        None => "from its oldest line".to_string(),
+        Some(r) => format!(
+            "from seq {}: {} older file(s) were removed by retention, as the newest header records",
+            r.first_seq, r.files
+        ),
+    };
+    if v.breaks.is_empty() {
+        println!(
+            "ok: {} events in {} file(s), {range}; the chain is intact {start}",
+            v.events, v.files
+        );
+        return Exit::Ok;
     }
+    for b in &v.breaks {
+        eprintln!("airlock: audit verify: chain broken at {b}");
+    }
+    eprintln!(
+        "airlock: audit verify: {} break(s) in {} events in {} file(s), {range}",
+        v.breaks.len(),
+        v.events,
+        v.files
+    );
+    Exit::Failed
 }
 
 fn filter_of(a: &ReadArgs) -> Result<Filter, String> {
@@ -190,7 +201,7 @@ fn read(path: &Path, a: &ReadArgs) -> Exit {
             let Ok(v) = serde_json::from_str::<Value>(&line) else {
                 continue;
             };
-            if filter.matches(&v) {
+            if v["kind"] != log::HEADER && filter.matches(&v) {
                 picked.push_back((line, v));
                 if picked.len() > limit {
                     picked.pop_front();
@@ -297,7 +308,7 @@ fn follow(path: &Path, json: bool, filter: &Filter, mut resume: Option<(u64, u64
                         let line = pending.trim_end().to_string();
                         pending.clear();
                         if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                            if filter.matches(&v) {
+                            if v["kind"] != log::HEADER && filter.matches(&v) {
                                 let mut out = std::io::stdout().lock();
                                 if emit(&mut out, json, &line, &v)
                                     .and_then(|()| out.flush())

@@ -1,7 +1,8 @@
-//! Issue #9 points 2-4: every lifecycle of the execution model, read back both from the
-//! `airlock://audit/events` resource and from the durable log; the chain `airlock audit
-//! verify` checks; a failing sink rolling the commit back; the resource template, its
-//! subscriptions, and `airlock audit` reading the files.
+//! Every lifecycle of the execution model, read back both from the `airlock://audit/events`
+//! resource and from the durable log; the chain `airlock audit verify` checks; a failing sink
+//! rolling the commit back; a full audit disk (space and inodes) losing no file and recovering
+//! without a restart; a flood of denials that pushes no commit out; the resource template,
+//! its subscriptions, and `airlock audit` reading the files.
 
 use std::collections::BTreeMap;
 use std::io::BufRead;
@@ -698,4 +699,576 @@ async fn airlock_audit_reads_the_log_with_filters_and_follows_it() {
     assert_eq!(evs[5]["session"], "t");
     drop(c);
     d.stop();
+}
+
+/// Every file of the log at `path` (oldest first) and its bytes.
+fn log_files(path: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let dir = path.parent().unwrap();
+    let name = path.file_name().unwrap().to_str().unwrap().to_string();
+    let mut numbered: Vec<(usize, String)> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let n = e.unwrap().file_name().into_string().unwrap();
+            let k = n.strip_prefix(&format!("{name}."))?.parse().ok()?;
+            Some((k, n))
+        })
+        .collect();
+    numbered.sort();
+    let mut names: Vec<String> = numbered.into_iter().rev().map(|(_, n)| n).collect();
+    if path.exists() {
+        names.push(name);
+    }
+    names
+        .into_iter()
+        .map(|n| {
+            let b = std::fs::read(dir.join(&n)).unwrap();
+            (n, b)
+        })
+        .collect()
+}
+
+/// Every line of the log at `path`, oldest first, headers included.
+fn lines_of(path: &std::path::Path) -> Vec<Value> {
+    log_files(path)
+        .iter()
+        .flat_map(|(_, b)| {
+            String::from_utf8_lossy(b)
+                .lines()
+                .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line"))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Sets the audit log's path, size and retention in the daemon's airlock.toml.
+fn audit_settings(d: &Daemon, log: &std::path::Path, size: &str, keep: usize) {
+    let toml = d.policies.join("airlock.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    let text = text
+        .replace(
+            "audit_log = \"audit.jsonl\"",
+            &format!("audit_log = \"{}\"", log.display()),
+        )
+        .replace(
+            "audit_log_size = \"64MiB\"",
+            &format!("audit_log_size = \"{size}\""),
+        )
+        .replace("audit_log_keep = 8", &format!("audit_log_keep = {keep}"));
+    assert!(
+        text.contains(&format!("audit_log_keep = {keep}")),
+        "shipped audit settings moved"
+    );
+    std::fs::write(&toml, text).unwrap();
+}
+
+fn verify_log(log: &std::path::Path) -> (i32, String, String) {
+    airlock_audit(&["verify", "--log", log.to_str().unwrap()])
+}
+
+struct Unmount(std::path::PathBuf);
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// The audit log on a tmpfs of 512 KiB and 16 inodes, rotated every 4 KiB, 2 old files
+/// kept. Out of inodes, rotation cannot create the next file: calls commit on in the current
+/// file and no file is removed. Out of space too, commits fail with `AUDIT_FAILED`, nothing is
+/// published, and every file stays as it was. With space again, calls commit and the log
+/// rotates without a restart; the chain verifies, and a restart continues its seq.
+async fn full_audit_disk(unprivileged: bool) {
+    require_root();
+    let mut d = Daemon::new();
+    let fs = d.dir.path().join("auditfs");
+    std::fs::create_dir(&fs).unwrap();
+    let owner = if unprivileged { 65534 } else { 0 };
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o"])
+        .arg(format!(
+            "size=512k,nr_inodes=16,mode=0700,uid={owner},gid={owner}"
+        ))
+        .arg("tmpfs")
+        .arg(&fs)
+        .status()
+        .expect("mount");
+    assert!(
+        st.success(),
+        "mount tmpfs (needs root and a kernel with tmpfs)"
+    );
+    let _unmount = Unmount(fs.clone());
+    let log = fs.join("audit.jsonl");
+    audit_settings(&d, &log, "4KiB", 2);
+    if unprivileged {
+        crate::sandbox::give_to_nobody(&d);
+        d.user = Some((65534, 65534));
+    }
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let mut committed = 0u64;
+    let write = |i: usize| json!({"session": "s", "text": format!("v{i}"), "out": "a.txt"});
+    for i in 0..10 {
+        let r = call(&c, "write_text", write(i)).await;
+        assert!(!is_error(&r), "{r}");
+        committed += 1;
+    }
+    let rotated = log_files(&log);
+    assert_eq!(
+        rotated.len(),
+        3,
+        "rotated with 2 kept: {:?}",
+        rotated.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+
+    // Out of inodes: one file that takes the space later, then empty files until none is left.
+    let mut space = std::fs::File::create(fs.join("space")).unwrap();
+    let mut n = 0;
+    while std::fs::File::create(fs.join(format!("inode{n}"))).is_ok() {
+        n += 1;
+    }
+    assert!(n > 0, "no inode was left to take");
+    let before = log_files(&log);
+    for i in 10..20 {
+        let r = call(&c, "write_text", write(i)).await;
+        assert!(
+            !is_error(&r),
+            "out of inodes, the current file still takes the commit: {r}"
+        );
+        committed += 1;
+    }
+    let grown = log_files(&log);
+    assert_eq!(
+        grown.iter().map(|f| &f.0).collect::<Vec<_>>(),
+        before.iter().map(|f| &f.0).collect::<Vec<_>>(),
+        "no file was removed or added while rotation could not create the next"
+    );
+    for ((_, old), (_, new)) in before.iter().zip(&grown) {
+        assert!(new.starts_with(old), "a kept file lost lines");
+    }
+    assert!(
+        grown.last().unwrap().1.len() > 4096,
+        "the current file grew past its size"
+    );
+
+    // Out of space too: commits fail, nothing is published, every file stays.
+    loop {
+        use std::io::Write;
+        if space.write_all(&[0u8; 4096]).is_err() {
+            break;
+        }
+    }
+    // The last page tmpfs gave the current file may still take a line or two.
+    let mut content = "v19".to_string();
+    let mut i = 20;
+    loop {
+        assert!(i < 50, "the full disk never failed a commit");
+        let r = call(&c, "write_text", write(i)).await;
+        i += 1;
+        if is_error(&r) {
+            assert_eq!(code(&r), "AUDIT_FAILED", "{r}");
+            break;
+        }
+        committed += 1;
+        content = format!("v{}", i - 1);
+    }
+    let full = log_files(&log);
+    for _ in 0..3 {
+        let r = call(&c, "write_text", write(i)).await;
+        i += 1;
+        assert!(is_error(&r), "a commit succeeded on a full audit disk: {r}");
+        assert_eq!(code(&r), "AUDIT_FAILED", "{r}");
+        assert_eq!(d.read("a.txt").as_deref(), Some(content.as_str()));
+        assert_eq!(version(&c, "s").await, committed);
+        assert!(d.job_dirs().is_empty(), "{:?}", d.job_dirs());
+    }
+    let now = log_files(&log);
+    assert_eq!(
+        now.iter().map(|f| &f.0).collect::<Vec<_>>(),
+        grown.iter().map(|f| &f.0).collect::<Vec<_>>(),
+        "a full disk removed or added a file"
+    );
+    for ((_, old), (_, new)) in grown.iter().chain(&full).zip(now.iter().chain(&now)) {
+        assert!(
+            new.starts_with(old),
+            "a kept file lost lines on a full disk"
+        );
+    }
+
+    // Space and inodes again: no restart, the next calls commit and the log rotates.
+    drop(space);
+    for e in std::fs::read_dir(&fs).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        if name == "space" || name.starts_with("inode") {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    for i in 25..35 {
+        let r = call(&c, "write_text", write(i)).await;
+        assert!(
+            !is_error(&r),
+            "with space again, calls commit without a restart: {r}"
+        );
+        committed += 1;
+    }
+    assert_eq!(d.read("a.txt").as_deref(), Some("v34"));
+    assert_eq!(version(&c, "s").await, committed);
+    let after = log_files(&log);
+    assert_eq!(
+        after.len(),
+        3,
+        "{:?}",
+        after.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    assert!(!fs.join("audit.jsonl.next").exists());
+    let (code_, out, err) = verify_log(&log);
+    assert_eq!(code_, 0, "{out}{err}");
+    assert!(out.contains("removed by retention"), "{out}");
+    // Every commit that succeeded is in the log once, or in a file retention removed.
+    let lines = lines_of(&log);
+    assert!(
+        lines
+            .iter()
+            .any(|e| e["kind"] == "commit" && e["detail"]["version"] == committed),
+        "the last commit is in the log"
+    );
+
+    // A restart continues the chain: its seq goes on, no new genesis.
+    drop(c);
+    d.stop();
+    let last = lines.last().unwrap()["seq"].as_u64().unwrap();
+    d.start();
+    let c = d.client().await;
+    let r = call(&c, "write_text", write(99)).await;
+    assert!(!is_error(&r), "{r}");
+    drop(c);
+    d.stop();
+    let lines = lines_of(&log);
+    let at = lines
+        .iter()
+        .position(|e| e["seq"].as_u64() == Some(last))
+        .expect("the last line before the restart is kept");
+    assert_eq!(
+        lines[at + 1]["seq"].as_u64(),
+        Some(last + 1),
+        "{}",
+        lines[at + 1]
+    );
+    assert!(lines
+        .windows(2)
+        .all(|w| w[1]["seq"].as_u64() == w[0]["seq"].as_u64().map(|s| s + 1)));
+    assert!(lines
+        .iter()
+        .all(|e| e["detail"]["chain"] != "restarted" && e["detail"]["chain"] != "genesis"));
+    let (code_, out, err) = verify_log(&log);
+    assert_eq!(code_, 0, "{out}{err}");
+}
+
+#[tokio::test]
+async fn a_full_audit_disk_loses_no_file_and_recovers_without_a_restart() {
+    full_audit_disk(false).await;
+}
+
+#[tokio::test]
+async fn a_full_audit_disk_loses_no_file_and_recovers_without_a_restart_unprivileged() {
+    full_audit_disk(true).await;
+}
+
+/// A uid no grant names.
+const INTRUDER: u32 = 54321;
+
+/// Pipelines `n` `tools/call` lines as `uid` on one connection (`airlock connect` under
+/// setpriv) and counts the replies' error codes. Fails after 60 s without a reply.
+fn flood_as(d: &Daemon, uid: u32, n: usize) -> BTreeMap<String, usize> {
+    let mut child = Command::new("setpriv")
+        .args([
+            format!("--reuid={uid}"),
+            format!("--regid={uid}"),
+            "--clear-groups".into(),
+            "--".into(),
+            BIN.into(),
+            "connect".into(),
+            "--socket".into(),
+        ])
+        .arg(&d.socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("setpriv airlock connect (util-linux setpriv is needed)");
+    let mut stdin = child.stdin.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let next = |what: &str| -> Value {
+        let l = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("no {what} within 60 s"));
+        serde_json::from_str(&l).expect("a JSON-RPC line")
+    };
+    use std::io::Write;
+    writeln!(
+        stdin,
+        "{}",
+        json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "flood", "version": "0"}}})
+    )
+    .unwrap();
+    assert!(next("initialize reply")["result"].is_object());
+    let writer = std::thread::spawn(move || {
+        let mut buf = String::new();
+        buf.push_str(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}).to_string());
+        buf.push('\n');
+        for i in 1..=n {
+            let tool = if i % 2 == 0 {
+                "session_create"
+            } else {
+                "write_text"
+            };
+            buf.push_str(
+                &json!({"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                    "params": {"name": tool, "arguments": {"id": format!("x{i}"), "session": "s", "text": "t", "out": "o.txt"}}})
+                .to_string(),
+            );
+            buf.push('\n');
+            if buf.len() > 1 << 16 {
+                stdin.write_all(buf.as_bytes()).unwrap();
+                buf.clear();
+            }
+        }
+        stdin.write_all(buf.as_bytes()).unwrap();
+        stdin
+    });
+    let mut codes = BTreeMap::new();
+    let mut replies = 0;
+    while replies < n {
+        let m = next("reply to a flooded call");
+        if m.get("id").is_none() {
+            continue;
+        }
+        replies += 1;
+        let c = m["result"]["structuredContent"]["error"]["code"]
+            .as_str()
+            .unwrap_or("none")
+            .to_string();
+        *codes.entry(c).or_insert(0) += 1;
+    }
+    drop(writer.join().unwrap());
+    let _ = child.kill();
+    let _ = child.wait();
+    codes
+}
+
+/// 20,000 denied calls of a uid no grant names, pipelined on one connection, with the log
+/// rotated every 64 KiB and 2 old files kept (the flood would fill them 40 times over if every
+/// denial were a line): the commit made before the flood is still in the kept files and in
+/// the ring, `verify` passes, and every denial is accounted for (the ones written one by one
+/// plus the aggregates' counts).
+async fn deny_flood(unprivileged: bool) {
+    require_root();
+    let mut d = Daemon::new();
+    let toml = d.policies.join("airlock.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    assert!(
+        text.contains("socket_mode = \"0600\""),
+        "shipped socket_mode moved"
+    );
+    std::fs::write(
+        &toml,
+        text.replace("socket_mode = \"0600\"", "socket_mode = \"0666\""),
+    )
+    .unwrap();
+    let log = d.state.join("audit.jsonl");
+    audit_settings(&d, std::path::Path::new("audit.jsonl"), "64KiB", 2);
+    if unprivileged {
+        crate::sandbox::give_to_nobody(&d);
+        d.user = Some((65534, 65534));
+    }
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "s", "text": "before the flood", "out": "a.txt"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    let lines = lines_of(&log);
+    let commit = lines
+        .iter()
+        .find(|e| e["kind"] == "commit" && e["tool"] == "write_text")
+        .expect("the commit")
+        .clone();
+
+    const N: usize = 20_000;
+    let codes = flood_as(&d, INTRUDER, N);
+    assert_eq!(codes.get("TOOL_FORBIDDEN"), Some(&N), "{codes:?}");
+    // An event of another kind writes the aggregates pending.
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "s", "text": "after the flood", "out": "b.txt"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+
+    let lines = lines_of(&log);
+    assert!(
+        lines.contains(&commit),
+        "the commit made before the flood was pushed out of the kept files"
+    );
+    let denials: Vec<&Value> = lines
+        .iter()
+        .filter(|e| e["kind"] == "deny" && e["principal"]["uid"] == json!(INTRUDER))
+        .collect();
+    let one_by_one = denials
+        .iter()
+        .filter(|e| e["detail"]["aggregated"].is_null())
+        .count();
+    let aggregated: u64 = denials
+        .iter()
+        .filter_map(|e| e["detail"]["aggregated"]["count"].as_u64())
+        .sum();
+    assert_eq!(
+        one_by_one as u64 + aggregated,
+        N as u64,
+        "{one_by_one} + {aggregated}"
+    );
+    assert!(one_by_one <= 64, "{one_by_one} denials written one by one");
+    assert!(aggregated > 0);
+    let agg = denials
+        .iter()
+        .find(|e| !e["detail"]["aggregated"].is_null())
+        .unwrap();
+    let tools = &agg["detail"]["aggregated"]["tools"];
+    assert!(
+        tools["session_create"].as_u64() > Some(0) && tools["write_text"].as_u64() > Some(0),
+        "{agg}"
+    );
+    assert!(
+        agg["detail"]["aggregated"]["codes"]["TOOL_FORBIDDEN"].as_u64() > Some(0),
+        "{agg}"
+    );
+    let (code_, out, err) = verify_log(&log);
+    assert_eq!(code_, 0, "{out}{err}");
+    // The ring was not flooded empty of the commit either.
+    let ring = audit(&c).await;
+    assert!(ring.contains(&commit), "the ring lost the commit");
+    // Denials still counted when the daemon stops are written on its way out.
+    let codes = flood_as(&d, INTRUDER, 100);
+    assert_eq!(codes.get("TOOL_FORBIDDEN"), Some(&100), "{codes:?}");
+    drop(c);
+    d.stop();
+    let counted: u64 = lines_of(&log)
+        .iter()
+        .filter(|e| e["kind"] == "deny" && e["principal"]["uid"] == json!(INTRUDER))
+        .map(|e| e["detail"]["aggregated"]["count"].as_u64().unwrap_or(1))
+        .sum();
+    assert_eq!(counted, N as u64 + 100);
+    let (code_, out, err) = verify_log(&log);
+    assert_eq!(code_, 0, "{out}{err}");
+}
+
+#[tokio::test]
+async fn a_flood_of_denials_pushes_no_commit_out_and_every_denial_is_counted() {
+    deny_flood(false).await;
+}
+
+#[tokio::test]
+async fn a_flood_of_denials_pushes_no_commit_out_and_every_denial_is_counted_unprivileged() {
+    deny_flood(true).await;
+}
+
+/// `airlock audit verify` on a daemon's log: first lines removed from a file never rotated,
+/// a rotated file removed in the middle, and the oldest removed without a retention record
+/// are breaks (exit 1, each named); files retention removed are reported as such (exit 0).
+#[tokio::test]
+async fn verify_tells_retention_from_removed_lines_and_files() {
+    let mut d = Daemon::new();
+    audit_settings(&d, std::path::Path::new("audit.jsonl"), "4KiB", 20);
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    // Never rotated yet: its first lines removed.
+    let log = d.state.join("audit.jsonl");
+    let whole = std::fs::read_to_string(&log).unwrap();
+    let cut: String = whole.lines().skip(2).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&log, &cut).unwrap();
+    let (code_, out, err) = verify_log(&log);
+    assert_eq!(code_, 1, "first lines removed passed verify: {out}");
+    assert!(err.contains("does not begin with a header line"), "{err}");
+    std::fs::write(&log, &whole).unwrap();
+    assert_eq!(verify_log(&log).0, 0);
+    for i in 0..12 {
+        let r = call(
+            &c,
+            "write_text",
+            json!({"session": "s", "text": format!("v{i}"), "out": "a.txt"}),
+        )
+        .await;
+        assert!(!is_error(&r), "{r}");
+    }
+    drop(c);
+    d.stop();
+    let files = log_files(&log);
+    assert!(
+        files.len() >= 4,
+        "{:?}",
+        files.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    let (code_, out, err) = verify_log(&log);
+    assert_eq!(code_, 0, "{out}{err}");
+    assert!(out.contains("from its genesis header"), "{out}");
+    // A rotated file missing in the middle.
+    let middle = d.state.join("audit.jsonl.2");
+    let saved = std::fs::read(&middle).unwrap();
+    std::fs::remove_file(&middle).unwrap();
+    let (code_, _, err) = verify_log(&log);
+    assert_eq!(code_, 1, "a missing middle file passed verify");
+    assert!(err.contains("1 file(s) missing in the middle"), "{err}");
+    std::fs::write(&middle, saved).unwrap();
+    // The oldest file removed, which retention (20 kept) did not do.
+    let oldest = d.state.join(&files[0].0);
+    std::fs::remove_file(&oldest).unwrap();
+    let (code_, _, err) = verify_log(&log);
+    assert_eq!(code_, 1, "the genesis file removed passed verify");
+    assert!(err.contains("removed outside retention"), "{err}");
+    // Retention removes the oldest (keep 1): reported as retention, exit 0.
+    std::fs::write(&oldest, &files[0].1).unwrap();
+    let toml = d.policies.join("airlock.toml");
+    let t = std::fs::read_to_string(&toml)
+        .unwrap()
+        .replace("audit_log_keep = 20", "audit_log_keep = 1");
+    std::fs::write(&toml, t).unwrap();
+    d.start();
+    let c = d.client().await;
+    for i in 0..6 {
+        let r = call(
+            &c,
+            "write_text",
+            json!({"session": "s", "text": format!("w{i}"), "out": "a.txt"}),
+        )
+        .await;
+        assert!(!is_error(&r), "{r}");
+    }
+    drop(c);
+    d.stop();
+    assert_eq!(log_files(&log).len(), 2);
+    let (code_, out, err) = verify_log(&log);
+    assert_eq!(code_, 0, "{out}{err}");
+    assert!(
+        out.contains("older file(s) were removed by retention"),
+        "{out}"
+    );
 }
