@@ -169,6 +169,14 @@ timeout = "10s"
 type = "string"
 "#,
     );
+    // The state bound is raised past the json request's bound, which is the one tested.
+    crate::robust_mcp::set_daemon(
+        &d,
+        &[
+            ("max_session_state_bytes", "\"4MiB\""),
+            ("max_state_bytes_per_principal", "\"16MiB\""),
+        ],
+    );
     d.start();
     let c = d.client().await;
     // A session whose state is large: a json request carries it.
