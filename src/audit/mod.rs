@@ -447,14 +447,14 @@ impl Audit {
         let mut make = |h: &log::Head| {
             event.seq = h.next_seq;
             event.prev = h.prev.clone();
-            let text = serde_json::to_string(&event).unwrap_or_default();
+            let text = visible_json(serde_json::to_string(&event).unwrap_or_default());
             if text.len() <= MAX_EVENT {
                 return text;
             }
             let mut cut = event.clone();
             cut.detail =
                 serde_json::json!({"truncated": format!("detail of {} bytes dropped", text.len())});
-            serde_json::to_string(&cut).unwrap_or_default()
+            visible_json(serde_json::to_string(&cut).unwrap_or_default())
         };
         let text = match &mut w.log {
             Some(log) => {
@@ -571,6 +571,33 @@ impl Drop for Audit {
     fn drop(&mut self) {
         self.flush_denials();
     }
+}
+
+/// JSON text with every character that would not show as itself (DEL, C1 controls,
+/// bidirectional controls, zero-width and other invisible characters: those Rust's `{:?}`
+/// escapes) written as a `\uXXXX` escape. serde_json escapes only U+0000-U+001F, so a
+/// client's U+202E would otherwise sit raw in the log and in `airlock audit`'s output; the
+/// escape is the same JSON value, so readers and `verify` see no difference. Such characters
+/// can only stand inside JSON strings, where the escape is valid.
+fn visible_json(text: String) -> String {
+    let hidden =
+        |c: char| c == '\u{7f}' || (!c.is_ascii() && c.escape_debug().next() == Some('\\'));
+    if !text.chars().any(hidden) {
+        return text;
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if hidden(c) {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                // Writing to a String cannot fail.
+                let _ = std::fmt::Write::write_fmt(&mut out, format_args!("\\u{u:04x}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -887,5 +914,22 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("dropped"));
+    }
+
+    #[test]
+    fn invisible_characters_are_escaped_in_the_log_and_read_back_the_same() {
+        let value = "a\u{202e}b\u{200b}c\u{7f}d\u{85}e\u{e0001}f é \\ \"";
+        let text = visible_json(serde_json::to_string(&serde_json::json!({"v": value})).unwrap());
+        assert!(text.chars().all(|c| c == 'é' || c.is_ascii()), "{text}");
+        assert!(
+            text.contains("\\u202e") && text.contains("\\udb40\\udc01"),
+            "{text}"
+        );
+        assert!(
+            text.contains('é'),
+            "printable characters stay as they are: {text}"
+        );
+        let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back["v"], value);
     }
 }

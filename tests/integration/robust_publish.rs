@@ -1,4 +1,4 @@
-//! Issue #8 (cleanup, recovery, paths, state dir, disk): whatever a worker leaves in staging
+//! Robustness of publication (cleanup, recovery, paths, state dir, disk): whatever a worker leaves in staging
 //! and whatever path a client sends, the daemon keeps serving and starts again.
 
 use std::os::unix::fs::PermissionsExt;
@@ -856,6 +856,23 @@ async fn forbidden_path_characters(unprivileged: bool) {
     restarts_and_serves(&mut d, "p", 0).await;
     d.stop();
     let log = d.state.join("audit.jsonl");
+    // The log's bytes hold none of them raw either, not even in the `allow` events that keep
+    // the client's arguments as data: they are `\uXXXX` escapes there.
+    let text = std::fs::read_to_string(&log).expect("audit.jsonl");
+    let allows = text
+        .lines()
+        .filter(|l| l.contains(r#""kind":"allow""#))
+        .count();
+    assert!(
+        allows >= refused,
+        "{allows} allow events for {refused} calls"
+    );
+    for line in text.lines() {
+        assert!(
+            !line.chars().any(unsafe_to_show),
+            "the log holds it raw: {line}"
+        );
+    }
     let v = Command::new(BIN)
         .args(["audit", "verify", "--log"])
         .arg(&log)
