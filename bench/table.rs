@@ -1,4 +1,4 @@
-//! The benchmark table of issue #11, in one run: `bench/run` (full) or `bench/run --short`
+//! The benchmark table, in one run: `bench/run` (full) or `bench/run --short`
 //! (what CI runs, only to check that it works). It starts the release `airlock` on a
 //! temporary socket, measures each row against its baseline side by side, and prints a
 //! Markdown table ready for BENCHMARKS.md. Nothing here asserts a time: a missed target is
@@ -774,7 +774,7 @@ fn main() {
         "",
     );
 
-    // --- The durable audit event every commit waits for (#9's group commit).
+    // --- The durable audit event every commit waits for (its group commit).
     let (alone, shared) = audit_commit_cost(&d.state, plan.iters);
     t.row(
         "durable audit event (`commit`: a line written and fsynced), one writer",

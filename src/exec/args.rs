@@ -574,27 +574,16 @@ mod tests {
         params.insert(
             "out".to_string(),
             Param {
-                ty: ParamType::String,
-                description: String::new(),
                 required: true,
-                default: None,
                 path: Some(PathRole::Output),
-                mode: None,
-                secret: false,
-                env: None,
+                ..Param::of(ParamType::String)
             },
         );
         params.insert(
             "n".to_string(),
             Param {
-                ty: ParamType::Integer,
-                description: String::new(),
-                required: false,
                 default: Some(3.into()),
-                path: None,
-                mode: None,
-                secret: false,
-                env: None,
+                ..Param::of(ParamType::Integer)
             },
         );
         Tool {
@@ -754,19 +743,8 @@ mod tests {
     #[test]
     fn strings_and_paths_are_bounded_and_long_names_are_cut() {
         let mut t = tool();
-        t.params.insert(
-            "text".to_string(),
-            Param {
-                ty: ParamType::String,
-                description: String::new(),
-                required: false,
-                default: None,
-                path: None,
-                mode: None,
-                secret: false,
-                env: None,
-            },
-        );
+        t.params
+            .insert("text".to_string(), Param::of(ParamType::String));
         let at = |n: usize| "x".repeat(n);
         let ok = serde_json::json!({"session": "s", "out": at(MAX_PATH_ARG), "text": at(MAX_STRING_ARG)});
         assert!(validate(&t, &obj(ok)).is_ok());

@@ -17,24 +17,13 @@ use std::collections::BTreeMap;
 /// The built-in session tools, present in every policy.
 pub fn builtins() -> BTreeMap<String, Tool> {
     let string = |description: &str, required: bool| Param {
-        ty: ParamType::String,
         description: description.to_string(),
         required,
-        default: None,
-        path: None,
-        mode: None,
-        secret: false,
-        env: None,
+        ..Param::of(ParamType::String)
     };
     let object = |description: &str| Param {
-        ty: ParamType::Object,
         description: description.to_string(),
-        required: false,
-        default: None,
-        path: None,
-        mode: None,
-        secret: false,
-        env: None,
+        ..Param::of(ParamType::Object)
     };
     let mk = |name: &str,
               title: &str,

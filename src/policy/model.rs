@@ -403,6 +403,23 @@ pub struct Param {
     pub env: Option<String>,
 }
 
+impl Param {
+    /// An optional parameter of type `ty` with nothing else declared: the base that the
+    /// built-in tools and tests fill in with struct-update syntax.
+    pub fn of(ty: ParamType) -> Param {
+        Param {
+            ty,
+            description: String::new(),
+            required: false,
+            default: None,
+            path: None,
+            mode: None,
+            secret: false,
+            env: None,
+        }
+    }
+}
+
 /// The mode of a published output whose parameter declares none.
 pub const DEFAULT_OUTPUT_MODE: u32 = 0o644;
 /// Bits a declared output mode may not have: setuid, setgid, sticky, group and other write.

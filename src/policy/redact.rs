@@ -326,14 +326,8 @@ mod tests {
             t.params.insert(
                 name.into(),
                 Param {
-                    ty: ParamType::String,
-                    description: String::new(),
-                    required: false,
-                    default: None,
-                    path: None,
-                    mode: None,
                     secret,
-                    env: None,
+                    ..Param::of(ParamType::String)
                 },
             );
         }
@@ -349,14 +343,8 @@ mod tests {
             t.params.insert(
                 name.clone(),
                 Param {
-                    ty: ParamType::String,
-                    description: String::new(),
-                    required: false,
-                    default: None,
-                    path: None,
-                    mode: None,
                     secret: true,
-                    env: None,
+                    ..Param::of(ParamType::String)
                 },
             );
             args.insert(name, json!(v));

@@ -1002,7 +1002,7 @@ fn real_failpoints_abort_and_errno_at_every_point() {
 }
 
 // ---------------------------------------------------------------------------------------
-// #8: whatever a worker leaves in staging never stops cleanup or recovery
+// whatever a worker leaves in staging never stops cleanup or recovery
 
 /// Builds a chain of `depth` directories named `name` beneath `dir`, with a file and a
 /// symlink at every level, through dirfds (the full path is far beyond PATH_MAX, so no path
@@ -1333,7 +1333,7 @@ fn recovery_repairs_a_job_dir_without_permissions() {
 }
 
 // ---------------------------------------------------------------------------------------
-// #8: bounds on client paths
+// bounds on client paths
 
 #[test]
 fn overlong_paths_are_rejected_before_anything_is_created() {

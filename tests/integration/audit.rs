@@ -981,19 +981,7 @@ const INTRUDER: u32 = 54321;
 /// Pipelines `n` `tools/call` lines as `uid` on one connection (`airlock connect` under
 /// setpriv) and counts the replies' error codes. Fails after 60 s without a reply.
 fn flood_as(d: &Daemon, uid: u32, n: usize) -> BTreeMap<String, usize> {
-    let mut child = Command::new("setpriv")
-        .args([
-            format!("--reuid={uid}"),
-            format!("--regid={uid}"),
-            "--clear-groups".into(),
-            "--".into(),
-            BIN.into(),
-            "connect".into(),
-            "--socket".into(),
-        ])
-        .arg(&d.socket)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
+    let mut child = connect_as(d, uid, "--clear-groups")
         .spawn()
         .expect("setpriv airlock connect (util-linux setpriv is needed)");
     let mut stdin = child.stdin.take().unwrap();

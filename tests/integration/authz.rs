@@ -1,4 +1,4 @@
-//! Issue #9 points 1 and 5: grants, session ownership, the audit resource's guard and secret
+//! Grants, session ownership, the audit resource's guard and secret
 //! parameters, over the real socket. The test process is root (granted everything by the
 //! shipped airlock.toml); the other principal is a real client process running as `nobody`
 //! (`setpriv` + `airlock connect`), so the daemon sees uid 65534 in SO_PEERCRED.
@@ -56,19 +56,7 @@ async fn as_nobody_in(d: &Daemon, groups: &[u32]) -> Foreign {
         let g: Vec<String> = groups.iter().map(u32::to_string).collect();
         format!("--groups={}", g.join(","))
     };
-    let mut child = tokio::process::Command::new("setpriv")
-        .args([
-            format!("--reuid={NOBODY}"),
-            format!("--regid={NOBODY}"),
-            groups,
-            "--".into(),
-            BIN.into(),
-            "connect".into(),
-            "--socket".into(),
-        ])
-        .arg(&d.socket)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
+    let mut child = tokio::process::Command::from(connect_as(d, NOBODY, &groups))
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
         .spawn()

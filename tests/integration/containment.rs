@@ -1,4 +1,4 @@
-//! Issue #7, the second kernel layer: hostile tools against the seccomp `containment` filter
+//! The second kernel layer: hostile tools against the seccomp `containment` filter
 //! (every profile) and Landlock's exec and scope rules. Each behaviour runs under both
 //! shipped profiles (`default`, `strict`) and with the daemon both as root and as `nobody`,
 //! and asserts the errno, that nothing outside staging changed (content, mode, owner, mtime,

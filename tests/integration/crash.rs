@@ -1,4 +1,4 @@
-//! Issue #4: crash-point tests. Every filesystem mutation of publication, commit and recovery
+//! Crash-point tests. Every filesystem mutation of publication, commit and recovery
 //! passes one failpoint (built with `--features failpoints`). For each scenario the harness
 //! crashes the real daemon (abort, like kill -9) at point N = 0, 1, 2, ... until a run
 //! completes; after each crash it restarts the daemon and checks that the workspace is the
@@ -6,7 +6,7 @@
 //! backup file remains. Then the same with a second crash during recovery, then injected
 //! errors (EIO, ENOSPC, EXDEV, EINVAL) at every point, rolled back in process. After each,
 //! the audit log's last word on the call's job (its last `commit` or `rollback`) must match
-//! the workspace, and `airlock audit verify` must find the chain intact (#9).
+//! the workspace, and `airlock audit verify` must find the chain intact.
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;

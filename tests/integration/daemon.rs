@@ -1,4 +1,4 @@
-//! Issue #2: the daemon over a real socket, driven by rmcp's client and raw JSON-RPC.
+//! The daemon over a real socket, driven by rmcp's client and raw JSON-RPC.
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;

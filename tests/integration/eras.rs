@@ -1,4 +1,4 @@
-//! Both protocol eras over the real socket (#10 point 1): a 2025-era client negotiates with
+//! Both protocol eras over the real socket: a 2025-era client negotiates with
 //! `initialize`; a 2026-07-28 client sends `server/discover` and then self-contained
 //! requests whose `_meta` carries its protocol version and capabilities. Each gets the
 //! result shapes and error codes of its own revision.

@@ -1,4 +1,4 @@
-//! Optional MCP features over the real socket (#10 point 4): tool titles and output schemas,
+//! Optional MCP features over the real socket: tool titles and output schemas,
 //! the text block that repeats `structuredContent`, and `notifications/progress` (the
 //! daemon's phases and a worker's reports, bounded against a hostile worker).
 

@@ -57,6 +57,21 @@ pub async fn tool_names(c: &Client) -> Vec<String> {
     names
 }
 
+/// `airlock connect` to `d`'s socket as `uid` (and the gid of the same number) under
+/// setpriv, with `groups` given as setpriv takes them (`--clear-groups`, `--groups=1,2`);
+/// stdin and stdout piped, so the caller speaks MCP over them.
+pub fn connect_as(d: &Daemon, uid: u32, groups: &str) -> Command {
+    let mut c = Command::new("setpriv");
+    c.arg(format!("--reuid={uid}"))
+        .arg(format!("--regid={uid}"))
+        .arg(groups)
+        .args(["--", BIN, "connect", "--socket"])
+        .arg(&d.socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    c
+}
+
 impl Daemon {
     /// Shipped policies plus `tests/tools/*.toml`.
     pub fn new() -> Daemon {

@@ -1,4 +1,4 @@
-//! Issue #4: races against publication. The daemon is paused at a failpoint of publication
+//! Races against publication. The daemon is paused at a failpoint of publication
 //! (`AIRLOCK_FAILPOINT_PAUSE_AT`); while it waits, the test plays the attacker: it swaps a
 //! target's parent for a symlink leading out, replaces the target with a symlink, makes it a
 //! directory, or hard-links it to a file outside. Nothing outside the workspace may change,

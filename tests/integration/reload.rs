@@ -27,19 +27,7 @@ struct Bridge {
 
 impl Bridge {
     fn connect(d: &Daemon, uid: u32) -> Bridge {
-        let mut child = Command::new("setpriv")
-            .args([
-                format!("--reuid={uid}"),
-                format!("--regid={uid}"),
-                "--clear-groups".into(),
-                "--".into(),
-                BIN.into(),
-                "connect".into(),
-                "--socket".into(),
-            ])
-            .arg(&d.socket)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
+        let mut child = connect_as(d, uid, "--clear-groups")
             .stderr(Stdio::inherit())
             .spawn()
             .expect("setpriv airlock connect (util-linux setpriv is needed)");

@@ -1,5 +1,5 @@
 //! Arguments reach tools as data, are bounded before anything is created, and a `json`
-//! worker's response is checked whole before anything is published (issue #8).
+//! worker's response is checked whole before anything is published.
 
 use serde_json::{json, Value};
 

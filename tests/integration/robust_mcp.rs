@@ -1,4 +1,4 @@
-//! Issue #8, the MCP side: hostile and careless clients against the real daemon. Framing
+//! Robustness, the MCP side: hostile and careless clients against the real daemon. Framing
 //! (every bad line answered, duplicate ids), bounded strings in the audit, bounded memory
 //! under abuse (read from /proc), fair connections (handshake and idle timeouts, a per-uid
 //! cap shown with a second uid), and signals (SIGTERM within its bound, SIGHUP survived).
@@ -436,7 +436,7 @@ async fn one_uid_at_its_cap_does_not_lock_out_another() {
             ("socket_mode", "\"0666\""),
         ],
     );
-    // nobody may list sessions (no grant, no access: #9).
+    // nobody may list sessions (no grant, no access).
     let conf = d.policies.join("airlock.toml");
     let text = std::fs::read_to_string(&conf).expect("airlock.toml");
     std::fs::write(

@@ -1,4 +1,4 @@
-//! Issue #3: hostile tools, each run as a write tool through the real daemon. Each must fail
+//! Hostile tools, each run as a write tool through the real daemon. Each must fail
 //! to cause harm, the call must end with a clear result, and the workspace must be
 //! byte-for-byte unchanged (but for a declared output, where noted).
 

@@ -1,4 +1,4 @@
-//! Load and soak (#11 point 4): many mixed calls (external reads, counter writes, built-ins)
+//! Load and soak: many mixed calls (external reads, counter writes, built-ins)
 //! across many sessions from several connections, with random cancellations, timeouts and
 //! client disconnects; afterwards nothing may be lost or leaked. `.ci/run` runs the short
 //! version (`AIRLOCK_SOAK_CALLS`, 2,000 by default); `bench/run` runs 10,000 and reports the
@@ -484,7 +484,7 @@ pub fn run(d: &Daemon, cfg: &Config) -> Report {
     if !left.is_empty() {
         p.push(format!("worker processes left: {left:?}"));
     }
-    // The spawner process (#11) is the daemon's one lasting child; nothing else may be left.
+    // The spawner process is the daemon's one lasting child; nothing else may be left.
     let kids: Vec<i32> = children(pid)
         .into_iter()
         .filter(|&k| !is_spawner(k))

@@ -1,4 +1,4 @@
-//! Issue #11 point 2: the spawner process that forks every worker. Hostile tools against it
+//! The spawner process that forks every worker. Hostile tools against it
 //! (signals, ptrace, its socket), a spawner that dies or hangs (the daemon replaces it and
 //! keeps serving), and a daemon killed with SIGKILL (the spawner and the workers die with it).
 

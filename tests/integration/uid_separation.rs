@@ -1,4 +1,4 @@
-//! Issue #7: workers under a uid of their own, and what they can reach. Each test is a hostile
+//! Workers under a uid of their own, and what they can reach. Each test is a hostile
 //! tool run through the real daemon, as root (workers get a uid of their own from
 //! `worker_uids`) and, where meaningful, as `nobody` (workers keep the daemon's uid), under the
 //! shipped `default` and `strict` profiles; each asserts on the outside world: contents,
