@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use harness::{Daemon, Raw};
+use harness::{set_daemon, Daemon, Raw};
 use soak::{children, fd_count, percentile, rss_kib};
 
 /// Sizes of one run: `--short` shrinks every count so the whole run takes a few seconds.
@@ -127,6 +127,16 @@ fn tools(d: &Daemon) {
 fn start(extra: impl FnOnce(&Daemon)) -> Daemon {
     let mut d = Daemon::new();
     tools(&d);
+    // One user (root) drives every figure: its sessions and call slots are bounded by the
+    // machine-wide limits only (the many-sessions row makes 10,000 of them).
+    set_daemon(
+        &d,
+        &[
+            ("max_sessions_per_principal", "20000"),
+            ("max_state_bytes_per_principal", "\"1GiB\""),
+            ("max_calls_per_principal", "64"),
+        ],
+    );
     extra(&d);
     // The harness logs at debug for the tests; a benchmark measures the default.
     d.env.push(("AIRLOCK_LOG".into(), "warn".into()));

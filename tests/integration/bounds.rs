@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 
 use crate::authz::{as_nobody, daemon, events_of, NOBODY};
 use crate::harness::*;
-use crate::robust_mcp::{memory_bound, set_daemon, status_kib};
+use crate::robust_mcp::{memory_bound, status_kib};
 
 /// A state of exactly `n` bytes as compact JSON: `{"pad":"xx..."}`.
 fn pad(n: usize) -> Value {

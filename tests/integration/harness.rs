@@ -57,6 +57,26 @@ pub async fn tool_names(c: &Client) -> Vec<String> {
     names
 }
 
+/// Sets `[daemon]` keys of the daemon's `airlock.toml` (before `start`).
+pub fn set_daemon(d: &Daemon, kv: &[(&str, &str)]) {
+    let path = d.policies.join("airlock.toml");
+    let text = std::fs::read_to_string(&path).expect("airlock.toml");
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let key = line.trim_start_matches('#').trim_start();
+        if kv.iter().any(|(k, _)| key.starts_with(&format!("{k} ="))) {
+            continue;
+        }
+        out.push(line.to_string());
+        if line.trim() == "[daemon]" {
+            for (k, v) in kv {
+                out.push(format!("{k} = {v}"));
+            }
+        }
+    }
+    std::fs::write(&path, out.join("\n") + "\n").expect("write airlock.toml");
+}
+
 /// `airlock connect` to `d`'s socket as `uid` (and the gid of the same number) under
 /// setpriv, with `groups` given as setpriv takes them (`--clear-groups`, `--groups=1,2`);
 /// stdin and stdout piped, so the caller speaks MCP over them.

@@ -170,7 +170,7 @@ type = "string"
 "#,
     );
     // The state bound is raised past the json request's bound, which is the one tested.
-    crate::robust_mcp::set_daemon(
+    set_daemon(
         &d,
         &[
             ("max_session_state_bytes", "\"4MiB\""),

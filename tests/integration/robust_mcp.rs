@@ -11,26 +11,6 @@ use serde_json::{json, Value};
 
 use crate::harness::*;
 
-/// Sets `[daemon]` keys of the daemon's `airlock.toml` (before `start`).
-pub(crate) fn set_daemon(d: &Daemon, kv: &[(&str, &str)]) {
-    let path = d.policies.join("airlock.toml");
-    let text = std::fs::read_to_string(&path).expect("airlock.toml");
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let key = line.trim_start_matches('#').trim_start();
-        if kv.iter().any(|(k, _)| key.starts_with(&format!("{k} ="))) {
-            continue;
-        }
-        out.push(line.to_string());
-        if line.trim() == "[daemon]" {
-            for (k, v) in kv {
-                out.push(format!("{k} = {v}"));
-            }
-        }
-    }
-    std::fs::write(&path, out.join("\n") + "\n").expect("write airlock.toml");
-}
-
 /// Reads until EOF or `within`; returns the bytes and whether EOF was reached.
 fn read_to_eof(s: &mut StdUnixStream, within: Duration) -> (Vec<u8>, bool) {
     let deadline = Instant::now() + within;
