@@ -93,6 +93,11 @@ pub(super) fn check(dir: &Path) -> Exit {
     if policy.grants.is_empty() {
         println!("(no [[grant]]: no principal may call anything)");
     }
+    for t in policy.tools.values() {
+        if let Some(note) = no_output_note(t) {
+            println!("{note}");
+        }
+    }
     println!(
         "ok: {} tools, {} profiles, {} grants",
         policy.tools.len(),
@@ -144,7 +149,14 @@ pub(super) fn explain(dir: &Path, name: &str) -> Exit {
         println!("  runs inside the daemon: no worker, no sandbox");
         return Exit::Ok;
     };
-    println!("  command:  {}", ext.command.join(" "));
+    println!(
+        "  command:  {}",
+        ext.command
+            .iter()
+            .map(|a| shell_quoted(a))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     println!("  protocol: {}", ext.protocol.as_str());
     println!(
         "  timeout:  {:?} (then SIGTERM to the group, the grace, SIGKILL)",
@@ -163,4 +175,54 @@ pub(super) fn explain(dir: &Path, name: &str) -> Exit {
     }
     print!("{}", crate::sandbox::explain(&ext.profile));
     Exit::Ok
+}
+
+/// The warning `policy check` prints for an external write tool that declares no output
+/// parameter: the sandbox gives it nothing to write, so it can change nothing.
+fn no_output_note(t: &policy::Tool) -> Option<String> {
+    let external = matches!(t.kind, policy::ToolKind::External(_));
+    let writes = t.capability == policy::Capability::Write;
+    let outputs = t
+        .params
+        .values()
+        .any(|p| p.path == Some(policy::PathRole::Output));
+    (external && writes && !outputs).then(|| {
+        format!(
+            "warning: tool {}: declares no output: its inputs are read-only to the worker; \
+             it can change nothing in the workspace (declare a parameter with \
+             path = \"output\" for each file it writes)",
+            t.name
+        )
+    })
+}
+
+/// `arg` as a POSIX shell would need it written to stay one word: as it is when it holds
+/// only characters no shell treats specially, else in single quotes (a `'` as `'\''`).
+fn shell_quoted(arg: &str) -> String {
+    let plain = !arg.is_empty()
+        && arg
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"@%+=:./_-{}".contains(&b));
+    if plain {
+        arg.to_string()
+    } else {
+        format!("'{}'", arg.replace('\'', "'\\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shell_quoted;
+
+    #[test]
+    fn argv_elements_are_quoted_as_a_shell_would_need() {
+        assert_eq!(shell_quoted("/bin/sh"), "/bin/sh");
+        assert_eq!(shell_quoted("{out}"), "{out}");
+        assert_eq!(shell_quoted("-c"), "-c");
+        assert_eq!(shell_quoted("echo hi > \"$2\""), "'echo hi > \"$2\"'");
+        assert_eq!(shell_quoted("it's"), "'it'\\''s'");
+        assert_eq!(shell_quoted(""), "''");
+        assert_eq!(shell_quoted("a b"), "'a b'");
+        assert_eq!(shell_quoted("*"), "'*'");
+    }
 }

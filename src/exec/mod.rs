@@ -850,12 +850,7 @@ impl Executor {
             targets: outputs.iter().map(|(_, p)| p.clone()).collect(),
             modes: outputs
                 .iter()
-                .map(|(n, _)| {
-                    tool.params
-                        .get(n)
-                        .and_then(|p| p.mode)
-                        .unwrap_or(crate::policy::DEFAULT_OUTPUT_MODE)
-                })
+                .map(|(n, _)| tool.params.get(n).and_then(|p| p.mode))
                 .collect(),
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
         };
@@ -952,6 +947,17 @@ impl Executor {
             })
         });
         if let Err(e) = published {
+            // What the worker left is at fault, not publication: nothing was published.
+            if let publish::PublishError::BadOutput { index, reason, .. } = &e {
+                let param = outputs.get(*index).map_or("?", |(n, _)| n.as_str());
+                return Err(CallError::ToolFailed(format!(
+                    "{}: output `{param}` must be a regular file with one link (directory \
+                     outputs are not supported): {reason}; nothing was published and the \
+                     session is unchanged",
+                    tool.name
+                ))
+                .into());
+            }
             let restored = !matches!(e, publish::PublishError::RollbackFailed { .. });
             if let (Some(a), true) = (audit_failed, restored) {
                 return Err(CallError::AuditFailed(a).into());
@@ -963,6 +969,11 @@ impl Executor {
             .into());
         }
         let version = committed.as_ref().map_or(before.version, |s| s.version);
+        // A tool that printed nothing gives no empty text block: the result's content is
+        // the structured result's text alone.
+        reply
+            .content
+            .retain(|b| !(b["type"] == "text" && b["text"] == ""));
         reply.structured = Some(json!({
             "session": session,
             "version": version,
@@ -1169,18 +1180,21 @@ impl Executor {
             ToolKind::Builtin(_) => Protocol::Argv,
         };
         let stderr_tail = stderr_tail(&o.stderr, secrets, STDERR_TAIL);
+        let hint = write_denied_hint(tool, &stderr_tail);
         match o.end {
             End::Exited(0) => {}
             End::Exited(code) => {
                 return Err(CallError::ToolFailed(format!(
-                    "{} exited with status {code}; nothing was published; stderr: {stderr_tail}",
+                    "{} exited with status {code}; nothing was published; \
+                     stderr: {stderr_tail}{hint}",
                     tool.name
                 ))
                 .into())
             }
             End::Signaled(sig) => {
                 return Err(CallError::ToolFailed(format!(
-                    "{} was killed by signal {sig}; nothing was published; stderr: {stderr_tail}",
+                    "{} was killed by signal {sig}; nothing was published; \
+                     stderr: {stderr_tail}{hint}",
                     tool.name
                 ))
                 .into())
@@ -1295,6 +1309,42 @@ fn json_request(
     let mut bytes = req.to_string().into_bytes();
     bytes.push(b'\n');
     bytes
+}
+
+/// The sentence a failed write tool's `TOOL_FAILED` message ends with when its stderr says
+/// a write was refused (or it declares no output, so every write is): the sandbox, not the
+/// file, refused it. Empty otherwise.
+fn write_denied_hint(tool: &Tool, stderr_tail: &str) -> String {
+    if tool.capability != crate::policy::Capability::Write {
+        return String::new();
+    }
+    let outputs: Vec<&str> = tool
+        .params
+        .iter()
+        .filter(|(_, p)| p.path == Some(PathRole::Output))
+        .map(|(n, _)| n.as_str())
+        .collect();
+    let denied = [
+        "Permission denied",
+        "Read-only file system",
+        "EACCES",
+        "EROFS",
+    ]
+    .iter()
+    .any(|m| stderr_tail.contains(m));
+    if outputs.is_empty() {
+        " (the tool declares no output: the worker may write nothing in the workspace, its \
+         inputs are read-only; writes elsewhere are denied)"
+            .into()
+    } else if denied {
+        format!(
+            " (the worker may write only its staged outputs ({}); writes elsewhere, its inputs \
+             included, are denied)",
+            outputs.join(", ")
+        )
+    } else {
+        String::new()
+    }
 }
 
 /// The bytes of a failed worker's stderr its `TOOL_FAILED` message quotes (its end).

@@ -438,10 +438,14 @@ impl ServerHandler for Handler {
                 None,
             )),
             // Cancelled by its client before the point of no return: the framing drops
-            // this reply (JSON-RPC answers a cancelled request with nothing).
-            Reply::Cancelled if id.is_some_and(|id| self.calls.silence(id)) => Err(
-                McpError::internal_error("call cancelled by the client", None),
-            ),
+            // this reply (JSON-RPC answers a cancelled request with nothing). It is an
+            // empty result, not an error: rmcp logs every error reply as a WARN, and a
+            // client's cancel is no fault.
+            Reply::Cancelled if id.is_some_and(|id| self.calls.silence(id)) => {
+                let dropped: CallToolResult =
+                    wire(json!({"resultType": "complete", "content": [], "isError": true}))?;
+                Ok(CallToolResponse::Complete(dropped))
+            }
             // Cancelled by the daemon's shutdown (or the client went away, and nobody reads).
             Reply::Cancelled => Err(McpError::internal_error(
                 "call cancelled: the daemon is shutting down or the client went away",

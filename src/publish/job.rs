@@ -418,7 +418,8 @@ impl Job {
         for (i, rec) in self.journal.targets.iter().enumerate() {
             let bad = |reason: String| PublishError::BadOutput {
                 path: rec.target.clone(),
-                reason: format!("output {i}: {reason}"),
+                index: i,
+                reason,
             };
             let staged = self.dir.join(&rec.staged);
             let slot = Path::new(STAGE).join(i.to_string());
@@ -440,7 +441,10 @@ impl Job {
                 rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
             let ft = file_type(&st);
             if ft != FileType::RegularFile {
-                return Err(bad(format!("it is {}, not a regular file", describe(ft))));
+                return Err(bad(format!(
+                    "the tool left {} there, not a regular file",
+                    describe(ft)
+                )));
             }
             if nlink(&st) != 1 {
                 return Err(bad(format!(
@@ -450,12 +454,10 @@ impl Job {
             }
             // Owner and mode are the daemon's to set, before the file can be read or moved:
             // no setuid/setgid/sticky bit, no group or other write, the worker's uid gone.
-            let mode = self
-                .spec
-                .modes
-                .get(i)
-                .copied()
-                .unwrap_or(crate::policy::DEFAULT_OUTPUT_MODE);
+            let mode = match self.spec.modes.get(i).copied().flatten() {
+                Some(m) => m,
+                None => self.replaced_mode(&rec.target),
+            };
             mutate("publish.seal_output", &staged, || {
                 seal(pfd.as_fd(), &st, mode)
             })?;
@@ -483,6 +485,19 @@ impl Job {
         }
         self.published = published;
         Ok(ids)
+    }
+
+    /// The permission bits a published output keeps from the regular file at `target` it
+    /// replaces, less setuid/setgid/sticky and group/other write; 0644 for a new target (or
+    /// one that is not a regular file, which publication then refuses as changed).
+    fn replaced_mode(&self, target: &Path) -> u32 {
+        open_beneath(self.root.as_fd(), target, OFlags::PATH)
+            .and_then(|fd| rustix::fs::fstat(fd.as_fd()))
+            .ok()
+            .filter(|st| file_type(st) == FileType::RegularFile)
+            .map_or(crate::policy::DEFAULT_OUTPUT_MODE, |st| {
+                st.st_mode & 0o7777 & !crate::policy::FORBIDDEN_OUTPUT_BITS
+            })
     }
 
     /// Records the new identities and what each target holds now; returns the parent dirs

@@ -85,8 +85,14 @@ pub enum PublishError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("staged output {path} rejected: {reason}")]
-    BadOutput { path: PathBuf, reason: String },
+    /// The worker left something other than one regular file with one link as output
+    /// `index` (the tool's result is at fault): nothing was published.
+    #[error("staged output {path} rejected: output {index}: {reason}")]
+    BadOutput {
+        path: PathBuf,
+        index: usize,
+        reason: String,
+    },
     /// The caller's commit (the session store's write) failed; its error is kept.
     #[error("commit failed: {0}")]
     Commit(#[source] CallbackError),
@@ -134,9 +140,11 @@ pub struct JobSpec {
     pub tool: String,
     /// Normalized paths relative to the workspace root, one per output parameter.
     pub targets: Vec<PathBuf>,
-    /// The mode each published target gets (same order; missing: 0644). The daemon sets
-    /// owner and mode itself: whatever the worker did, no published file carries privilege.
-    pub modes: Vec<u32>,
+    /// The mode each published target gets (same order), as its parameter declares it;
+    /// `None` (or missing): the mode of the regular file it replaces, else 0644. The daemon
+    /// sets owner and mode itself: whatever the worker did, or the replaced file had, no
+    /// published file carries setuid/setgid/sticky or group/other write.
+    pub modes: Vec<Option<u32>>,
     /// The worker's own uid and gid, when it has one: the staging dirs become its, and the job
     /// dir lets it through (0711) to reach them.
     pub stage_owner: Option<(u32, u32)>,

@@ -263,7 +263,7 @@ fn published_outputs_are_sealed() {
     let tmp = tempfile::tempdir().unwrap();
     let ws = open(&tmp);
     let mut s = spec("j", &["a.bin", "b.sh"]);
-    s.modes = vec![crate::policy::DEFAULT_OUTPUT_MODE, 0o755];
+    s.modes = vec![Some(crate::policy::DEFAULT_OUTPUT_MODE), Some(0o755)];
     s.stage_owner = Some((60999, 60999));
     let job = Job::create(&ws, s).unwrap();
     // The staging dirs are the worker's; the job dir lets it through, nobody else in.
@@ -286,6 +286,38 @@ fn published_outputs_are_sealed() {
             (mode, euid, egid),
             "{name}"
         );
+    }
+}
+
+/// An output without a declared mode keeps the permission bits of the regular file it
+/// replaces, less setuid/setgid/sticky and group/other write; a declared mode wins; a new
+/// target gets 0644.
+#[test]
+fn an_output_keeps_the_replaced_files_mode_unless_its_mode_is_declared() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, mode) in [("x.sh", 0o755), ("p.sh", 0o755), ("s.sh", 0o4775)] {
+        write(tmp.path(), name, "old");
+        fs::set_permissions(tmp.path().join(name), fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let ws = open(&tmp);
+    let mut s = spec("j", &["x.sh", "p.sh", "s.sh", "new.txt"]);
+    s.modes = vec![None, Some(0o600), None, None];
+    let job = Job::create(&ws, s).unwrap();
+    for i in 0..4 {
+        stage(&job, i, "new");
+        fs::set_permissions(job.staged_path(i), fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    job.publish_and_commit(|| Ok(())).unwrap();
+    for (name, mode) in [
+        ("x.sh", 0o755),
+        ("p.sh", 0o600),
+        ("s.sh", 0o755),
+        ("new.txt", 0o644),
+    ] {
+        let m = fs::metadata(tmp.path().join(name)).unwrap();
+        assert_eq!(m.mode() & 0o7777, mode, "{name}");
+        assert_eq!(fs::read_to_string(tmp.path().join(name)).unwrap(), "new");
     }
 }
 
@@ -412,7 +444,7 @@ fn bad_outputs_are_rejected_and_the_workspace_is_unchanged() {
             .unwrap_err();
         assert!(!called, "{why}");
         match &err {
-            PublishError::BadOutput { path, reason } => {
+            PublishError::BadOutput { path, reason, .. } => {
                 assert_eq!(path, Path::new("new/b.txt"), "{why}");
                 assert!(reason.contains(why), "{why}: {reason}");
             }

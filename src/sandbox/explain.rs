@@ -25,10 +25,13 @@ pub fn explain(profile: &Profile) -> String {
         "  staging dir of the call     create, write, remove (no exec, no device nodes): the only writable workspace location"
     );
     let _ = writeln!(s, "  input files of the call     read");
+    // A read path also granted exec or write is listed once, with its wider rights.
+    let wider = |p: &&std::path::PathBuf| ll.exec.contains(p) || ll.write.contains(p);
+    let read: Vec<_> = ll.read.iter().filter(|p| !wider(p)).collect();
     for (paths, rights) in [
-        (&ll.read, "read"),
-        (&ll.exec, "read+exec"),
-        (&ll.write, "read+write (no create/remove)"),
+        (read, "read"),
+        (ll.exec.iter().collect(), "read+exec"),
+        (ll.write.iter().collect(), "read+write (no create/remove)"),
     ] {
         for p in paths {
             let _ = writeln!(s, "  {:<27} {rights}{}", p.display(), absent(p));
@@ -342,6 +345,16 @@ mod tests {
             assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
         }
         assert!(!text.contains("WARNING"), "{text}");
+
+        // A read path that is also exec is listed once, as read+exec.
+        let mut both = profile.clone();
+        both.landlock.read.push(PathBuf::from("/usr"));
+        let text = explain(&both);
+        assert_eq!(text.matches("  /usr ").count(), 1, "{text}");
+        assert!(
+            text.contains("/usr                        read+exec"),
+            "{text}"
+        );
 
         let listed = Profile {
             unix_sockets: vec![PathBuf::from("/run/x.sock")],

@@ -229,7 +229,7 @@ impl Identities {
         match self {
             Identities::Daemon => "the daemon's uid (metadata changes denied by seccomp)".into(),
             Identities::Separate(p) => format!(
-                "a uid of its own from {}-{} (leases in {})",
+                "separate uids, one per worker, from {}-{} (leases in {})",
                 p.first,
                 p.last,
                 p.dir.path.display()

@@ -215,6 +215,12 @@ async fn a_cancel_at_any_instant_rolls_back_silently_or_is_too_late_and_answered
     );
     assert!(d.job_dirs().is_empty(), "job dirs left: {:?}", d.job_dirs());
     assert_eq!(version, session_version(&mut raw, 200_000));
+    // A client's cancel is no fault: the daemon's log holds no WARN for it.
+    let log = d.log_text();
+    assert!(
+        !log.contains("WARN") && !log.contains("cancelled by the client"),
+        "a cancel logged a warning:\n{log}"
+    );
 }
 
 /// JSON-RPC errors over the real socket carry what a client can match: a request before

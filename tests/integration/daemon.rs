@@ -374,6 +374,49 @@ async fn failed_tool_publishes_nothing() {
     assert_eq!(version(&c, "e").await, 0);
 }
 
+/// A write result has no empty text block: a tool that printed nothing gives the
+/// structured result's text alone. An output that replaces a regular file keeps its mode,
+/// less setuid/setgid/sticky and group/other write; a new file gets 0644.
+#[tokio::test]
+async fn write_results_carry_no_empty_block_and_replaced_files_keep_their_mode() {
+    use std::os::unix::fs::MetadataExt;
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "m").await;
+    for (name, mode) in [("run.sh", 0o755), ("suid.sh", 0o4775)] {
+        d.write(name, "old");
+        std::fs::set_permissions(
+            d.workspace.join(name),
+            std::fs::Permissions::from_mode(mode),
+        )
+        .unwrap();
+    }
+    for (i, (out, want)) in [("run.sh", 0o755), ("suid.sh", 0o755), ("new.txt", 0o644)]
+        .into_iter()
+        .enumerate()
+    {
+        let r = call(
+            &c,
+            "write_text",
+            json!({"session": "m", "text": "new", "out": out}),
+        )
+        .await;
+        assert!(!is_error(&r), "{r}");
+        let blocks = r["content"].as_array().unwrap();
+        assert_eq!(blocks.len(), 1, "{r}");
+        assert_eq!(
+            blocks[0]["text"].as_str().unwrap(),
+            r["structuredContent"].to_string(),
+            "{r}"
+        );
+        let m = std::fs::metadata(d.workspace.join(out)).unwrap();
+        assert_eq!(m.mode() & 0o7777, want, "{out}");
+        assert_eq!(d.read(out).as_deref(), Some("new"));
+        assert_eq!(version(&c, "m").await, i as u64 + 1);
+    }
+}
+
 #[tokio::test]
 async fn cancellation_kills_the_worker_and_sends_no_response() {
     let mut d = Daemon::new();

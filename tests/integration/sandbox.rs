@@ -144,15 +144,21 @@ async fn non_regular_outputs_are_rejected_at_publish() {
     let c = started(&mut d).await;
     d.write("target.txt", "old");
     let before = snapshot(&d.workspace);
-    for (what, script) in [
-        ("symlink", "ln -s /etc/passwd \"$1\""),
+    // The tool's result is at fault: TOOL_FAILED, naming the output and what was found.
+    for (what, script, found) in [
+        ("symlink", "ln -s /etc/passwd \"$1\"", "a symlink"),
         (
             "hard link",
             "echo x > \"$1.other\" && ln \"$1.other\" \"$1\"",
+            "2 hard links",
         ),
-        ("fifo", "mkfifo \"$1\""),
-        ("directory", "mkdir \"$1\" && echo x > \"$1/f\""),
-        ("missing", "true"),
+        ("fifo", "mkfifo \"$1\"", "the tool left a FIFO there"),
+        (
+            "directory",
+            "mkdir \"$1\" && echo x > \"$1/f\"",
+            "the tool left a directory there",
+        ),
+        ("missing", "true", "did not write it"),
     ] {
         let r = call(
             &c,
@@ -161,7 +167,13 @@ async fn non_regular_outputs_are_rejected_at_publish() {
         )
         .await;
         assert!(is_error(&r), "{what}: {r}");
-        assert_eq!(code(&r), "PUBLISH_FAILED", "{what}: {r}");
+        assert_eq!(code(&r), "TOOL_FAILED", "{what}: {r}");
+        let t = text(&r);
+        assert!(
+            t.contains("output `out` must be a regular file") && t.contains(found),
+            "{what}: {t}"
+        );
+        assert!(t.contains("nothing was published"), "{what}: {t}");
         assert_eq!(
             snapshot(&d.workspace),
             before,
@@ -749,4 +761,69 @@ type = "string"
     let r = py(&c, &code_).await;
     assert_eq!(code(&r), "TOOL_FAILED", "{r}");
     assert!(text(&r).contains("Operation not permitted"), "{r}");
+}
+
+/// A write tool that declares no output and edits an input in place: `policy check` warns
+/// (and still passes), and the call's `TOOL_FAILED` says that writes outside staging are
+/// denied; the input is unchanged.
+#[tokio::test]
+async fn a_write_tool_without_outputs_is_warned_about_and_its_denied_write_explained() {
+    let mut d = hostile_daemon();
+    d.add_tool(
+        "sed_in_place",
+        r#"name = "sed_in_place"
+description = "Edit a file in place (test only)"
+capability = "write"
+command = ["/bin/sed", "-i", "s/old/new/", "{file}"]
+timeout = "5s"
+[params.file]
+type = "string"
+path = "input"
+"#,
+    );
+    let out = std::process::Command::new(BIN)
+        .args(["policy", "check", "--policies"])
+        .arg(&d.policies)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains(
+            "warning: tool sed_in_place: declares no output: its inputs are read-only to the \
+             worker; it can change nothing in the workspace"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("tool write_text: declares no output"),
+        "{stdout}"
+    );
+    let c = started(&mut d).await;
+    d.write("f.txt", "old");
+    let before = snapshot(&d.workspace);
+    let r = call(&c, "sed_in_place", json!({"session": "h", "file": "f.txt"})).await;
+    assert_eq!(code(&r), "TOOL_FAILED", "{r}");
+    let t = text(&r);
+    assert!(
+        t.contains("the tool declares no output") && t.contains("writes elsewhere are denied"),
+        "{t}"
+    );
+    // A tool with an output that writes elsewhere: the message names what it may write.
+    let r = call(
+        &c,
+        "run_sh",
+        json!({"session": "h", "script": "echo x > /etc/airlock-denied", "out": "o.txt"}),
+    )
+    .await;
+    assert_eq!(code(&r), "TOOL_FAILED", "{r}");
+    let t = text(&r);
+    assert!(
+        t.contains("Permission denied")
+            && t.contains("the worker may write only its staged outputs (out)"),
+        "{t}"
+    );
+    assert!(!std::path::Path::new("/etc/airlock-denied").exists());
+    assert_eq!(snapshot(&d.workspace), before);
+    assert_eq!(version(&c, "h").await, 0);
 }

@@ -1035,7 +1035,8 @@ async fn a_capable_unprivileged_daemon_gives_workers_their_own_uid() {
             "[{profile}] mine.txt's mtime was set back"
         );
         assert!(
-            d.log_text().contains("workers run as a uid of its own"),
+            d.log_text()
+                .contains("workers run as separate uids, one per worker"),
             "{}",
             d.log_text()
         );
