@@ -180,18 +180,25 @@ pub(super) fn explain(dir: &Path, name: &str) -> Exit {
 /// The warning `policy check` prints for an external write tool that declares no output
 /// parameter: the sandbox gives it nothing to write, so it can change nothing.
 fn no_output_note(t: &policy::Tool) -> Option<String> {
-    let external = matches!(t.kind, policy::ToolKind::External(_));
+    let policy::ToolKind::External(ext) = &t.kind else {
+        return None;
+    };
     let writes = t.capability == policy::Capability::Write;
     let outputs = t
         .params
         .values()
         .any(|p| p.path == Some(policy::PathRole::Output));
-    (external && writes && !outputs).then(|| {
+    (writes && !outputs).then(|| {
         format!(
             "warning: tool {}: declares no output: its inputs are read-only to the worker; \
-             it can change nothing in the workspace (declare a parameter with \
+             it can change nothing in the workspace{} (declare a parameter with \
              path = \"output\" for each file it writes)",
-            t.name
+            t.name,
+            if ext.protocol == policy::Protocol::Json {
+                ", only its session's state"
+            } else {
+                ""
+            }
         )
     })
 }
