@@ -107,11 +107,18 @@ pub(super) enum PolicyCommand {
     Check {
         #[arg(long, default_value = "policies")]
         policies: PathBuf,
+        /// Resolve `@daemon` for this user (name or uid) [default: the User= of the installed
+        /// airlock.service that serves this policy directory, else the invoking user].
+        #[arg(long = "as", value_name = "USER")]
+        as_user: Option<String>,
     },
     /// Print the effective sandbox of one tool, for a security reviewer.
     Explain {
         tool: String,
         #[arg(long, default_value = "policies")]
         policies: PathBuf,
+        /// Resolve `@daemon` for this user (name or uid), as `policy check --as`.
+        #[arg(long = "as", value_name = "USER")]
+        as_user: Option<String>,
     },
 }

@@ -91,10 +91,16 @@ fn locate(a: &LogArg) -> Result<PathBuf, Exit> {
     if let Some(p) = &a.log {
         return Ok(p.clone());
     }
+    super::policy::require_dir(&a.policies, Exit::Error)?;
     match crate::policy::load(&a.policies) {
         Ok(mut p) => {
-            if let Some(s) = &a.state_dir {
-                p.daemon.state_dir = s.clone();
+            match &a.state_dir {
+                Some(s) => p.daemon.state_dir = s.clone(),
+                None => {
+                    if let Some(s) = super::serve::unit_state_dir(&a.policies) {
+                        p.daemon.state_dir = s;
+                    }
+                }
             }
             Ok(p.daemon.audit_log_path())
         }

@@ -8,6 +8,7 @@ mod client;
 mod exit;
 mod policy;
 mod serve;
+mod unit;
 
 use std::path::Path;
 use std::time::Duration;
@@ -27,10 +28,14 @@ pub fn main() -> Exit {
     };
     init_logging(cli.log_format, default_filter);
     match cli.command {
-        Command::Policy(PolicyCommand::Check { policies }) => policy::check(&policies),
-        Command::Policy(PolicyCommand::Explain { tool, policies }) => {
-            policy::explain(&policies, &tool)
+        Command::Policy(PolicyCommand::Check { policies, as_user }) => {
+            policy::check(&policies, as_user.as_deref())
         }
+        Command::Policy(PolicyCommand::Explain {
+            tool,
+            policies,
+            as_user,
+        }) => policy::explain(&policies, &tool, as_user.as_deref()),
         Command::Recover(a) => serve::recover(a),
         Command::Audit(a) => audit::run(a),
         Command::GenerateAssets { out } => generate_assets(&out),

@@ -3,9 +3,19 @@
 use std::path::Path;
 
 use super::Exit;
-use crate::policy::{self, Policy};
+use crate::policy::{self, DaemonIdentity, Policy};
+
+/// A path given for `--policies` that is not a policy directory: `airlock: PATH: what is
+/// missing`, before anything is read or created.
+pub(super) fn require_dir(dir: &Path, code: Exit) -> Result<(), Exit> {
+    policy::check_dir(dir).map_err(|d| {
+        eprintln!("airlock: {d}");
+        code
+    })
+}
 
 pub(super) fn load_policy(dir: &Path) -> Result<Policy, Exit> {
+    require_dir(dir, Exit::Error)?;
     policy::load(dir).map_err(|e| {
         for d in &e.0 {
             eprintln!("airlock: {d}");
@@ -19,8 +29,88 @@ pub(super) fn load_policy(dir: &Path) -> Result<Policy, Exit> {
     })
 }
 
-pub(super) fn check(dir: &Path) -> Exit {
-    let policy = match policy::load(dir) {
+/// Whom `@daemon` means for `policy check|explain`, and the line that says why.
+fn daemon_identity(dir: &Path, as_user: Option<&str>) -> Result<(DaemonIdentity, String), Exit> {
+    use nix::unistd::{Uid, User};
+    let lookup = |name: &str| -> Result<Option<User>, String> {
+        match name.parse::<u32>() {
+            Ok(uid) => User::from_uid(Uid::from_raw(uid)).map_err(|e| e.to_string()),
+            Err(_) => User::from_name(name).map_err(|e| e.to_string()),
+        }
+    };
+    let (user, why) = if let Some(name) = as_user {
+        match lookup(name) {
+            Ok(Some(u)) => (u, "given by --as".to_string()),
+            Ok(None) => {
+                eprintln!("airlock: --as {name}: no such user on this system");
+                return Err(Exit::Error);
+            }
+            Err(e) => {
+                eprintln!("airlock: --as {name}: cannot look the user up: {e}");
+                return Err(Exit::Error);
+            }
+        }
+    } else {
+        let unit = super::unit::installed().filter(|u| super::unit::serves(u, dir));
+        match unit
+            .as_ref()
+            .and_then(|u| u.user.as_deref().map(|n| (u, n)))
+        {
+            Some((u, name)) => match lookup(name) {
+                Ok(Some(found)) => (found, format!("the User= of {}", u.path.display())),
+                Ok(None) | Err(_) => {
+                    eprintln!(
+                        "airlock: {}: User={name}: no such user on this system (give --as USER)",
+                        u.path.display()
+                    );
+                    return Err(Exit::Error);
+                }
+            },
+            None => {
+                let uid = rustix::process::geteuid().as_raw();
+                let why = match &unit {
+                    Some(u) => format!("the user running this command ({} sets no User=)", u.path.display()),
+                    None => "the user running this command (no installed airlock.service serves this policy directory)".to_string(),
+                };
+                match User::from_uid(Uid::from_raw(uid)) {
+                    Ok(Some(u)) => (u, why),
+                    _ => {
+                        let gid = rustix::process::getegid().as_raw();
+                        let id = DaemonIdentity { uid, gid };
+                        return Ok((
+                            id,
+                            format!(
+                                "grants resolved for uid {uid}, {why}; --as USER to choose another"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+    };
+    let id = DaemonIdentity {
+        uid: user.uid.as_raw(),
+        gid: user.gid.as_raw(),
+    };
+    Ok((
+        id,
+        format!(
+            "grants resolved for user {} (uid {}), {why}; --as USER to choose another",
+            user.name, id.uid
+        ),
+    ))
+}
+
+pub(super) fn check(dir: &Path, as_user: Option<&str>) -> Exit {
+    if let Err(code) = require_dir(dir, Exit::Failed) {
+        return code;
+    }
+    let (daemon, said) = match daemon_identity(dir, as_user) {
+        Ok(d) => d,
+        Err(code) => return code,
+    };
+    println!("{said}");
+    let policy = match policy::load_for(dir, daemon) {
         Ok(p) => p,
         Err(e) => {
             for d in &e.0 {
@@ -107,11 +197,25 @@ pub(super) fn check(dir: &Path) -> Exit {
     Exit::Ok
 }
 
-pub(super) fn explain(dir: &Path, name: &str) -> Exit {
-    let policy = match load_policy(dir) {
-        Ok(p) => p,
+pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
+    if let Err(code) = require_dir(dir, Exit::Error) {
+        return code;
+    }
+    let (daemon, said) = match daemon_identity(dir, as_user) {
+        Ok(d) => d,
         Err(code) => return code,
     };
+    let policy = match policy::load_for(dir, daemon) {
+        Ok(p) => p,
+        Err(e) => {
+            for d in &e.0 {
+                eprintln!("airlock: {d}");
+            }
+            eprintln!("airlock: {}: {} error(s)", dir.display(), e.0.len());
+            return Exit::Error;
+        }
+    };
+    println!("{said}");
     let Some(tool) = policy.tools.get(name) else {
         eprintln!("airlock: no tool {name:?} in {}", dir.display());
         return Exit::Error;

@@ -21,7 +21,21 @@ fn apply_overrides(p: &mut Policy, workspace: Option<PathBuf>, state_dir: Option
     }
 }
 
+/// The state dir of the daemon the installed `airlock.service` starts on `policies` (its
+/// `--state-dir`, beneath its `WorkingDirectory=` when relative): what `audit` and
+/// `recover` use without `--state-dir`, so that they find what that daemon wrote.
+pub(super) fn unit_state_dir(policies: &std::path::Path) -> Option<PathBuf> {
+    super::unit::installed()
+        .filter(|u| super::unit::serves(u, policies))
+        .and_then(|u| super::unit::state_dir(&u))
+}
+
 pub(super) fn recover(a: Dirs) -> Exit {
+    // Not a policy directory at all is an error even with both dirs given: a typo must not
+    // recover with the defaults.
+    if let Err(code) = super::policy::require_dir(&a.policies, Exit::Error) {
+        return code;
+    }
     let mut policy = match policy::load(&a.policies) {
         Ok(p) => p,
         // Recovery needs no tool, only where the workspace and state are: with both given,
@@ -52,7 +66,8 @@ pub(super) fn recover(a: Dirs) -> Exit {
             return Exit::Error;
         }
     };
-    apply_overrides(&mut policy, a.workspace, a.state_dir);
+    let state_dir = a.state_dir.or_else(|| unit_state_dir(&a.policies));
+    apply_overrides(&mut policy, a.workspace, state_dir);
     let result = crate::startup::open(&policy.daemon, crate::startup::Purpose::Recover)
         .map(|opened| opened.recovered);
     match result {

@@ -50,8 +50,68 @@ fn render(d: &[Diagnostic]) -> String {
         .join("\n")
 }
 
-/// Reads `dir/airlock.toml`, `dir/profiles/*.toml` and `dir/tools/*.toml`.
+/// Reads `dir/airlock.toml`, `dir/profiles/*.toml` and `dir/tools/*.toml`; `@daemon` in a
+/// grant is the process's own effective uid and gid.
 pub fn load(dir: &Path) -> Result<Policy, PolicyErrors> {
+    let own = DaemonIdentity {
+        uid: rustix::process::geteuid().as_raw(),
+        gid: rustix::process::getegid().as_raw(),
+    };
+    load_for(dir, own)
+}
+
+/// The uid and gid `@daemon` stands for in a grant: the daemon's own when it serves, the
+/// user the service runs as when `policy check --as USER` asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DaemonIdentity {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// A policy directory is a directory holding `airlock.toml`: a path that is not one (a
+/// typo, a missing package, the wrong current directory) is an error naming what is
+/// missing, never an empty policy of built-ins.
+pub fn check_dir(dir: &Path) -> Result<(), Diagnostic> {
+    let whole = |file: &Path, message: String| Diagnostic {
+        file: file.to_path_buf(),
+        line: 0,
+        col: 0,
+        message,
+    };
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(whole(
+                dir,
+                "not a directory: a policy directory holds airlock.toml, profiles/, tools/".into(),
+            ))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(whole(
+                dir,
+                "no policy directory there (expected airlock.toml, profiles/, tools/)".into(),
+            ))
+        }
+        Err(e) => return Err(whole(dir, format!("cannot read the policy directory: {e}"))),
+    }
+    let toml = dir.join("airlock.toml");
+    match std::fs::metadata(&toml) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(_) => Err(whole(
+            &toml,
+            "not a regular file: a policy directory needs its daemon config".into(),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(whole(
+            &toml,
+            "missing: a policy directory needs its daemon config".into(),
+        )),
+        Err(e) => Err(whole(&toml, format!("cannot read it: {e}"))),
+    }
+}
+
+/// [`load`], with `@daemon` resolved to `daemon`.
+pub fn load_for(dir: &Path, identity: DaemonIdentity) -> Result<Policy, PolicyErrors> {
+    check_dir(dir).map_err(|d| PolicyErrors(vec![d]))?;
     let mut cx = Cx::default();
     let daemon = load_daemon(&mut cx, &dir.join("airlock.toml"));
     let daemon_ok = daemon.is_some();
@@ -82,7 +142,7 @@ pub fn load(dir: &Path) -> Result<Policy, PolicyErrors> {
     }
     // Only once the file parsed: its syntax errors are reported once, by `load_daemon`.
     let grants = if daemon_ok {
-        load_grants(&mut cx, &dir.join("airlock.toml"), &tools)
+        load_grants(&mut cx, &dir.join("airlock.toml"), &tools, identity)
     } else {
         Vec::new()
     };
@@ -218,18 +278,14 @@ pub const DAEMON_USER: &str = "@daemon";
 /// unknown one is an error), every capability and tool known.
 /// A `users` (or, with `group`, `groups`) entry of a grant as its id: `@daemon` is the
 /// daemon's own; any other name is looked up.
-fn resolve_subject(name: &str, group: bool) -> Result<u32, String> {
+fn resolve_subject(name: &str, group: bool, daemon: DaemonIdentity) -> Result<u32, String> {
     let (what, list, numbers, names) = if group {
         ("group", "groups", "gids", "group names")
     } else {
         ("user", "users", "uids", "account names")
     };
     if name == DAEMON_USER {
-        return Ok(if group {
-            rustix::process::getegid().as_raw()
-        } else {
-            rustix::process::geteuid().as_raw()
-        });
+        return Ok(if group { daemon.gid } else { daemon.uid });
     }
     let found = if group {
         nix::unistd::Group::from_name(name).map(|g| g.map(|g| g.gid.as_raw()))
@@ -243,7 +299,12 @@ fn resolve_subject(name: &str, group: bool) -> Result<u32, String> {
     }
 }
 
-fn load_grants(cx: &mut Cx, path: &Path, tools: &BTreeMap<String, Tool>) -> Vec<super::Grant> {
+fn load_grants(
+    cx: &mut Cx,
+    path: &Path,
+    tools: &BTreeMap<String, Tool>,
+    daemon: DaemonIdentity,
+) -> Vec<super::Grant> {
     use super::Right;
     if !path.exists() {
         return Vec::new();
@@ -273,7 +334,7 @@ fn load_grants(cx: &mut Cx, path: &Path, tools: &BTreeMap<String, Tool>) -> Vec<
         for (names, group) in [(&g.users, false), (&g.groups, true)] {
             for n in names {
                 let name = n.get_ref();
-                match resolve_subject(name, group) {
+                match resolve_subject(name, group, daemon) {
                     Ok(id) if group => {
                         grant.gids.insert(id);
                         grant.subjects.push(format!("group {name} (gid {id})"));

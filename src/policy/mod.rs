@@ -9,7 +9,10 @@ mod model;
 pub mod redact;
 
 pub use grant::{Grant, Right, Subject};
-pub use load::{load, parse_duration, parse_size, placeholders, Diagnostic, PolicyErrors};
+pub use load::{
+    check_dir, load, load_for, parse_duration, parse_size, placeholders, DaemonIdentity,
+    Diagnostic, PolicyErrors,
+};
 pub use model::*;
 
 use std::collections::BTreeMap;
