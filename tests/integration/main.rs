@@ -12,6 +12,7 @@ mod daemon;
 mod eras;
 mod features;
 mod harness;
+mod policy_dirs;
 mod race;
 mod reload;
 mod robust_args;
