@@ -5,7 +5,8 @@
 pub enum Exit {
     /// 0: done.
     Ok,
-    /// 1: the tool reported an error (`call`), the policy is invalid (`policy check`), or
+    /// 1: the tool reported an error (`call`), the policy is invalid or its directory is not
+    /// one (`policy check`), or
     /// the connection was lost or stdout closed (`connect`).
     Failed,
     /// 2: a usage, connection, protocol or startup error.

@@ -80,7 +80,7 @@ pub(super) fn apply(unit: &mut Unit, text: &str) {
             }
             "ExecStart" => {
                 let words: Vec<&str> = value.split_whitespace().collect();
-                if !words.iter().any(|w| *w == "serve") {
+                if !words.contains(&"serve") {
                     continue;
                 }
                 let flag = |name: &str| {
