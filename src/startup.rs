@@ -46,15 +46,23 @@ pub enum StartupError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// Refused before anything is created: no workspace, state dir or socket is made.
     #[error(
         "workers run under uids of their own and cannot reach the workspace {workspace}: \
-         {dir} is not searchable by other users (mode {mode:04o}); make it searchable \
-         (chmod o+x), move the workspace, or set worker_user = \"daemon\""
+         {dir} is not searchable by other users (mode {mode:04o}), and a worker never runs as \
+         uid 0; give a workspace they can reach (--workspace DIR, or workspace = in {}), \
+         or make {dir} searchable (chmod o+x {dir}){shared}",
+        config.display()
     )]
     Unreachable {
         workspace: PathBuf,
         dir: PathBuf,
         mode: u32,
+        /// The policy file that holds `workspace` and `worker_user`.
+        config: PathBuf,
+        /// How workers could share the daemon's uid instead; empty for a root daemon (that
+        /// would be uid 0).
+        shared: String,
     },
     #[error("worker identities: {0}")]
     Identity(#[from] crate::sandbox::IdentityError),
@@ -93,8 +101,9 @@ pub struct Opened {
 #[derive(Debug, Clone, Copy)]
 pub enum Purpose<'a> {
     /// `airlock serve`: creates a missing workspace, keeps `socket` out of it, and fails if
-    /// the worker identities cannot be had or workers could not reach the workspace.
-    Serve { socket: &'a Path },
+    /// the worker identities cannot be had or workers could not reach the workspace (before
+    /// anything is created). `config`: the policy file (`airlock.toml`) the refusal names.
+    Serve { socket: &'a Path, config: &'a Path },
     /// `airlock recover`: serves no call, so worker identities only give the uid leases the
     /// sweep takes; if they cannot be had (no privilege), records naming a uid are left.
     Recover,
@@ -102,24 +111,16 @@ pub enum Purpose<'a> {
 
 /// Runs the startup path in its fixed order (each step says why it comes where it does).
 pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupError> {
+    // Layout, identities and reach first: a refusal leaves nothing behind (no workspace,
+    // no state dir; the socket is bound only after this returns).
     let socket = match purpose {
-        Purpose::Serve { socket } => {
-            std::fs::create_dir_all(&d.workspace).map_err(|source| StartupError::Workspace {
-                path: d.workspace.clone(),
-                source,
-            })?;
-            Some(socket)
-        }
+        Purpose::Serve { socket, .. } => Some(socket),
         Purpose::Recover => None,
     };
     // Layout before locks: a state dir inside the workspace is refused before it is made.
     check_layout(&d.workspace, &d.state_dir, socket)?;
-    let workspace_lock = lock_workspace(&d.workspace)?;
-    let state_lock = lock_state_dir(&d.state_dir)?;
-    let workspace = Workspace::open(&d.workspace)?;
-    let sessions = SessionStore::open(&d.state_dir)?;
     let identities = match purpose {
-        Purpose::Serve { .. } => {
+        Purpose::Serve { config, .. } => {
             let ids = Identities::detect(
                 d.worker_user,
                 d.worker_uids,
@@ -127,8 +128,12 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
                 &d.worker_uid_lock_dir,
             )?;
             if ids.range().is_some() {
-                check_reachable_by_workers(&d.workspace)?;
+                check_reachable_by_workers(&d.workspace, config)?;
             }
+            std::fs::create_dir_all(&d.workspace).map_err(|source| StartupError::Workspace {
+                path: d.workspace.clone(),
+                source,
+            })?;
             ids
         }
         Purpose::Recover => {
@@ -141,6 +146,10 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
             }
         }
     };
+    let workspace_lock = lock_workspace(&d.workspace)?;
+    let state_lock = lock_state_dir(&d.state_dir)?;
+    let workspace = Workspace::open(&d.workspace)?;
+    let sessions = SessionStore::open(&d.state_dir)?;
     // Before recovery touches a job dir, nothing a dead daemon's workers left may run.
     let registry = sweep_leftovers(d, identities.pool())?;
     // Recovery records in the audit log what became of each job it settles.
@@ -190,30 +199,54 @@ fn lock(path: &Path, what: &'static str) -> Result<std::fs::File, StartupError> 
 }
 
 /// With worker uids, every directory from `/` to the workspace root must be searchable by
-/// other users: a worker reaches its staging dir and its inputs by absolute path.
-fn check_reachable_by_workers(workspace: &Path) -> Result<(), StartupError> {
+/// other users: a worker reaches its staging dir and its inputs by absolute path. Checked on
+/// the directories that exist (symlinks resolved), before the workspace is created: the ones
+/// `create_dir_all` would make are the daemon's own, mode 0755 under the usual umask.
+fn check_reachable_by_workers(workspace: &Path, config: &Path) -> Result<(), StartupError> {
     use std::os::unix::fs::PermissionsExt;
-    let abs = std::fs::canonicalize(workspace).map_err(|source| StartupError::Workspace {
-        path: workspace.to_path_buf(),
-        source,
-    })?;
+    let abs =
+        crate::fsutil::resolve_lenient(workspace).map_err(|source| StartupError::Resolve {
+            path: workspace.to_path_buf(),
+            source,
+        })?;
     for dir in abs.ancestors() {
-        let mode = std::fs::metadata(dir)
-            .map_err(|source| StartupError::Workspace {
-                path: dir.to_path_buf(),
-                source,
-            })?
-            .permissions()
-            .mode();
+        let mode = match std::fs::metadata(dir) {
+            Ok(m) => m.permissions().mode(),
+            // Not there yet: created below, by the daemon.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(source) => {
+                return Err(StartupError::Workspace {
+                    path: dir.to_path_buf(),
+                    source,
+                })
+            }
+        };
         if mode & 0o001 == 0 {
             return Err(StartupError::Unreachable {
                 workspace: abs.clone(),
                 dir: dir.to_path_buf(),
                 mode: mode & 0o7777,
+                config: config.to_path_buf(),
+                shared: shared_uid_hint(config),
             });
         }
     }
     Ok(())
+}
+
+/// The last option of [`StartupError::Unreachable`]: workers under the daemon's own uid,
+/// offered only when that uid is not 0.
+fn shared_uid_hint(config: &Path) -> String {
+    let euid = rustix::process::geteuid();
+    if euid.is_root() {
+        return String::new();
+    }
+    format!(
+        ", or set worker_user = \"daemon\" in {} (workers share the daemon's uid {}, \
+         seccomp denying every metadata change)",
+        config.display(),
+        euid.as_raw()
+    )
 }
 
 /// Kills every process the workers of this daemon's previous run left, as its own records

@@ -140,8 +140,10 @@ pub(super) async fn serve(
     };
     let policy = Arc::new(policy);
     let shutdown = CancellationToken::new();
+    let config = policies.join("airlock.toml");
     let purpose = crate::startup::Purpose::Serve {
         socket: &policy.daemon.socket,
+        config: &config,
     };
     let exec = match crate::startup::open(&policy.daemon, purpose) {
         Ok(opened) => Arc::new(crate::exec::Executor::start(

@@ -161,7 +161,8 @@ impl Identities {
             }
             tracing::warn!(
                 "workers run under the daemon's own uid: worker_user = \"auto\" and the daemon \
-                 lacks {missing}; seccomp forbids every metadata change instead (SECURITY.md)"
+                 lacks {missing}; seccomp forbids every metadata change instead; for a uid \
+                 per worker, run it as root or grant those capabilities (SECURITY.md)"
             );
             return Ok(Identities::Daemon);
         }

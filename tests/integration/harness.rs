@@ -21,6 +21,35 @@ pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Whether every directory above `path` is searchable by other users (uids the daemon or a
+/// worker may run under reach it).
+pub fn reachable_by_others(path: &std::path::Path) -> bool {
+    path.ancestors()
+        .skip(1)
+        .all(|d| std::fs::metadata(d).is_ok_and(|m| m.permissions().mode() & 0o001 != 0))
+}
+
+/// The daemon binary at a path other uids can reach: [`BIN`] itself, or, when the checkout
+/// lies under a directory others cannot search (a clone in /root), a hard link (or copy) of
+/// it in a 0755 dir of the temp dir, made once per test process. No test depends on where
+/// the checkout is.
+pub fn reachable_bin() -> &'static str {
+    static BIN_FOR_OTHERS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN_FOR_OTHERS.get_or_init(|| {
+        if reachable_by_others(std::path::Path::new(BIN)) {
+            return BIN.to_string();
+        }
+        let dir = std::env::temp_dir().join(format!("airlock-test-bin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("bin dir");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let to = dir.join("airlock");
+        if !to.exists() && std::fs::hard_link(BIN, &to).is_err() {
+            std::fs::copy(BIN, &to).expect("copy the binary where other uids reach it");
+        }
+        to.display().to_string()
+    })
+}
+
 /// A daemon under test with its own policy dir, workspace, state dir and socket.
 pub struct Daemon {
     pub child: Option<Child>,
@@ -85,7 +114,7 @@ pub fn connect_as(d: &Daemon, uid: u32, groups: &str) -> Command {
     c.arg(format!("--reuid={uid}"))
         .arg(format!("--regid={uid}"))
         .arg(groups)
-        .args(["--", BIN, "connect", "--socket"])
+        .args(["--", reachable_bin(), "connect", "--socket"])
         .arg(&d.socket)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped());
@@ -173,7 +202,7 @@ impl Daemon {
                     caps[1].clone(),
                     "--".to_string(),
                 ]);
-                c.args(&self.wrap).arg(BIN);
+                c.args(&self.wrap).arg(reachable_bin());
                 c
             }
             None => match self.wrap.split_first() {

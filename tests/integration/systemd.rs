@@ -710,7 +710,13 @@ async fn the_shipped_units_restrictions_keep_the_sandbox_working() {
     let mut d = crate::sandbox::hostile_daemon();
     crate::sandbox::give_to_nobody(&d);
     d.user = Some((65534, 65534));
-    let systemd = repo().join("systemd");
+    // The daemon's uid reads the filter script and the unit: copied where it can reach them
+    // (the checkout may lie under a directory only root can search).
+    let systemd = d.dir.path().join("systemd");
+    std::fs::create_dir(&systemd).expect("mkdir systemd");
+    for f in ["unit-filter", "airlock.service"] {
+        std::fs::copy(repo().join("systemd").join(f), systemd.join(f)).expect("copy");
+    }
     d.wrap = vec![
         systemd.join("unit-filter").display().to_string(),
         systemd.join("airlock.service").display().to_string(),

@@ -1066,8 +1066,9 @@ async fn a_workspace_workers_cannot_reach_refuses_to_start() {
     let hidden = d.dir.path().join("hidden");
     std::fs::create_dir(&hidden).expect("mkdir");
     std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    // Neither the workspace nor the state dir exists yet: a refusal must leave none behind.
     d.workspace = hidden.join("ws");
-    std::fs::create_dir(&d.workspace).expect("mkdir ws");
+    d.state = hidden.join("state");
     let status = d
         .try_start()
         .expect_err("started with an unreachable workspace");
@@ -1078,20 +1079,59 @@ async fn a_workspace_workers_cannot_reach_refuses_to_start() {
         "{log}"
     );
     assert!(log.contains(&hidden.display().to_string()), "{log}");
-    assert!(log.contains("worker_user = \"daemon\""), "{log}");
-    // Made searchable, the same layout serves.
+    // It names the flag and the file that hold the fix.
+    assert!(log.contains("--workspace"), "{log}");
+    assert!(
+        log.contains(&d.policies.join("airlock.toml").display().to_string()),
+        "{log}"
+    );
+    // A root daemon never offers its own uid to workers: that would be uid 0.
+    assert!(!log.contains("worker_user = \"daemon\""), "{log}");
+    assert!(log.contains("a worker never runs as uid 0"), "{log}");
+    assert!(!d.workspace.exists(), "the refusal created the workspace");
+    assert!(!d.state.exists(), "the refusal created the state dir");
+    assert!(!d.socket.exists(), "the refusal bound the socket");
+    assert_eq!(
+        std::fs::read_dir(&hidden).expect("ls").count(),
+        0,
+        "the refusal left something in {}",
+        hidden.display()
+    );
+    // Made searchable, the same layout serves, says once what workers run under, and a
+    // write call's worker runs under a uid of its own, not 0.
     std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o711)).expect("chmod");
     d.start();
+    assert!(
+        d.log_text()
+            .contains("workers run as a uid of its own from"),
+        "{}",
+        d.log_text()
+    );
     let c = d.client().await;
     session(&c, "r").await;
     let r = call(
         &c,
-        "hs",
-        json!({"session": "r", "out": "o.txt", "script": "echo ok > \"$1\""}),
+        "write_text",
+        json!({"session": "r", "text": "reached", "out": "w.txt"}),
     )
     .await;
     assert!(!is_error(&r), "{r}");
-    assert_eq!(d.read("o.txt").as_deref(), Some("ok\n"));
+    assert_eq!(d.read("w.txt").as_deref(), Some("reached"));
+    let r = call(
+        &c,
+        "hs",
+        json!({"session": "r", "out": "o.txt", "script": "id -u > \"$1\""}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    let uid: u32 = d
+        .read("o.txt")
+        .expect("o.txt")
+        .trim()
+        .parse()
+        .expect("a uid");
+    assert_ne!(uid, 0, "a worker ran as uid 0");
+    assert!((60600..=61099).contains(&uid), "worker uid {uid}");
 }
 
 // ---------------------------------------------------------------------------------------
