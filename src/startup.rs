@@ -46,17 +46,18 @@ pub enum StartupError {
         path: PathBuf,
         source: std::io::Error,
     },
-    /// Refused before anything is created: no workspace, state dir or socket is made.
+    /// Refused before anything is created: no workspace, state dir or socket is made. Only
+    /// the workspace itself counts: an ancestor other users cannot search is passed by
+    /// workers starting in their working directory ([`WorkerReach::FromWorkingDir`]).
     #[error(
-        "workers run under uids of their own and cannot reach the workspace {workspace}: \
-         {dir} is not searchable by other users (mode {mode:04o}), and a worker never runs as \
-         uid 0; give a workspace they can reach (--workspace DIR, or workspace = in {}), \
-         or make {dir} searchable (chmod o+x {dir}){shared}",
+        "workers run under uids of their own and cannot enter the workspace {workspace}: \
+         it is not searchable by other users (mode {mode:04o}), and a worker never runs as \
+         uid 0; make it searchable (chmod o+x {workspace}) or give another one (--workspace \
+         DIR, or workspace = in {}){shared}",
         config.display()
     )]
     Unreachable {
         workspace: PathBuf,
-        dir: PathBuf,
         mode: u32,
         /// The policy file that holds `workspace` and `worker_user`.
         config: PathBuf,
@@ -95,6 +96,43 @@ pub struct Opened {
     pub registry: Registry,
     pub audit: Audit,
     pub recovered: Vec<publish::Recovered>,
+    /// How workers name the workspace's files.
+    pub reach: WorkerReach,
+}
+
+/// How a worker reaches the workspace: by absolute path, or, when a directory above it is
+/// not searchable by the worker's uid (a checkout under `/root`, mode 0700), relative to its
+/// working directory. The launcher enters that directory while it still holds the daemon's
+/// privilege, and a lookup relative to the working directory needs no search right on its
+/// ancestors, so the worker still reaches what its Landlock rules allow, and nothing else
+/// (file permissions below the workspace apply as ever).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum WorkerReach {
+    #[default]
+    Absolute,
+    FromWorkingDir {
+        /// The first directory above the workspace other users cannot search.
+        unsearchable: PathBuf,
+        mode: u32,
+    },
+}
+
+impl WorkerReach {
+    /// Said once at start, after who workers run as.
+    pub fn describe(&self) -> String {
+        match self {
+            WorkerReach::Absolute => "workers are handed absolute paths".to_string(),
+            WorkerReach::FromWorkingDir { unsearchable, mode } => format!(
+                "workers are handed paths relative to their working directory (the workspace \
+                 for a read tool, the staging dir for a write tool), since {} is not \
+                 searchable by other users (mode {mode:04o}); a tool that changes directory \
+                 must resolve its paths first (make {} searchable, or move the workspace, \
+                 for absolute paths)",
+                unsearchable.display(),
+                unsearchable.display()
+            ),
+        }
+    }
 }
 
 /// Who runs the startup path; the steps are the same, these are the differences.
@@ -119,7 +157,7 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
     };
     // Layout before locks: a state dir inside the workspace is refused before it is made.
     check_layout(&d.workspace, &d.state_dir, socket)?;
-    let identities = match purpose {
+    let (identities, reach) = match purpose {
         Purpose::Serve { config, .. } => {
             let ids = Identities::detect(
                 d.worker_user,
@@ -127,21 +165,22 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
                 d.max_concurrent_calls,
                 &d.worker_uid_lock_dir,
             )?;
-            if ids.range().is_some() {
-                check_reachable_by_workers(&d.workspace, config)?;
-            }
+            let reach = match ids.range() {
+                Some(_) => check_reachable_by_workers(&d.workspace, config)?,
+                None => WorkerReach::Absolute,
+            };
             std::fs::create_dir_all(&d.workspace).map_err(|source| StartupError::Workspace {
                 path: d.workspace.clone(),
                 source,
             })?;
-            ids
+            (ids, reach)
         }
         Purpose::Recover => {
             match Identities::detect(d.worker_user, d.worker_uids, 1, &d.worker_uid_lock_dir) {
-                Ok(ids) => ids,
+                Ok(ids) => (ids, WorkerReach::Absolute),
                 Err(e) => {
                     tracing::warn!("recover: {e}; sweeping the registry's records only");
-                    Identities::Daemon
+                    (Identities::Daemon, WorkerReach::Absolute)
                 }
             }
         }
@@ -164,6 +203,7 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
         registry,
         audit,
         recovered,
+        reach,
     })
 }
 
@@ -198,17 +238,23 @@ fn lock(path: &Path, what: &'static str) -> Result<std::fs::File, StartupError> 
     })
 }
 
-/// With worker uids, every directory from `/` to the workspace root must be searchable by
-/// other users: a worker reaches its staging dir and its inputs by absolute path. Checked on
-/// the directories that exist (symlinks resolved), before the workspace is created: the ones
-/// `create_dir_all` would make are the daemon's own, mode 0755 under the usual umask.
-fn check_reachable_by_workers(workspace: &Path, config: &Path) -> Result<(), StartupError> {
+/// With worker uids, how workers reach the workspace: by absolute path when every directory
+/// from `/` down to it is searchable by other users, else from their working directory. The
+/// workspace itself must be searchable either way (a worker enters its job dir and names
+/// inputs beneath it). Checked on the directories that exist (symlinks resolved), before the
+/// workspace is created: the ones `create_dir_all` would make are the daemon's own, mode
+/// 0755 under the usual umask.
+fn check_reachable_by_workers(
+    workspace: &Path,
+    config: &Path,
+) -> Result<WorkerReach, StartupError> {
     use std::os::unix::fs::PermissionsExt;
     let abs =
         crate::fsutil::resolve_lenient(workspace).map_err(|source| StartupError::Resolve {
             path: workspace.to_path_buf(),
             source,
         })?;
+    let mut reach = WorkerReach::Absolute;
     for dir in abs.ancestors() {
         let mode = match std::fs::metadata(dir) {
             Ok(m) => m.permissions().mode(),
@@ -221,17 +267,24 @@ fn check_reachable_by_workers(workspace: &Path, config: &Path) -> Result<(), Sta
                 })
             }
         };
-        if mode & 0o001 == 0 {
+        if mode & 0o001 != 0 {
+            continue;
+        }
+        if dir == abs {
             return Err(StartupError::Unreachable {
                 workspace: abs.clone(),
-                dir: dir.to_path_buf(),
                 mode: mode & 0o7777,
                 config: config.to_path_buf(),
                 shared: shared_uid_hint(config),
             });
         }
+        // The topmost one is named: it is the one an operator would open up.
+        reach = WorkerReach::FromWorkingDir {
+            unsearchable: dir.to_path_buf(),
+            mode: mode & 0o7777,
+        };
     }
-    Ok(())
+    Ok(reach)
 }
 
 /// The last option of [`StartupError::Unreachable`]: workers under the daemon's own uid,

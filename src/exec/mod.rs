@@ -9,6 +9,7 @@ pub mod progress;
 mod proptests;
 pub mod response;
 mod slots;
+mod worker_paths;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -163,6 +164,8 @@ pub struct Executor {
     counter: AtomicU64,
     /// Who workers run as.
     identities: Identities,
+    /// How workers name the workspace's files (absolute, or from their working directory).
+    reach: crate::startup::WorkerReach,
     /// Live workers, for the next start to sweep if the daemon dies.
     registry: Registry,
     /// The seccomp programs of the policies' profiles, compiled at load and at each reload.
@@ -208,8 +211,13 @@ impl Executor {
             registry,
             audit,
             recovered: _,
+            reach,
         } = opened;
-        tracing::info!("workers run as {}", identities.describe());
+        tracing::info!(
+            "workers run as {}; {}",
+            identities.describe(),
+            reach.describe()
+        );
         sessions.set_limits(crate::session::SessionLimits {
             sessions_per_principal: d.max_sessions_per_principal,
             session_state_bytes: d.max_session_state_bytes,
@@ -221,6 +229,7 @@ impl Executor {
             filters,
             sandbox,
             identities,
+            reach,
             registry,
             _lock: workspace_lock,
             _state_lock: state_lock,
@@ -762,6 +771,7 @@ impl Executor {
         let root = self.workspace.root().to_path_buf();
         // Read tools have no outputs (the policy loader refuses them), so nothing is staged.
         let mut bound = args::bind(&values, &paths, &root, None, |_| root.clone());
+        worker_paths::hand_to_worker(&self.reach, &mut bound, &root, path_names(&paths));
         bound.env = args::bind_env(tool, &values).map_err(Stop::from)?;
         self.check_bounds(policy, tool, ext, &bound, None)?;
         let _slot = self.slot(call, cancel).await?;
@@ -837,6 +847,17 @@ impl Executor {
                 let target = outputs.get(i).map_or(std::path::Path::new(""), |(_, t)| t);
                 args::predicted_staged_path(self.workspace.root(), &call.call, i, target)
             });
+        let predicted_stage = self
+            .workspace
+            .root()
+            .join(format!("{}{}", publish::JOB_DIR_PREFIX, call.call))
+            .join("stage");
+        worker_paths::hand_to_worker(
+            &self.reach,
+            &mut predicted,
+            &predicted_stage,
+            path_names(&paths),
+        );
         predicted.env = env.clone();
         self.check_bounds(policy, tool, ext, &predicted, Some(&before))?;
 
@@ -860,6 +881,12 @@ impl Executor {
         let mut bound = args::bind(&values, &paths, &root, Some(session), |i| {
             job.staged_path(i)
         });
+        worker_paths::hand_to_worker(
+            &self.reach,
+            &mut bound,
+            &job.stage_dir(),
+            path_names(&paths),
+        );
         bound.env = env;
         let stdin = match ext.protocol {
             Protocol::Json => json_request(&tool.name, &bound.arguments, Some(&before)),
@@ -1375,6 +1402,11 @@ fn stderr_tail(captured: &crate::sandbox::Captured, secrets: &Secrets, n: usize)
 
 /// Removes the job dir of a call that publishes nothing, off the async threads (a worker
 /// may have left any number of files).
+/// The names of a call's path arguments.
+fn path_names(paths: &[(String, PathRole, PathBuf)]) -> impl Iterator<Item = &str> {
+    paths.iter().map(|(n, _, _)| n.as_str())
+}
+
 async fn discard(job: Job) {
     let dir = job.dir().to_path_buf();
     let done = tokio::task::spawn_blocking(move || job.discard()).await;

@@ -1055,31 +1055,51 @@ async fn a_capable_unprivileged_daemon_gives_workers_their_own_uid() {
     }
 }
 
-/// With worker uids, a workspace other users cannot reach (a parent dir 0700) is refused at
-/// startup with a message saying which directory and what to do, rather than every call
-/// failing later with EACCES.
-#[tokio::test]
-async fn a_workspace_workers_cannot_reach_refuses_to_start() {
+/// With worker uids, a workspace under a directory other users cannot search (a checkout
+/// under `/root`, mode 0700) is served: workers, under uids of their own and never 0, start
+/// in their working directory and are handed paths relative to it. The daemon says so once.
+/// A workspace that is itself unsearchable is refused before anything is created, naming
+/// the flag and the file that hold the fix.
+async fn a_workspace_under_an_unsearchable_directory(profile: &str) {
     use std::os::unix::fs::PermissionsExt;
     require_root();
-    let mut d = daemon("default");
+    let mut d = daemon(profile);
+    d.add_tool(
+        "hr",
+        &format!(
+            r#"name = "hr"
+description = "Run a shell script reading a file (test only)"
+capability = "read"
+profile = "{profile}"
+command = ["/bin/sh", "-c", "{{script}}", "hr", "{{input}}"]
+timeout = "60s"
+[params.script]
+type = "string"
+[params.input]
+type = "string"
+path = "input"
+"#
+        ),
+    );
     let hidden = d.dir.path().join("hidden");
     std::fs::create_dir(&hidden).expect("mkdir");
     std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).expect("chmod");
-    // Neither the workspace nor the state dir exists yet: a refusal must leave none behind.
     d.workspace = hidden.join("ws");
     d.state = hidden.join("state");
+
+    // The workspace itself unsearchable: refused, nothing created.
+    std::fs::create_dir(&d.workspace).expect("mkdir ws");
+    std::fs::set_permissions(&d.workspace, std::fs::Permissions::from_mode(0o700)).expect("chmod");
     let status = d
         .try_start()
-        .expect_err("started with an unreachable workspace");
+        .expect_err("started with a workspace workers cannot enter");
     assert!(!status.success());
     let log = d.log_text();
     assert!(
         log.contains("is not searchable by other users (mode 0700)"),
         "{log}"
     );
-    assert!(log.contains(&hidden.display().to_string()), "{log}");
-    // It names the flag and the file that hold the fix.
+    assert!(log.contains(&d.workspace.display().to_string()), "{log}");
     assert!(log.contains("--workspace"), "{log}");
     assert!(
         log.contains(&d.policies.join("airlock.toml").display().to_string()),
@@ -1088,24 +1108,35 @@ async fn a_workspace_workers_cannot_reach_refuses_to_start() {
     // A root daemon never offers its own uid to workers: that would be uid 0.
     assert!(!log.contains("worker_user = \"daemon\""), "{log}");
     assert!(log.contains("a worker never runs as uid 0"), "{log}");
-    assert!(!d.workspace.exists(), "the refusal created the workspace");
     assert!(!d.state.exists(), "the refusal created the state dir");
     assert!(!d.socket.exists(), "the refusal bound the socket");
-    assert_eq!(
-        std::fs::read_dir(&hidden).expect("ls").count(),
-        0,
-        "the refusal left something in {}",
-        hidden.display()
-    );
-    // Made searchable, the same layout serves, says once what workers run under, and a
-    // write call's worker runs under a uid of its own, not 0.
-    std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    assert_eq!(std::fs::read_dir(&d.workspace).expect("ls").count(), 0);
+    std::fs::remove_dir(&d.workspace).expect("rmdir ws");
+
+    // Only the parent unsearchable: served, from the workers' working directories.
     d.start();
+    let log = d.log_text();
     assert!(
-        d.log_text()
-            .contains("workers run as a uid of its own from"),
-        "{}",
-        d.log_text()
+        log.contains("workers run as separate uids, one per worker, from"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "workers are handed paths relative to their working directory (the workspace for \
+             a read tool, the staging dir for a write tool), since {} is not searchable by \
+             other users (mode 0700)",
+            hidden.display()
+        )),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::metadata(&hidden)
+            .expect("stat")
+            .permissions()
+            .mode()
+            & 0o7777,
+        0o700,
+        "the daemon opened up the directory above the workspace"
     );
     let c = d.client().await;
     session(&c, "r").await;
@@ -1117,21 +1148,77 @@ async fn a_workspace_workers_cannot_reach_refuses_to_start() {
     .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("w.txt").as_deref(), Some("reached"));
+    // A write tool reads an input and writes an output, both by relative path.
+    std::fs::create_dir(d.workspace.join("docs")).expect("mkdir docs");
+    d.write("docs/in.txt", "shout");
     let r = call(
         &c,
-        "hs",
-        json!({"session": "r", "out": "o.txt", "script": "id -u > \"$1\""}),
+        "upper",
+        json!({"session": "r", "source": "docs/in.txt", "out": "docs/up.txt"}),
     )
     .await;
     assert!(!is_error(&r), "{r}");
-    let uid: u32 = d
-        .read("o.txt")
-        .expect("o.txt")
-        .trim()
-        .parse()
-        .expect("a uid");
+    assert_eq!(d.read("docs/up.txt").as_deref(), Some("SHOUT"));
+    // What the worker was handed and where it stood, under its own uid.
+    let r = call(
+        &c,
+        "hp",
+        json!({"session": "r", "out": "o.txt", "input": "docs/in.txt", "code":
+            "import os, sys; open(sys.argv[1], 'w').write(' '.join([str(os.getuid()), \
+             sys.argv[1], sys.argv[2], os.path.basename(os.getcwd()), open(sys.argv[2]).read()]))"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    let seen = d.read("o.txt").expect("o.txt");
+    let parts: Vec<&str> = seen.split(' ').collect();
+    let uid: u32 = parts[0].parse().expect("a uid");
     assert_ne!(uid, 0, "a worker ran as uid 0");
     assert!((60600..=61099).contains(&uid), "worker uid {uid}");
+    assert_eq!(
+        &parts[1..],
+        ["./0/o.txt", "../../docs/in.txt", "stage", "shout"]
+    );
+    // A read tool stands in the workspace.
+    let r = call(
+        &c,
+        "hr",
+        json!({"input": "docs/in.txt", "script": "printf '%s %s ' \"$1\" \"$(id -u)\"; cat -- \"$1\""}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    let out = text(&r);
+    assert!(out.starts_with("./docs/in.txt "), "{out}");
+    assert!(out.ends_with(" shout"), "{out}");
+    assert!(!out.contains(" 0 "), "a read worker ran as uid 0: {out}");
+    // What the worker may not reach, it still may not: outside the workspace, by `..`.
+    std::fs::write(hidden.join("secret"), "no").expect("write secret");
+    let r = call(
+        &c,
+        "hs",
+        json!({"session": "r", "out": "x.txt", "script": "cat ../../../secret > \"$1\""}),
+    )
+    .await;
+    assert!(is_error(&r), "a worker read above the workspace: {r}");
+    assert_eq!(d.read("x.txt"), None);
+    // Nothing left behind: no job dir, and the audit chain verifies.
+    assert!(d.job_dirs().is_empty(), "{:?}", d.job_dirs());
+    d.stop();
+    let v = std::process::Command::new(BIN)
+        .args(["audit", "verify", "--log"])
+        .arg(d.state.join("audit.jsonl"))
+        .output()
+        .expect("audit verify");
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
+}
+
+#[tokio::test]
+async fn a_workspace_under_an_unsearchable_directory_is_served_default_profile() {
+    a_workspace_under_an_unsearchable_directory("default").await;
+}
+
+#[tokio::test]
+async fn a_workspace_under_an_unsearchable_directory_is_served_strict_profile() {
+    a_workspace_under_an_unsearchable_directory("strict").await;
 }
 
 // ---------------------------------------------------------------------------------------
