@@ -1159,6 +1159,25 @@ path = "input"
     .await;
     assert!(!is_error(&r), "{r}");
     assert_eq!(d.read("docs/up.txt").as_deref(), Some("SHOUT"));
+    // The shipped archive tool, which names its output and its input from two directories.
+    let r = call(
+        &c,
+        "archive",
+        json!({"session": "r", "source": "docs", "out": "docs.tar"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    let listed = std::process::Command::new("tar")
+        .arg("-tf")
+        .arg(d.workspace.join("docs.tar"))
+        .output()
+        .expect("tar -t");
+    let mut names: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    names.sort();
+    assert_eq!(names, ["docs/", "docs/in.txt", "docs/up.txt"]);
     // What the worker was handed and where it stood, under its own uid.
     let r = call(
         &c,
