@@ -109,17 +109,20 @@ pub(super) fn check(dir: &Path, as_user: Option<&str>) -> Exit {
         Ok(d) => d,
         Err(code) => return code,
     };
-    println!("{said}");
+    // The errors first, where a reader (and a test, or a script) looks for them; the user
+    // the grants were resolved for first on success.
     let policy = match policy::load_for(dir, daemon) {
         Ok(p) => p,
         Err(e) => {
             for d in &e.0 {
                 println!("{d}");
             }
+            println!("{said}");
             println!("{} error(s)", e.0.len());
             return Exit::Failed;
         }
     };
+    println!("{said}");
     println!(
         "{:<22} {:<10} {:<8} {:<10} {:>8}  PATH PARAMS",
         "TOOL", "CAPABILITY", "PROTOCOL", "PROFILE", "TIMEOUT"

@@ -748,6 +748,7 @@ fn policy_check_reports_every_error_with_its_place() {
         "name = \"a\"\ncapability = \"write\"\ncommand = [\"sh\", \"{nope}\"]\ntimeout = \"0s\"\nprofile = \"missing\"\n\n[params.n]\ntype = \"integer\"\npath = \"input\"\n",
     )
     .unwrap();
+    std::fs::write(p.join("airlock.toml"), "").unwrap();
     std::fs::write(
         p.join("tools/b.toml"),
         "name = \"a\"\ncapability = \"read\"\ncommand = [\"/bin/true\"]\ncolour = 1\n",
