@@ -2,6 +2,7 @@
 //! module knows JSON-RPC.
 
 mod cancel;
+pub mod codes;
 mod framing;
 mod handler;
 
@@ -199,8 +200,11 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
                     "refused a connection: {why}"
                 );
                 // A fresh socket's buffer takes one short line; if not, the close says it.
-                let _ =
-                    stream.try_write(&framing::error_line(&serde_json::Value::Null, -32000, &why));
+                let _ = stream.try_write(&framing::error_line(
+                    &serde_json::Value::Null,
+                    codes::LIMIT_REACHED,
+                    &why,
+                ));
                 continue;
             }
         };
