@@ -1,6 +1,7 @@
 //! systemd integration, hand-written (the protocol is two environment variables and a
 //! datagram): socket activation (`LISTEN_PID`, `LISTEN_FDS`, `LISTEN_FDNAMES`, the fds from
-//! 3 on) and `sd_notify` (`READY=1`, `STATUS=`, `RELOADING=1`, `STOPPING=1`, `WATCHDOG=1`
+//! 3 on: one passed fd is the listener whatever its name, several need exactly one named
+//! [`FD_NAME`]) and `sd_notify` (`READY=1`, `STATUS=`, `RELOADING=1`, `STOPPING=1`, `WATCHDOG=1`
 //! on `NOTIFY_SOCKET`, a path or an abstract name).
 //!
 //! Without systemd (none of the variables set) every function here is a no-op and the
@@ -10,7 +11,8 @@ use std::os::fd::{BorrowedFd, FromRawFd, RawFd};
 use std::os::unix::net::{SocketAddr, UnixDatagram, UnixListener};
 use std::time::Duration;
 
-/// The name `airlock.socket` gives its listener (`FileDescriptorName=`).
+/// The name `airlock.socket` gives its listener (`FileDescriptorName=`); it picks the
+/// listener only when several fds are passed.
 pub const FD_NAME: &str = "airlock";
 
 /// The first fd systemd passes (`SD_LISTEN_FDS_START`).
@@ -26,13 +28,13 @@ pub enum ActivationError {
     #[error("socket activation: LISTEN_PID={0:?} is not a process id")]
     BadPid(String),
     #[error(
-        "socket activation: {count} fd(s) passed but LISTEN_FDNAMES is not set; name the \
+        "socket activation: {count} fds passed but LISTEN_FDNAMES is not set; name the \
          listener {FD_NAME:?} (FileDescriptorName={FD_NAME} in airlock.socket, or \
          systemd-socket-activate --fdname={FD_NAME})"
     )]
     NoNames { count: usize },
     #[error(
-        "socket activation: none of the {count} passed fd(s) is named {FD_NAME:?} \
+        "socket activation: none of the {count} passed fds is named {FD_NAME:?} \
          (LISTEN_FDNAMES={names:?}); set FileDescriptorName={FD_NAME} in airlock.socket"
     )]
     NotNamed { count: usize, names: String },
@@ -42,13 +44,17 @@ pub enum ActivationError {
         fd_list(.fds)
     )]
     NamedTwice { fds: Vec<RawFd>, names: String },
-    #[error("socket activation: fd {fd} named {FD_NAME:?} is not a listening AF_UNIX stream socket: {why}")]
+    #[error("socket activation: passed fd {fd} is not a listening AF_UNIX stream socket: {why}")]
     NotAListener { fd: RawFd, why: String },
 }
 
 /// Which fd of a socket activation is airlock's listener, from the values of `LISTEN_PID`,
 /// `LISTEN_FDS` and `LISTEN_FDNAMES` and this process's pid. `None`: no activation meant for
 /// this process (no variables, or another process's `LISTEN_PID`).
+///
+/// One passed fd is the listener whatever `LISTEN_FDNAMES` says (absent, `unknown`, or a
+/// `.socket` unit's own name), as `sd_listen_fds` users take it; only among several do the
+/// names decide, and then exactly one must be named [`FD_NAME`].
 pub fn listen_fd(
     pid: u32,
     listen_pid: Option<&str>,
@@ -71,8 +77,10 @@ pub fn listen_fd(
         .ok()
         .filter(|n| *n <= MAX_LISTEN_FDS)
         .ok_or_else(|| ActivationError::BadCount(lfds.into()))?;
-    if count == 0 {
-        return Ok(None);
+    match count {
+        0 => return Ok(None),
+        1 => return Ok(Some(LISTEN_FDS_START)),
+        _ => {}
     }
     let names = fd_names.ok_or(ActivationError::NoNames { count })?;
     let named: Vec<RawFd> = names
@@ -296,8 +304,8 @@ mod tests {
             Ok(Some(5))
         );
         assert_eq!(
-            listen_fd(7, Some("7"), Some("1"), None),
-            Err(ActivationError::NoNames { count: 1 })
+            listen_fd(7, Some("7"), Some("2"), None),
+            Err(ActivationError::NoNames { count: 2 })
         );
         assert!(matches!(
             listen_fd(7, Some("7"), Some("2"), Some("x:y")),
@@ -305,9 +313,13 @@ mod tests {
         ));
         // A name past the count does not count.
         assert!(matches!(
-            listen_fd(7, Some("7"), Some("1"), Some("x:airlock")),
+            listen_fd(7, Some("7"), Some("2"), Some("x:y:airlock")),
             Err(ActivationError::NotNamed { .. })
         ));
+        assert_eq!(
+            listen_fd(7, Some("7"), Some("2"), Some("unknown:airlock")),
+            Ok(Some(4))
+        );
         // Two listeners named airlock: refused, both named, rather than one left unserved.
         let two = listen_fd(7, Some("7"), Some("3"), Some("airlock:x:airlock")).unwrap_err();
         assert_eq!(
@@ -334,6 +346,29 @@ mod tests {
             listen_fd(7, Some("7"), Some("99999"), Some(FD_NAME)),
             Err(ActivationError::BadCount(_))
         ));
+    }
+
+    /// What `systemd-socket-activate` without `--fdname` passes (no `LISTEN_FDNAMES`), what
+    /// sd-daemon calls an unnamed fd (`unknown`), and what a `.socket` unit without
+    /// `FileDescriptorName=` passes (its own name): one fd is the listener whatever its name.
+    #[test]
+    fn a_single_passed_fd_is_the_listener_whatever_its_name() {
+        for names in [
+            None,
+            Some("unknown"),
+            Some(""),
+            Some("web.socket"),
+            Some(FD_NAME),
+            Some("web:airlock"),
+        ] {
+            assert_eq!(
+                listen_fd(7, Some("7"), Some("1"), names),
+                Ok(Some(3)),
+                "LISTEN_FDNAMES={names:?}"
+            );
+        }
+        // Still only for this process.
+        assert_eq!(listen_fd(7, Some("8"), Some("1"), None), Ok(None));
     }
 
     #[test]

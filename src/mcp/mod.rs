@@ -2,18 +2,22 @@
 //! module knows JSON-RPC.
 
 mod cancel;
+pub mod codes;
+mod connection;
 mod framing;
 mod handler;
 
 pub use cancel::Calls;
 pub use handler::{Handler, AUDIT_URI};
 
+use connection::Connection;
+
 use std::collections::HashMap;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use rmcp::ServiceExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -140,6 +144,36 @@ fn admit(
     })
 }
 
+/// How long the accept loop waits after a failed accept: [`AcceptBackoff::MIN`], doubling
+/// up to [`AcceptBackoff::MAX`] while accepts keep failing; a successful accept starts over.
+#[derive(Debug)]
+struct AcceptBackoff {
+    next: Duration,
+}
+
+impl AcceptBackoff {
+    const MIN: Duration = Duration::from_millis(10);
+    const MAX: Duration = Duration::from_secs(1);
+
+    /// An accept failed: how long to wait before the next.
+    fn failed(&mut self) -> Duration {
+        let wait = self.next;
+        self.next = (wait * 2).min(Self::MAX);
+        wait
+    }
+
+    /// An accept succeeded: the next failure waits the least again.
+    fn succeeded(&mut self) {
+        self.next = Self::MIN;
+    }
+}
+
+impl Default for AcceptBackoff {
+    fn default() -> Self {
+        AcceptBackoff { next: Self::MIN }
+    }
+}
+
 /// Accepts connections until `shutdown`, then waits for every connection task to end, for
 /// at most `shutdown_timeout`.
 ///
@@ -153,14 +187,23 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
     let shutdown_timeout = d.shutdown_timeout;
     let counts = Arc::new(Mutex::new(Counts::default()));
     let tasks = TaskTracker::new();
+    let mut backoff = AcceptBackoff::default();
     loop {
         let stream = tokio::select! {
             r = listener.accept() => match r {
-                Ok((s, _)) => s,
+                Ok((s, _)) => {
+                    backoff.succeeded();
+                    s
+                }
                 Err(e) => {
-                    // Out of fds and the like: one failed accept never stops the listener.
-                    tracing::warn!("accept failed: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    // Out of fds and the like: one failed accept never stops the listener;
+                    // while accepts keep failing, it retries less and less often.
+                    let wait = backoff.failed();
+                    tracing::warn!("accept failed: {e}; retrying in {wait:?}");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.cancelled() => break,
+                    }
                     continue;
                 }
             },
@@ -199,8 +242,11 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
                     "refused a connection: {why}"
                 );
                 // A fresh socket's buffer takes one short line; if not, the close says it.
-                let _ =
-                    stream.try_write(&framing::error_line(&serde_json::Value::Null, -32000, &why));
+                let _ = stream.try_write(&framing::error_line(
+                    &serde_json::Value::Null,
+                    codes::LIMIT_REACHED,
+                    &why,
+                ));
                 continue;
             }
         };
@@ -230,149 +276,15 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
 /// A connection is closed when: it sends no `initialize` within `handshake_timeout`; it has
 /// nothing in flight and sends no message for `idle_timeout`; a reply waits longer than
 /// `write_timeout` for it to read, or more than `max_queued_bytes` wait at once (a client
-/// that does not read); or, after SIGTERM, within a second of the last reply.
+/// that does not read); or, after SIGTERM, within a second of the last reply. See
+/// `connection::Connection` for its tasks and its shutdown sequence.
 pub async fn serve_connection(
     stream: UnixStream,
     peer: Principal,
     exec: Arc<Executor>,
     shutdown: CancellationToken,
 ) {
-    let policy = exec.policy();
-    let d = &policy.daemon;
-    let (limit, write_timeout) = (d.max_message_bytes, d.write_timeout);
-    let (handshake_timeout, idle_timeout) = (d.handshake_timeout, d.idle_timeout);
-    let uid = peer.uid;
-    let (sock_r, sock_w) = stream.into_split();
-    let (rmcp_side, ours) = tokio::io::duplex(256 * 1024);
-    let (from_rmcp, to_rmcp) = tokio::io::split(ours);
-    let (queue, rx, queued) = framing::OutQueue::new(d.max_queued_bytes);
-    let ids = Arc::new(Mutex::new(framing::Ids::new(
-        d.max_requests_per_connection,
-        d.max_message_bytes,
-    )));
-    let (calls, client) = {
-        let ids = ids.lock().unwrap_or_else(|p| p.into_inner());
-        (ids.calls(), ids.client_name())
-    };
-    let freed = Arc::new(tokio::sync::Notify::new());
-    // `ct` ends the client's MCP session and cancels its calls; `kill` also drops its
-    // output at once. The end of the client's input cancels `ct` only (as closing stdin
-    // does for a stdio server), so replies already queued still go out.
-    let ct = shutdown.child_token();
-    let kill = CancellationToken::new();
-    let drop_conn = {
-        let (ct, kill) = (ct.clone(), kill.clone());
-        move |why: &str| {
-            tracing::warn!(uid, "dropping the connection: {why}");
-            kill.cancel();
-            ct.cancel();
-        }
-    };
-    let writer = tokio::spawn({
-        let (kill, drop_conn) = (kill.clone(), drop_conn.clone());
-        async move {
-            match framing::write_lines(sock_w, rx, queued, write_timeout, kill).await {
-                framing::WriteEnd::TimedOut => drop_conn(&format!(
-                    "the client did not read a reply within {write_timeout:?} (write_timeout)"
-                )),
-                framing::WriteEnd::Failed => drop_conn("the socket write failed"),
-                framing::WriteEnd::Done | framing::WriteEnd::Stopped => {}
-            }
-        }
-    });
-    let overflow = format!(
-        "more than {} bytes of replies wait for the client to read (max_queued_bytes)",
-        d.max_queued_bytes
-    );
-    let reader = tokio::spawn({
-        let (ct, ids, queue, freed) = (ct.clone(), ids.clone(), queue.clone(), freed.clone());
-        let (drop_conn, overflow) = (drop_conn.clone(), overflow.clone());
-        let lines = framing::LineReader::new(sock_r, limit);
-        let pump = framing::pump_in(lines, to_rmcp, queue, ids, freed);
-        async move {
-            if pump.await.is_err() {
-                drop_conn(&overflow);
-            }
-            ct.cancel();
-        }
-    });
-    let out = tokio::spawn({
-        let (ids, drop_conn) = (ids.clone(), drop_conn.clone());
-        framing::pump_out(from_rmcp, queue, ids, freed, move || drop_conn(&overflow))
-    });
-    // After SIGTERM, replies (the cancelled calls' errors) get a second to go out.
-    let last_flush = tokio::spawn({
-        let (shutdown, kill) = (shutdown.clone(), kill.clone());
-        async move {
-            shutdown.cancelled().await;
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-            kill.cancel();
-        }
-    });
-
-    let handshake =
-        Handler::new(exec, peer, calls, client, ct.clone()).serve_with_ct(rmcp_side, ct.clone());
-    let service = tokio::select! {
-        r = tokio::time::timeout(handshake_timeout, handshake) => match r {
-            Ok(Ok(service)) => Some(service),
-            Ok(Err(e)) => {
-                tracing::info!(uid, "MCP handshake failed: {e}");
-                None
-            }
-            Err(_) => {
-                drop_conn(&format!("no initialize within {handshake_timeout:?} (handshake_timeout)"));
-                None
-            }
-        },
-        _ = kill.cancelled() => None,
-    };
-    if let Some(service) = service {
-        let mut waiting = std::pin::pin!(service.waiting());
-        let idle = async {
-            loop {
-                let idle = ids.lock().unwrap_or_else(|p| p.into_inner()).idle_for();
-                if idle >= idle_timeout {
-                    return;
-                }
-                tokio::time::sleep((idle_timeout - idle).max(std::time::Duration::from_millis(50)))
-                    .await;
-            }
-        };
-        let ended = tokio::select! {
-            r = &mut waiting => Some(r),
-            _ = idle => {
-                drop_conn(&format!("idle for {idle_timeout:?} (idle_timeout)"));
-                None
-            }
-            _ = kill.cancelled() => None,
-        };
-        let r = match ended {
-            Some(r) => r,
-            None => {
-                ct.cancel();
-                waiting.await
-            }
-        };
-        if let Err(e) = r {
-            tracing::debug!(uid, "connection ended: {e}");
-        }
-    }
-    ct.cancel();
-    reader.abort();
-    // What is queued goes out within the write timeout, then everything goes.
-    let flush = tokio::spawn({
-        let kill = kill.clone();
-        async move {
-            tokio::time::sleep(write_timeout).await;
-            kill.cancel();
-        }
-    });
-    let _ = writer.await;
-    // rmcp is done with its side; what it still had in the pipe is discarded.
-    out.abort();
-    flush.abort();
-    last_flush.abort();
-    tracing::debug!(uid, "connection closed");
+    Connection::serve(stream, peer, exec, shutdown).await;
 }
 
 /// The supplementary groups of the socket's peer as they were when it connected
@@ -407,5 +319,23 @@ fn peer_groups(stream: &tokio::net::UnixStream) -> Vec<u32> {
             continue;
         }
         return Vec::new();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accept_failures_back_off_from_10_ms_doubling_to_1_s_and_a_success_resets() {
+        let ms = Duration::from_millis;
+        let mut b = AcceptBackoff::default();
+        let waits: Vec<Duration> = (0..10).map(|_| b.failed()).collect();
+        assert_eq!(
+            waits,
+            [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000].map(ms)
+        );
+        b.succeeded();
+        assert_eq!([b.failed(), b.failed()], [ms(10), ms(20)]);
     }
 }

@@ -249,22 +249,128 @@ timeout = "30s"
     assert_eq!(text(&r).trim(), "held", "{r}");
 }
 
+/// A `.socket` unit without `FileDescriptorName=` names its one fd after itself: one passed
+/// fd is the listener whatever its name, so the daemon serves calls through it.
 #[tokio::test]
-async fn a_passed_fd_with_another_name_is_refused_and_named() {
+async fn a_single_passed_fd_with_another_name_is_served() {
     let mut d = Daemon::new();
     let listener = UnixListener::bind(&d.socket).expect("bind");
+    let (notify, notify_path) = notify_socket(&d);
+    spawn_activated(&mut d, &listener, "web.socket", &notify_path);
+    recv_until(&notify, "READY=1", &d);
+    assert!(
+        d.log_text().contains("socket_activated=true"),
+        "the daemon did not take the passed fd:\n{}",
+        d.log_text()
+    );
+    let c = d.client().await;
+    session(&c, "named").await;
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "named", "out": "named.txt", "text": "through web.socket"}),
+    )
+    .await;
+    assert!(!is_error(&r), "write_text: {r}");
+    assert_eq!(d.read("named.txt").as_deref(), Some("through web.socket"));
+}
+
+/// `systemd-socket-activate -l SOCKET` without `--fdname` binds the socket, waits for the first
+/// client, then execs the daemon with one fd and no `LISTEN_FDNAMES`: the daemon serves that
+/// client and later ones through it, and leaves the socket file (the activator's) in place.
+#[tokio::test]
+async fn one_unnamed_fd_from_systemd_socket_activate_is_served() {
+    let activate = [
+        "/usr/bin/systemd-socket-activate",
+        "/bin/systemd-socket-activate",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+    .expect("this test needs systemd-socket-activate (the systemd package; .ci/install-deps)");
+    let mut d = Daemon::new();
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&d.log)
+        .expect("log");
+    let child = Command::new(activate)
+        .arg("-l")
+        .arg(&d.socket)
+        .arg(BIN)
+        .arg("serve")
+        .arg("--policies")
+        .arg(&d.policies)
+        .arg("--socket")
+        .arg(&d.socket)
+        .arg("--workspace")
+        .arg(&d.workspace)
+        .arg("--state-dir")
+        .arg(&d.state)
+        .env_remove("LISTEN_FDNAMES")
+        .env("AIRLOCK_LOG", "debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .expect("spawn systemd-socket-activate");
+    d.child = Some(child);
+    wait_until("systemd-socket-activate to listen", || {
+        d.log_text().contains("Listening on")
+    })
+    .await;
+    // The first connection makes the activator exec the daemon, which then answers it.
+    let c = d.client().await;
+    session(&c, "unnamed").await;
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "unnamed", "out": "unnamed.txt", "text": "through fd 3"}),
+    )
+    .await;
+    assert!(!is_error(&r), "write_text: {r}");
+    assert_eq!(d.read("unnamed.txt").as_deref(), Some("through fd 3"));
+    let log = d.log_text();
+    assert!(
+        log.contains("socket_activated=true") && !log.contains("LISTEN_FDNAMES"),
+        "the daemon did not serve the unnamed passed fd:\n{log}"
+    );
+    let second = d.client().await;
+    session(&second, "again").await;
+    sigterm(d.pid());
+    let st = d
+        .wait_exit(Duration::from_secs(30))
+        .expect("exit after SIGTERM");
+    assert!(st.success(), "exit status {st}\n{}", d.log_text());
+    assert!(
+        d.socket.exists(),
+        "a socket-activated daemon removed the activator's socket file"
+    );
+}
+
+/// Among several passed fds the names decide: none named `airlock` refuses the start (exit
+/// 2), naming the names, and no client of either socket is left waiting.
+#[tokio::test]
+async fn several_passed_fds_none_named_airlock_are_refused_and_named() {
+    let mut d = Daemon::new();
+    let db_path = d.dir.path().join("db.sock");
+    let web = UnixListener::bind(&d.socket).expect("bind");
+    let db = UnixListener::bind(&db_path).expect("bind");
     let (_notify, notify_path) = notify_socket(&d);
-    spawn_activated(&mut d, &listener, "web", &notify_path);
+    spawn_activated_fds(&mut d, &[&web, &db], "web:db", &notify_path, None);
+    drop((web, db));
     let st = d
         .wait_exit(Duration::from_secs(30))
         .expect("the daemon exits");
     assert_eq!(st.code(), Some(2), "{}", d.log_text());
     let log = d.log_text();
     assert!(
-        log.contains("none of the 1 passed fd(s) is named \"airlock\"")
-            && log.contains("LISTEN_FDNAMES=\"web\""),
+        log.contains("none of the 2 passed fds is named \"airlock\"")
+            && log.contains("LISTEN_FDNAMES=\"web:db\""),
         "{log}"
     );
+    for p in [d.socket.clone(), db_path] {
+        refused_fast(&p);
+    }
 }
 
 /// How `/proc/PID/fd` shows the socket behind `l`: `socket:[INODE]`.

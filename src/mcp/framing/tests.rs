@@ -1,4 +1,15 @@
-use super::*;
+use super::gate::*;
+use super::pump::*;
+use super::scan::*;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use proptest::prelude::*;
 
@@ -53,9 +64,9 @@ async fn an_endless_line_is_held_only_up_to_its_prefix() {
     let mut r = LineReader::new(&big[..], 1024);
     assert_eq!(r.next().await.unwrap(), Frame::Eof);
     assert!(
-        r.buf.capacity() <= 2 * OVERSIZED_PREFIX + 64 * 1024,
+        r.split.buf.capacity() <= 2 * OVERSIZED_PREFIX + 64 * 1024,
         "{}",
-        r.buf.capacity()
+        r.split.buf.capacity()
     );
 }
 
