@@ -1,5 +1,5 @@
 //! The daemon's side of spawning: one long-lived thread owns the spawner process
-//! ([`super::spawner`]) and asks it for every worker.
+//! ([`crate::sandbox::spawner`]) and asks it for every worker.
 //!
 //! The spawner is started by that thread (at once, by [`Spawner::start`], and again after one died), because
 //! PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
@@ -30,7 +30,8 @@ use rustix::net::{
 use rustix::process::{Pid, PidfdFlags, Signal};
 
 use super::group::{signal_group, Leaders, Pgid};
-use super::spawner::{self, SPAWNER_ARG};
+use crate::sandbox::spawner::SPAWNER_ARG;
+use crate::sandbox::wire::spawn_request::{self, Reply, MAX_FDS, REPLY_LEN, SPAWN};
 
 /// A launcher just started.
 pub(crate) struct Spawned {
@@ -203,7 +204,7 @@ impl Process {
             .map_err(io::Error::from)
             .and_then(|n| Ok((n, timeout(ANSWER_TIMEOUT)?)));
         match n {
-            Ok(((1, _), ())) if ready[0] == spawner::READY => Ok(process),
+            Ok(((1, _), ())) if ready[0] == spawn_request::READY => Ok(process),
             Ok(_) => {
                 process.stop();
                 Err(io::Error::other(
@@ -229,19 +230,19 @@ impl Process {
         stderr: &OwnedFd,
         progress: Option<&OwnedFd>,
     ) -> Result<(Pgid, OwnedFd), Failed> {
-        let fds = spawner::request_fds(channel, stdin, stdout, stderr, progress);
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(spawner::MAX_FDS))];
+        let fds = spawn_request::request_fds(channel, stdin, stdout, stderr, progress);
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
         let mut control = SendAncillaryBuffer::new(&mut space);
         control.push(SendAncillaryMessage::ScmRights(&fds));
         rustix::net::sendmsg(
             &self.sock,
-            &[IoSlice::new(&[spawner::SPAWN])],
+            &[IoSlice::new(&[SPAWN])],
             &mut control,
             SendFlags::NOSIGNAL,
         )
         .map_err(|e| Failed::Undelivered(e.into()))?;
 
-        let mut answer = [0u8; 5];
+        let mut answer = [0u8; REPLY_LEN];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let got = loop {
@@ -272,18 +273,23 @@ impl Process {
                 }
             }
         }
-        let number = i32::from_le_bytes([answer[1], answer[2], answer[3], answer[4]]);
-        match (got.bytes, answer[0], pidfd) {
+        match (
+            got.bytes,
+            Reply::decode(&answer[..got.bytes.min(REPLY_LEN)]),
+            pidfd,
+        ) {
             (0, _, _) => Err(Failed::Lost(io::Error::other(
                 "the spawner process died while starting the worker",
             ))),
-            (5, spawner::OK, Some(pidfd)) => match Pgid::from_raw(number) {
+            (_, Some(Reply::Spawned(number)), Some(pidfd)) => match Pgid::from_raw(number) {
                 Some(leader) => Ok((leader, pidfd)),
                 None => Err(Failed::Lost(io::Error::other(format!(
                     "the spawner answered pid {number}"
                 )))),
             },
-            (5, spawner::ERR, _) => Err(Failed::Refused(io::Error::from_raw_os_error(number))),
+            (_, Some(Reply::Refused(number)), _) => {
+                Err(Failed::Refused(io::Error::from_raw_os_error(number)))
+            }
             _ => Err(Failed::Lost(io::Error::other(
                 "the spawner's answer is malformed",
             ))),
