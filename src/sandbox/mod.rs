@@ -21,10 +21,16 @@ mod sys;
 mod wire;
 
 pub use daemon::{
-    default_launcher_exe, explain, sweep_cgroups, Captured, CgroupError, End, Enforcement, Filters,
+    default_spawner_exe, explain, sweep_cgroups, Captured, CgroupError, End, Enforcement, Filters,
     Identities, IdentityError, Launch, Lease, LeaseDir, LeaseDirFault, Outcome, Pool,
     ProgressSender, Registry, Sandbox, SandboxError, SeccompError, Worker, WorkerProgress,
-    LAUNCHER_EXE_ENV, NEEDED_CAPS, PROGRESS_FD_ENV,
+    NEEDED_CAPS, PROGRESS_FD_ENV, SPAWNER_EXE_ENV,
 };
 pub use spawner::{spawner_main, SPAWNER_ARG};
+
+/// The spawner's executable by default, under its name from before the spawner existed
+/// (callers outside the sandbox still use it).
+pub use daemon::default_spawner_exe as default_launcher_exe;
+/// [`SPAWNER_EXE_ENV`] under its name from before the spawner existed.
+pub use daemon::SPAWNER_EXE_ENV as LAUNCHER_EXE_ENV;
 pub use wire::{LandlockStatus, Step};

@@ -60,7 +60,8 @@ pub use progress::{ProgressSender, WorkerProgress, PROGRESS_FD_ENV};
 pub use seccomp::SeccompError;
 
 /// Overrides the spawner's executable (default `/proc/self/exe`, the daemon's own binary).
-pub const LAUNCHER_EXE_ENV: &str = "AIRLOCK_LAUNCHER_EXE";
+/// The variable's name predates the spawner and stays as documented (SECURITY.md).
+pub const SPAWNER_EXE_ENV: &str = "AIRLOCK_LAUNCHER_EXE";
 
 /// What one worker is to run, and with which rights.
 #[derive(Debug)]
@@ -206,10 +207,10 @@ const DRAIN: Duration = Duration::from_secs(1);
 /// How long the launcher may take to set up before `spawn` gives up on it.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The spawner's executable by default: [`LAUNCHER_EXE_ENV`] if set, else the daemon's own
+/// The spawner's executable by default: [`SPAWNER_EXE_ENV`] if set, else the daemon's own
 /// binary (`/proc/self/exe`).
-pub fn default_launcher_exe() -> PathBuf {
-    std::env::var_os(LAUNCHER_EXE_ENV)
+pub fn default_spawner_exe() -> PathBuf {
+    std::env::var_os(SPAWNER_EXE_ENV)
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/proc/self/exe"))
 }
@@ -224,7 +225,7 @@ static STARTED: AtomicBool = AtomicBool::new(false);
 #[derive(Debug, Clone)]
 pub struct Sandbox {
     leaders: Arc<Leaders>,
-    spawner: Arc<spawner_thread::Spawner>,
+    spawner: Arc<spawner_thread::SpawnerThread>,
 }
 
 impl Sandbox {
@@ -249,7 +250,7 @@ impl Sandbox {
         let leaders = Arc::new(Leaders::default());
         reaper::start_reaper(&handle, leaders.clone())
             .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))?;
-        let spawner = spawner_thread::Spawner::start(exe, leaders.clone())
+        let spawner = spawner_thread::SpawnerThread::start(exe, leaders.clone())
             .map_err(|e| SandboxError::Other(format!("cannot start the spawner: {e}")))?;
         Ok(Sandbox {
             leaders,

@@ -1,8 +1,8 @@
 //! The daemon's side of spawning: one long-lived thread owns the spawner process
 //! ([`crate::sandbox::spawner`]) and asks it for every worker.
 //!
-//! The spawner is started by that thread (at once, by [`Spawner::start`], and again after one died), because
-//! PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
+//! The spawner is started by that thread (at once, by [`SpawnerThread::start`], and again
+//! after one died), because PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
 //! blocking threads come and go: the spawner and, through `CLONE_PARENT`, every worker are
 //! children of this thread, and die with it only when the daemon dies.
 //!
@@ -66,16 +66,16 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// The daemon's spawner thread, which owns the spawner process. Made once, by
 /// [`super::Sandbox::start`].
 #[derive(Debug)]
-pub(crate) struct Spawner {
+pub(crate) struct SpawnerThread {
     tx: Mutex<mpsc::Sender<Request>>,
     /// The binary started in spawner mode.
     pub exe: PathBuf,
 }
 
-impl Spawner {
+impl SpawnerThread {
     /// Starts the spawner thread and asks it to start the spawner process now, so the first
     /// call does not pay for it.
-    pub(crate) fn start(exe: PathBuf, leaders: Arc<Leaders>) -> io::Result<Spawner> {
+    pub(crate) fn start(exe: PathBuf, leaders: Arc<Leaders>) -> io::Result<SpawnerThread> {
         let (tx, rx) = mpsc::channel::<Request>();
         let thread_exe = exe.clone();
         std::thread::Builder::new()
@@ -107,7 +107,7 @@ impl Spawner {
             })?;
         tx.send(Request::WarmUp)
             .map_err(|_| io::Error::other("the spawner thread is gone"))?;
-        Ok(Spawner {
+        Ok(SpawnerThread {
             tx: Mutex::new(tx),
             exe,
         })
@@ -177,6 +177,9 @@ impl Process {
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", exe.display())))?;
+        // The command holds our copy of the spawner's end of the socket: closed now, so that
+        // a spawner that exits at start is seen at once (EOF), not after START_TIMEOUT.
+        drop(command);
         let pid = child.id() as i32;
         let pidfd = Pid::from_raw(pid)
             .ok_or_else(|| io::Error::other("the spawner has pid 0"))
@@ -393,4 +396,63 @@ fn abandon(registry: &Leaders, s: Spawned) {
         rustix::process::WaitIdOptions::EXITED,
     );
     leaders.remove(&s.leader);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spawner_that_exits_at_start_is_an_error_and_is_reaped() {
+        let leaders = Leaders::default();
+        let e = match Process::start(Path::new("/bin/false"), &leaders) {
+            Ok(p) => {
+                p.stop();
+                panic!("/bin/false was taken for a spawner")
+            }
+            Err(e) => e,
+        };
+        assert!(
+            e.to_string()
+                .contains("the spawner process exited at start"),
+            "{e}"
+        );
+        // Nothing was left registered, nor a zombie to reap: `stop` reaped it.
+        assert!(leaders.lock().is_empty());
+    }
+
+    #[test]
+    fn a_missing_spawner_executable_is_an_error_naming_it() {
+        let leaders = Leaders::default();
+        let e = match Process::start(Path::new("/nonexistent/airlock"), &leaders) {
+            Ok(p) => {
+                p.stop();
+                panic!("a missing executable started")
+            }
+            Err(e) => e,
+        };
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(e.to_string().contains("/nonexistent/airlock"), "{e}");
+    }
+
+    #[test]
+    fn a_spawner_that_never_says_ready_is_not_taken_for_one() {
+        // Exits with something other than the ready byte on the socket (its stdout is
+        // /dev/null; its stdin is the socket): a wrong first message.
+        let leaders = Leaders::default();
+        let script =
+            std::env::temp_dir().join(format!("airlock-not-a-spawner-{}", std::process::id()));
+        std::fs::write(&script, "#!/bin/sh\nprintf x >&0\n").expect("write the script");
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("chmod");
+        let started = Process::start(&script, &leaders);
+        let _ = std::fs::remove_file(&script);
+        match started {
+            Ok(p) => {
+                p.stop();
+                panic!("a process that answered 'x' was taken for a spawner")
+            }
+            Err(e) => assert!(e.to_string().contains("exited at start"), "{e}"),
+        }
+    }
 }
