@@ -9,7 +9,9 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use airlock::policy::{Limits, Profile};
-use airlock::sandbox::{self, End, Filters, LandlockStatus, Launch, Outcome, SandboxError, Worker};
+use airlock::sandbox::{
+    self, End, Filters, LandlockStatus, Launch, Outcome, SandboxError, Step, Worker,
+};
 use tokio_util::sync::CancellationToken;
 
 /// One runtime and one sandbox for the whole binary, so that the orphan reaper started by
@@ -445,7 +447,7 @@ fn missing_command_is_a_setup_error_at_execve() {
         .await
         {
             Err(SandboxError::Setup { step, errno, .. }) => {
-                assert_eq!(step, "execve");
+                assert_eq!(step, Step::Execve);
                 assert_eq!(errno, libc::ENOENT);
             }
             Err(e) => panic!("expected a setup error, got {e}"),
@@ -467,7 +469,7 @@ fn bad_cwd_is_a_setup_error_at_chdir() {
                 errno,
                 message,
             }) => {
-                assert_eq!(step, "chdir", "{message}");
+                assert_eq!(step, Step::Chdir, "{message}");
                 assert_eq!(errno, libc::ENOENT);
             }
             Err(e) => panic!("expected a setup error, got {e}"),
@@ -485,7 +487,7 @@ fn landlock_fails_closed_above_the_kernel_abi() {
         std::sync::Arc::make_mut(&mut l.profile).landlock.abi = 99;
         match Worker::spawn(sb(), l, &Filters::new()).await {
             Err(SandboxError::Setup { step, message, .. }) => {
-                assert_eq!(step, "landlock");
+                assert_eq!(step, Step::Landlock);
                 assert!(
                     message.contains(&format!("Landlock ABI {}", landlock_abi())),
                     "{message}"

@@ -20,66 +20,12 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::sandbox::sys;
+use crate::sandbox::wire::{Applied, LandlockSpec, LandlockStatus};
 use landlock::{
     make_bitflags, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath,
-    PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, Scope, ABI,
+    PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, Scope, ABI,
 };
-use serde::{Deserialize, Serialize};
-
-use super::sys;
-
-/// What the launcher needs to build the ruleset.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct LandlockSpec {
-    pub abi: u8,
-    pub best_effort: bool,
-    pub network: bool,
-    /// Profile paths; skipped when absent.
-    pub read: Vec<PathBuf>,
-    pub exec: Vec<PathBuf>,
-    pub write: Vec<PathBuf>,
-    /// Per-call paths; must exist.
-    pub writable: Vec<PathBuf>,
-    pub readable: Vec<PathBuf>,
-}
-
-/// How much of a worker's ruleset the kernel enforces (landlock's `RulesetStatus`, ours so
-/// that it crosses the launcher's channel and the audit log by name).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum LandlockStatus {
-    FullyEnforced,
-    PartiallyEnforced,
-    NotEnforced,
-}
-
-impl LandlockStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LandlockStatus::FullyEnforced => "fully_enforced",
-            LandlockStatus::PartiallyEnforced => "partially_enforced",
-            LandlockStatus::NotEnforced => "not_enforced",
-        }
-    }
-}
-
-impl From<RulesetStatus> for LandlockStatus {
-    fn from(s: RulesetStatus) -> Self {
-        match s {
-            RulesetStatus::FullyEnforced => LandlockStatus::FullyEnforced,
-            RulesetStatus::PartiallyEnforced => LandlockStatus::PartiallyEnforced,
-            RulesetStatus::NotEnforced => LandlockStatus::NotEnforced,
-        }
-    }
-}
-
-/// What the kernel enforces.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub(crate) struct Applied {
-    pub status: LandlockStatus,
-    /// The kernel's Landlock ABI (0: no Landlock).
-    pub abi: u8,
-}
 
 /// A failure, with the errno of the underlying call when there is one.
 #[derive(Debug)]

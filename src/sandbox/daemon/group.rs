@@ -232,3 +232,107 @@ pub(crate) fn kill_and_forget(leaders: &Leaders, pgid: Pgid, pidfd: &OwnedFd) {
     // Its group's zombies were skipped while it was live, and may send no further SIGCHLD.
     leaders.reap_soon();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+
+    #[test]
+    fn a_pgid_names_one_positive_group() {
+        assert!(Pgid::from_raw(0).is_none());
+        assert!(Pgid::from_raw(-5).is_none());
+        let g = Pgid::from_raw(4321).expect("positive");
+        assert_eq!(g.raw(), 4321);
+        assert_eq!(g.as_u32(), 4321);
+        assert_eq!(g.leader().as_raw_nonzero().get(), 4321);
+        assert_eq!(g.to_string(), "4321");
+    }
+
+    /// A child of ours in a group of its own, exited but not reaped (waited for with
+    /// WNOWAIT, so no sleep stands in for its exit).
+    fn zombie_child() -> Pgid {
+        let child = std::process::Command::new("/bin/true")
+            .process_group(0)
+            .spawn()
+            .expect("spawn /bin/true");
+        let pid = Pid::from_raw(child.id() as i32).expect("a pid");
+        // `child` is dropped unreaped: std never waits on drop.
+        drop(child);
+        rustix::process::waitid(
+            rustix::process::WaitId::Pid(pid),
+            rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
+        )
+        .expect("waitid");
+        Pgid::from_raw(pid.as_raw_nonzero().get()).expect("positive")
+    }
+
+    #[test]
+    fn a_registered_leader_is_never_reaped_by_the_orphan_path() {
+        let leaders = Leaders::default();
+        let leader = zombie_child();
+        leaders.lock().insert(leader);
+        assert!(!leaders.reap_if_not_leader(leader.raw()));
+        assert!(
+            read_stat(leader.raw()).is_some_and(|s| s.dead()),
+            "the leader's zombie must stay until its worker reaps it"
+        );
+        // Unregistered, it is an orphan like any other.
+        leaders.lock().remove(&leader);
+        assert!(leaders.reap_if_not_leader(leader.raw()));
+        assert!(read_stat(leader.raw()).is_none(), "reaped");
+        // And a second reap finds nothing.
+        assert!(!leaders.reap_if_not_leader(leader.raw()));
+    }
+
+    #[test]
+    fn reap_leader_reaps_through_the_pidfd_and_unregisters() {
+        let leaders = Leaders::default();
+        let leader = zombie_child();
+        let pidfd =
+            rustix::process::pidfd_open(leader.leader(), rustix::process::PidfdFlags::empty())
+                .expect("pidfd_open");
+        leaders.lock().insert(leader);
+        match reap_leader(&leaders, leader, &pidfd) {
+            Ok(Some(Exit::Code(0))) => {}
+            other => panic!("reap_leader: {other:?}"),
+        }
+        assert!(!leaders.lock().contains(&leader));
+        assert!(read_stat(leader.raw()).is_none(), "reaped");
+    }
+
+    #[test]
+    fn a_live_leader_is_not_reaped_and_stays_registered_until_confirmed_dead() {
+        let leaders = Leaders::default();
+        let child = std::process::Command::new("/bin/sleep")
+            .arg("1000")
+            .process_group(0)
+            .spawn()
+            .expect("spawn /bin/sleep");
+        let leader = Pgid::from_raw(child.id() as i32).expect("positive");
+        drop(child);
+        let pidfd =
+            rustix::process::pidfd_open(leader.leader(), rustix::process::PidfdFlags::empty())
+                .expect("pidfd_open");
+        leaders.lock().insert(leader);
+        assert!(leaders.in_live_worker_group(leader.raw()));
+        assert!(matches!(reap_leader(&leaders, leader, &pidfd), Ok(None)));
+        assert!(
+            leaders.lock().contains(&leader),
+            "still running: still registered"
+        );
+        // kill_and_forget: the group is killed, the leader handed to the orphan reaper.
+        kill_and_forget(&leaders, leader, &pidfd);
+        assert!(!leaders.lock().contains(&leader));
+        rustix::process::waitid(
+            rustix::process::WaitId::PidFd(pidfd.as_fd()),
+            rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
+        )
+        .expect("waitid");
+        assert!(!leaders.in_live_worker_group(leader.raw()));
+        assert!(
+            leaders.reap_if_not_leader(leader.raw()),
+            "the orphan path reaps it"
+        );
+    }
+}

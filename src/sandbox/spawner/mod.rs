@@ -2,24 +2,20 @@
 //! `[exe, SPAWNER_ARG, DAEMON_PID]`), that forks every worker and runs the launcher in the
 //! child, so no worker costs an `execve` of the daemon.
 //!
-//! Protocol, over a `SOCK_SEQPACKET` pair that is the spawner's stdin at start:
-//! - once, spawner to daemon: `r` (ready: PDEATHSIG is set and the daemon is its parent);
-//! - per worker, daemon to spawner: `s` with four or five descriptors (the launcher channel,
-//!   the worker's stdin, stdout and stderr, then the progress pipe's write end when the caller
-//!   asked for progress); spawner to daemon: `k` + the worker's pid (i32 LE)
-//!   with its pidfd, or `e` + an errno (i32 LE).
+//! It speaks the protocol of [`crate::sandbox::wire::spawn_request`] over a `SOCK_SEQPACKET`
+//! pair that is its stdin at start.
 //!
 //! The worker is created with `clone3(CLONE_PARENT | CLONE_PIDFD)`: its parent is the daemon
 //! (the thread that started the spawner), not the spawner, so the daemon reaps it by pidfd,
 //! it is covered by the daemon's subreaper and kill-and-confirm exactly as before, and its
 //! PDEATHSIG follows the daemon. The child closes the spawner's socket, takes the three
-//! streams as 0, 1 and 2, leads a new process group, and runs [`launcher::run`], whose first
+//! streams as 0, 1 and 2, leads a new process group, and runs [`child::run`], whose first
 //! step re-checks all of that, and whose close-range step leaves the tool nothing else (but
 //! the progress pipe, moved to fd 3 or 4 and named by `$AIRLOCK_PROGRESS_FD`).
 
 use std::io::{IoSlice, IoSliceMut, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
 use rustix::net::{
@@ -27,21 +23,12 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use super::launcher;
+use super::child;
+use super::wire::spawn_request::{self, Reply, SpawnFds, MAX_FDS, READY};
+use super::wire::Step;
 
 /// `argv[1]` that makes `main` run [`spawner_main`].
 pub const SPAWNER_ARG: &str = "__airlock-spawner";
-
-/// Request and reply tags.
-pub(crate) const READY: u8 = b'r';
-pub(crate) const SPAWN: u8 = b's';
-pub(crate) const OK: u8 = b'k';
-pub(crate) const ERR: u8 = b'e';
-
-/// Descriptors per spawn request: channel, stdin, stdout, stderr, and the progress pipe
-/// when there is one.
-pub(crate) const FDS: usize = 4;
-pub(crate) const MAX_FDS: usize = FDS + 1;
 
 /// Entry point of spawner mode; never returns.
 pub fn spawner_main() -> ! {
@@ -104,7 +91,7 @@ fn serve() -> std::io::Result<()> {
                 fds.extend(received);
             }
         }
-        let reply = if tag[0] != SPAWN || !(FDS..=MAX_FDS).contains(&fds.len()) {
+        let reply = if !spawn_request::is_spawn_request(tag[0], fds.len()) {
             Err(rustix::io::Errno::INVAL)
         } else {
             match clone_parent() {
@@ -115,9 +102,7 @@ fn serve() -> std::io::Result<()> {
         };
         match reply {
             Ok((pid, pidfd)) => {
-                let mut message = [0u8; 5];
-                message[0] = OK;
-                message[1..].copy_from_slice(&pid.to_le_bytes());
+                let message = Reply::Spawned(pid).encode();
                 let fds = [pidfd.as_fd()];
                 let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
                 let mut control = SendAncillaryBuffer::new(&mut space);
@@ -130,9 +115,7 @@ fn serve() -> std::io::Result<()> {
                 )?;
             }
             Err(errno) => {
-                let mut message = [0u8; 5];
-                message[0] = ERR;
-                message[1..].copy_from_slice(&errno.raw_os_error().to_le_bytes());
+                let message = Reply::Refused(errno.raw_os_error()).encode();
                 rustix::net::send(&sock, &message, SendFlags::NOSIGNAL)?;
             }
         }
@@ -208,13 +191,16 @@ fn clone_parent() -> Result<Forked, rustix::io::Errno> {
 fn child(sock: OwnedFd, fds: Vec<OwnedFd>) -> ! {
     // The spawner's socket is the one descriptor of ours that must never reach the tool.
     drop(sock);
-    let mut fds = fds.into_iter();
-    let (Some(channel), Some(stdin), Some(stdout), Some(stderr)) =
-        (fds.next(), fds.next(), fds.next(), fds.next())
+    let Some(SpawnFds {
+        channel,
+        stdin,
+        stdout,
+        stderr,
+        progress,
+    }) = SpawnFds::from_received(fds)
     else {
         std::process::exit(super::wire::SETUP_FAILED);
     };
-    let progress = fds.next();
     let streams = (|| {
         rustix::process::setpgid(None, None)?;
         rustix::stdio::dup2_stdin(&stdin)?;
@@ -225,30 +211,12 @@ fn child(sock: OwnedFd, fds: Vec<OwnedFd>) -> ! {
     drop((stdin, stdout, stderr));
     let mut channel = UnixStream::from(channel);
     if let Err(e) = streams {
-        launcher::fail(
+        child::fail(
             &mut channel,
-            "spawn",
+            Step::Spawn,
             e.raw_os_error(),
             format!("cannot set up the process group and standard streams: {e}"),
         );
     }
-    launcher::run(channel, progress)
-}
-
-/// For the daemon's side: the descriptors of one spawn request, in protocol order.
-pub(crate) fn request_fds<'a>(
-    channel: &'a OwnedFd,
-    stdin: &'a OwnedFd,
-    stdout: &'a OwnedFd,
-    stderr: &'a OwnedFd,
-    progress: Option<&'a OwnedFd>,
-) -> Vec<BorrowedFd<'a>> {
-    let mut fds = vec![
-        channel.as_fd(),
-        stdin.as_fd(),
-        stdout.as_fd(),
-        stderr.as_fd(),
-    ];
-    fds.extend(progress.map(|p| p.as_fd()));
-    fds
+    child::run(channel, progress)
 }

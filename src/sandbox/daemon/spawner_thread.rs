@@ -1,8 +1,8 @@
 //! The daemon's side of spawning: one long-lived thread owns the spawner process
-//! ([`super::spawner`]) and asks it for every worker.
+//! ([`crate::sandbox::spawner`]) and asks it for every worker.
 //!
-//! The spawner is started by that thread (at once, by [`Spawner::start`], and again after one died), because
-//! PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
+//! The spawner is started by that thread (at once, by [`SpawnerThread::start`], and again
+//! after one died), because PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
 //! blocking threads come and go: the spawner and, through `CLONE_PARENT`, every worker are
 //! children of this thread, and die with it only when the daemon dies.
 //!
@@ -30,7 +30,8 @@ use rustix::net::{
 use rustix::process::{Pid, PidfdFlags, Signal};
 
 use super::group::{signal_group, Leaders, Pgid};
-use super::spawner::{self, SPAWNER_ARG};
+use crate::sandbox::spawner::SPAWNER_ARG;
+use crate::sandbox::wire::spawn_request::{self, Reply, MAX_FDS, REPLY_LEN, SPAWN};
 
 /// A launcher just started.
 pub(crate) struct Spawned {
@@ -65,16 +66,16 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// The daemon's spawner thread, which owns the spawner process. Made once, by
 /// [`super::Sandbox::start`].
 #[derive(Debug)]
-pub(crate) struct Spawner {
+pub(crate) struct SpawnerThread {
     tx: Mutex<mpsc::Sender<Request>>,
     /// The binary started in spawner mode.
     pub exe: PathBuf,
 }
 
-impl Spawner {
+impl SpawnerThread {
     /// Starts the spawner thread and asks it to start the spawner process now, so the first
     /// call does not pay for it.
-    pub(crate) fn start(exe: PathBuf, leaders: Arc<Leaders>) -> io::Result<Spawner> {
+    pub(crate) fn start(exe: PathBuf, leaders: Arc<Leaders>) -> io::Result<SpawnerThread> {
         let (tx, rx) = mpsc::channel::<Request>();
         let thread_exe = exe.clone();
         std::thread::Builder::new()
@@ -106,7 +107,7 @@ impl Spawner {
             })?;
         tx.send(Request::WarmUp)
             .map_err(|_| io::Error::other("the spawner thread is gone"))?;
-        Ok(Spawner {
+        Ok(SpawnerThread {
             tx: Mutex::new(tx),
             exe,
         })
@@ -176,6 +177,9 @@ impl Process {
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", exe.display())))?;
+        // The command holds our copy of the spawner's end of the socket: closed now, so that
+        // a spawner that exits at start is seen at once (EOF), not after START_TIMEOUT.
+        drop(command);
         let pid = child.id() as i32;
         let pidfd = Pid::from_raw(pid)
             .ok_or_else(|| io::Error::other("the spawner has pid 0"))
@@ -203,7 +207,7 @@ impl Process {
             .map_err(io::Error::from)
             .and_then(|n| Ok((n, timeout(ANSWER_TIMEOUT)?)));
         match n {
-            Ok(((1, _), ())) if ready[0] == spawner::READY => Ok(process),
+            Ok(((1, _), ())) if ready[0] == spawn_request::READY => Ok(process),
             Ok(_) => {
                 process.stop();
                 Err(io::Error::other(
@@ -229,19 +233,19 @@ impl Process {
         stderr: &OwnedFd,
         progress: Option<&OwnedFd>,
     ) -> Result<(Pgid, OwnedFd), Failed> {
-        let fds = spawner::request_fds(channel, stdin, stdout, stderr, progress);
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(spawner::MAX_FDS))];
+        let fds = spawn_request::request_fds(channel, stdin, stdout, stderr, progress);
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
         let mut control = SendAncillaryBuffer::new(&mut space);
         control.push(SendAncillaryMessage::ScmRights(&fds));
         rustix::net::sendmsg(
             &self.sock,
-            &[IoSlice::new(&[spawner::SPAWN])],
+            &[IoSlice::new(&[SPAWN])],
             &mut control,
             SendFlags::NOSIGNAL,
         )
         .map_err(|e| Failed::Undelivered(e.into()))?;
 
-        let mut answer = [0u8; 5];
+        let mut answer = [0u8; REPLY_LEN];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let got = loop {
@@ -272,18 +276,23 @@ impl Process {
                 }
             }
         }
-        let number = i32::from_le_bytes([answer[1], answer[2], answer[3], answer[4]]);
-        match (got.bytes, answer[0], pidfd) {
+        match (
+            got.bytes,
+            Reply::decode(&answer[..got.bytes.min(REPLY_LEN)]),
+            pidfd,
+        ) {
             (0, _, _) => Err(Failed::Lost(io::Error::other(
                 "the spawner process died while starting the worker",
             ))),
-            (5, spawner::OK, Some(pidfd)) => match Pgid::from_raw(number) {
+            (_, Some(Reply::Spawned(number)), Some(pidfd)) => match Pgid::from_raw(number) {
                 Some(leader) => Ok((leader, pidfd)),
                 None => Err(Failed::Lost(io::Error::other(format!(
                     "the spawner answered pid {number}"
                 )))),
             },
-            (5, spawner::ERR, _) => Err(Failed::Refused(io::Error::from_raw_os_error(number))),
+            (_, Some(Reply::Refused(number)), _) => {
+                Err(Failed::Refused(io::Error::from_raw_os_error(number)))
+            }
             _ => Err(Failed::Lost(io::Error::other(
                 "the spawner's answer is malformed",
             ))),
@@ -387,4 +396,63 @@ fn abandon(registry: &Leaders, s: Spawned) {
         rustix::process::WaitIdOptions::EXITED,
     );
     leaders.remove(&s.leader);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spawner_that_exits_at_start_is_an_error_and_is_reaped() {
+        let leaders = Leaders::default();
+        let e = match Process::start(Path::new("/bin/false"), &leaders) {
+            Ok(p) => {
+                p.stop();
+                panic!("/bin/false was taken for a spawner")
+            }
+            Err(e) => e,
+        };
+        assert!(
+            e.to_string()
+                .contains("the spawner process exited at start"),
+            "{e}"
+        );
+        // Nothing was left registered, nor a zombie to reap: `stop` reaped it.
+        assert!(leaders.lock().is_empty());
+    }
+
+    #[test]
+    fn a_missing_spawner_executable_is_an_error_naming_it() {
+        let leaders = Leaders::default();
+        let e = match Process::start(Path::new("/nonexistent/airlock"), &leaders) {
+            Ok(p) => {
+                p.stop();
+                panic!("a missing executable started")
+            }
+            Err(e) => e,
+        };
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(e.to_string().contains("/nonexistent/airlock"), "{e}");
+    }
+
+    #[test]
+    fn a_spawner_that_never_says_ready_is_not_taken_for_one() {
+        // Exits with something other than the ready byte on the socket (its stdout is
+        // /dev/null; its stdin is the socket): a wrong first message.
+        let leaders = Leaders::default();
+        let script =
+            std::env::temp_dir().join(format!("airlock-not-a-spawner-{}", std::process::id()));
+        std::fs::write(&script, "#!/bin/sh\nprintf x >&0\n").expect("write the script");
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("chmod");
+        let started = Process::start(&script, &leaders);
+        let _ = std::fs::remove_file(&script);
+        match started {
+            Ok(p) => {
+                p.stop();
+                panic!("a process that answered 'x' was taken for a spawner")
+            }
+            Err(e) => assert!(e.to_string().contains("exited at start"), "{e}"),
+        }
+    }
 }

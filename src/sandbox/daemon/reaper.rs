@@ -1,12 +1,13 @@
 //! The daemon's orphan reaper: as the child subreaper, it reaps every zombie child that is in
 //! no live worker's group.
 
+use std::collections::BTreeSet;
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::group::{orphan_candidates, Leaders, Pgid};
-use super::procfs::all_processes;
+use super::procfs::{all_processes, ProcStat};
 
 /// Starts the orphan reaper task on `handle`'s runtime (the daemon is already the child
 /// subreaper). The task wakes only on SIGCHLD (every orphan reparented to the subreaper sends
@@ -43,14 +44,64 @@ pub(crate) fn start_reaper(
 pub(crate) fn reap_orphans(leaders: &Leaders) -> usize {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let live_groups = leaders.lock().clone();
-    orphan_candidates(me)
-        .unwrap_or_else(all_processes)
-        .into_iter()
-        .filter(|p| {
+    let candidates = orphan_candidates(me).unwrap_or_else(all_processes);
+    orphans(me, &candidates, &live_groups)
+        .filter(|pid| leaders.reap_if_not_leader(*pid))
+        .count()
+}
+
+/// Of `candidates`, the pids the orphan reaper may reap: zombie children of `me` in no live
+/// worker's group (a live worker's members, zombies included, are its own to reap).
+fn orphans<'a>(
+    me: i32,
+    candidates: &'a [ProcStat],
+    live_groups: &'a BTreeSet<Pgid>,
+) -> impl Iterator<Item = i32> + 'a {
+    candidates
+        .iter()
+        .filter(move |p| {
             p.ppid == me
                 && p.dead()
                 && !Pgid::from_raw(p.pgrp).is_some_and(|g| live_groups.contains(&g))
         })
-        .filter(|p| leaders.reap_if_not_leader(p.pid))
-        .count()
+        .map(|p| p.pid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn process(pid: i32, ppid: i32, pgrp: i32, state: u8) -> ProcStat {
+        ProcStat {
+            pid,
+            state,
+            ppid,
+            pgrp,
+            session: 1,
+            start: 0,
+        }
+    }
+
+    #[test]
+    fn only_dead_children_outside_live_groups_are_orphans() {
+        let me = 100;
+        let live: BTreeSet<Pgid> = [Pgid::from_raw(500).expect("positive")].into();
+        let candidates = [
+            // A zombie child of ours in a group of no live worker: reaped.
+            process(201, me, 201, b'Z'),
+            // Also dead (X): reaped.
+            process(202, me, 300, b'X'),
+            // Still running: not yet.
+            process(203, me, 203, b'S'),
+            // A zombie of a live worker's group (its leader or a member): the worker's.
+            process(500, me, 500, b'Z'),
+            process(501, me, 500, b'Z'),
+            // Someone else's zombie: not ours to reap.
+            process(600, 1, 600, b'Z'),
+            // A zombie in group 0 (no group): ours, reaped.
+            process(700, me, 0, b'Z'),
+        ];
+        let got: Vec<i32> = orphans(me, &candidates, &live).collect();
+        assert_eq!(got, [201, 202, 700]);
+    }
 }

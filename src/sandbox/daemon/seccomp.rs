@@ -467,17 +467,10 @@ fn x32_guard() -> BpfProgram {
     ]
 }
 
-/// A program as plain tuples, for the launcher spec.
-pub(crate) fn encode(program: &BpfProgram) -> Vec<(u16, u8, u8, u32)> {
-    program.iter().map(|i| (i.code, i.jt, i.jf, i.k)).collect()
-}
-
-pub(crate) fn decode(program: &[(u16, u8, u8, u32)]) -> BpfProgram {
-    program
-        .iter()
-        .map(|&(code, jt, jf, k)| sock_filter { code, jt, jf, k })
-        .collect()
-}
+// A program's form on the launcher channel lives with the rest of that protocol.
+#[cfg(test)]
+use crate::sandbox::wire::launch::decode_program as decode;
+pub(crate) use crate::sandbox::wire::launch::encode_program as encode;
 
 #[cfg(test)]
 pub(crate) mod tests {

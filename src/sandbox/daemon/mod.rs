@@ -1,0 +1,784 @@
+//! The daemon's side of the sandbox: [`Sandbox`] (what every worker shares), [`Worker`] (one
+//! worker, from spawn to confirmed-gone), the spawner thread, the process-group registry and
+//! orphan reaper, cgroups, uid leases, leftovers of a dead daemon, progress reports, and the
+//! seccomp programs compiled at policy load.
+//!
+//! Life of a worker:
+//! 1. [`Worker::spawn`] takes the profile's seccomp programs ([`Filters`]: compiled once per
+//!    profile, at policy load), builds the spec, creates the worker's cgroup if one is
+//!    delegated, and hands the request to the daemon's spawner thread ([`spawner_thread`]),
+//!    which sends the launcher channel, the three stream pipes and the progress pipe (if
+//!    asked for) to the spawner process; the spawner forks the worker's leader
+//!    (`CLONE_PARENT`: the daemon's child) in a new process group and sends its pidfd back,
+//!    which the thread registers as a live leader.
+//! 2. The launcher (the pre-exec child, [`crate::sandbox::child`]) reads the spec, sets itself
+//!    up step by step and reports `ok` (or `{step, errno, message}`, which becomes
+//!    [`SandboxError::Setup`]) before `execve`. `spawn` returns once it has read the channel
+//!    to EOF.
+//! 3. [`Worker::finish`] feeds stdin, drains stdout and stderr under a cap, waits for the
+//!    leader's exit (pidfd) or the timeout or the cancellation, terminates and confirms the
+//!    group empty, and reaps the leader last.
+//!
+//! The daemon calls [`Sandbox::start`] once: it becomes a child subreaper, so double-forked
+//! descendants come back to it to be killed and reaped, and gets the [`Sandbox`] value that
+//! holds what every worker shares (no process-wide statics but the once-per-process guard).
+
+mod cgroup;
+mod explain;
+mod filters;
+mod group;
+mod identity;
+mod leftovers;
+mod procfs;
+mod progress;
+mod reaper;
+mod seccomp;
+mod spawner_thread;
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio_util::sync::CancellationToken;
+
+use super::sys;
+use super::wire::{self, LandlockStatus, Step};
+use crate::policy::Profile;
+use group::{Leaders, Pgid};
+
+pub use cgroup::CgroupError;
+pub use explain::explain;
+pub use filters::Filters;
+pub use identity::{Identities, IdentityError, Lease, LeaseDir, LeaseDirFault, Pool, NEEDED_CAPS};
+pub use leftovers::{sweep_cgroups, Registry};
+pub use progress::{ProgressSender, WorkerProgress, PROGRESS_FD_ENV};
+pub use seccomp::SeccompError;
+
+/// Overrides the spawner's executable (default `/proc/self/exe`, the daemon's own binary).
+/// The variable's name predates the spawner and stays as documented (SECURITY.md).
+pub const SPAWNER_EXE_ENV: &str = "AIRLOCK_LAUNCHER_EXE";
+
+/// What one worker is to run, and with which rights.
+#[derive(Debug)]
+pub struct Launch {
+    /// `argv[0]` is an absolute path.
+    pub argv: Vec<String>,
+    /// Variables of this call (parameters declaring `env`, a secret's way in: unlike the
+    /// command line, `/proc/PID/environ` is readable only by the worker's uid and root), set
+    /// after the profile's `[env]`.
+    pub env: Vec<(String, String)>,
+    /// Working directory: the job's staging dir.
+    pub cwd: PathBuf,
+    /// Written to the worker's stdin, which is then closed.
+    pub stdin: Vec<u8>,
+    /// Where the worker may create, write and remove (the staging dir).
+    pub writable: Vec<PathBuf>,
+    /// Files and directories of this call the worker may read (its `input` parameters).
+    pub readable: Vec<PathBuf>,
+    pub profile: std::sync::Arc<Profile>,
+    /// A delegated cgroup v2 directory; the worker gets its own child cgroup in it.
+    pub cgroup_parent: Option<PathBuf>,
+    /// Names the worker's cgroup and log lines.
+    pub job_id: String,
+    /// The worker's own uid and gid, held until its group is confirmed gone; `None`: it
+    /// keeps the daemon's.
+    pub identity: Option<Lease>,
+    /// Where the live worker is recorded, so that a restart can kill what a dead daemon's
+    /// workers left.
+    pub registry: Option<Registry>,
+    /// Where the worker's progress reports go; `Some` gives the worker a pipe to write them
+    /// to, named by `$AIRLOCK_PROGRESS_FD` ([`progress`] has the protocol and its bounds).
+    pub progress: Option<ProgressSender>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// The launcher could not set up the sandbox (or `execve` the tool): not a tool failure.
+    #[error("sandbox setup failed at step {step}: {message} (errno {errno})")]
+    Setup {
+        step: Step,
+        errno: i32,
+        message: String,
+    },
+    #[error("cannot start the launcher {exe}: {source}")]
+    Spawn {
+        exe: PathBuf,
+        source: std::io::Error,
+    },
+    /// The launch request itself is unusable (checked before any fork).
+    #[error("invalid launch: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Seccomp(#[from] SeccompError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// Talking to the launcher, or waiting for the worker, failed.
+    #[error("worker {pid}: cannot {what}: {source}")]
+    Io {
+        pid: u32,
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// How a worker ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    Exited(i32),
+    Signaled(i32),
+    TimedOut,
+    Cancelled,
+}
+
+/// Bytes a worker wrote to one stream, capped.
+#[derive(Debug, Clone, Default)]
+pub struct Captured {
+    pub bytes: Vec<u8>,
+    /// More was written than kept.
+    pub truncated: bool,
+    pub total: u64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Enforcement {
+    pub landlock: LandlockStatus,
+    /// The kernel's Landlock ABI (0: none).
+    pub landlock_abi: u8,
+    /// "cgroup" or "process_group".
+    pub containment: String,
+    /// The cgroup limit files written (`memory.max`, `pids.max`); a file the delegated
+    /// cgroup lacks (controller not enabled) is absent here.
+    pub cgroup_limits: Vec<String>,
+}
+
+#[derive(Debug)]
+pub struct Outcome {
+    pub end: End,
+    pub stdout: Captured,
+    pub stderr: Captured,
+    pub enforcement: Enforcement,
+    pub pid: u32,
+}
+
+/// A started worker. Dropping it without [`Worker::finish`] kills its whole group (confirmed
+/// in the background when a runtime is available).
+pub struct Worker {
+    leader: Pgid,
+    /// The registry the leader is in, until it is reaped.
+    leaders: Arc<Leaders>,
+    live: Option<Live>,
+}
+
+struct Live {
+    pidfd: AsyncFd<OwnedFd>,
+    stdin: Option<pipe::Sender>,
+    stdin_data: Vec<u8>,
+    stdout: pipe::Receiver,
+    stderr: pipe::Receiver,
+    output_cap: usize,
+    grace: Duration,
+    cgroup: Option<PathBuf>,
+    /// The progress pipe's read end and where its reports go.
+    progress: Option<(pipe::Receiver, ProgressSender)>,
+    enforcement: Enforcement,
+    /// Released (dropped) only once the group is confirmed gone.
+    held: Held,
+}
+
+/// What a worker holds until its group is confirmed gone: its uid lease and its registry
+/// record.
+#[derive(Debug, Default)]
+struct Held {
+    _lease: Option<Lease>,
+    _entry: Option<leftovers::Entry>,
+}
+
+/// How long `finish` keeps draining stdout/stderr once the group is confirmed gone (a write
+/// end can only outlive it if it was passed to a process outside the group).
+const DRAIN: Duration = Duration::from_secs(1);
+
+/// How long the launcher may take to set up before `spawn` gives up on it.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The spawner's executable by default: [`SPAWNER_EXE_ENV`] if set, else the daemon's own
+/// binary (`/proc/self/exe`).
+pub fn default_spawner_exe() -> PathBuf {
+    std::env::var_os(SPAWNER_EXE_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/proc/self/exe"))
+}
+
+/// Set by the first [`Sandbox::start`]: the subreaper and its orphan reaping are the
+/// process's, so there is one sandbox per process.
+static STARTED: AtomicBool = AtomicBool::new(false);
+
+/// What every worker of the daemon shares, made once at start by [`Sandbox::start`] and
+/// passed to [`Worker::spawn`]: the registry of live leaders (which the orphan reaper spares)
+/// and the spawner thread with its spawner process. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Sandbox {
+    leaders: Arc<Leaders>,
+    spawner: Arc<spawner_thread::SpawnerThread>,
+}
+
+impl Sandbox {
+    /// Makes the daemon a child subreaper, starts the orphan reaper on the current tokio
+    /// runtime, and starts the spawner (its thread now, its process from `exe` right after,
+    /// so the first call does not pay for it). Call once per process, inside the runtime,
+    /// before the first worker; a second call fails.
+    pub fn start(exe: PathBuf) -> Result<Sandbox, SandboxError> {
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+            SandboxError::Other("the sandbox must be started inside a tokio runtime".into())
+        })?;
+        if STARTED.swap(true, Ordering::SeqCst) {
+            return Err(SandboxError::Other(
+                "the sandbox is started once per process".into(),
+            ));
+        }
+        rustix::process::set_child_subreaper(Some(rustix::process::getpid())).map_err(|e| {
+            SandboxError::Other(format!(
+                "cannot start the orphan reaper: PR_SET_CHILD_SUBREAPER: {e}"
+            ))
+        })?;
+        let leaders = Arc::new(Leaders::default());
+        reaper::start_reaper(&handle, leaders.clone())
+            .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))?;
+        let spawner = spawner_thread::SpawnerThread::start(exe, leaders.clone())
+            .map_err(|e| SandboxError::Other(format!("cannot start the spawner: {e}")))?;
+        Ok(Sandbox {
+            leaders,
+            spawner: Arc::new(spawner),
+        })
+    }
+
+    /// Whether `pid` is in the process group of a live worker.
+    pub fn in_live_worker_group(&self, pid: i32) -> bool {
+        self.leaders.in_live_worker_group(pid)
+    }
+}
+
+impl Worker {
+    /// Starts the launcher and returns once it has exec'd the tool, or with the step and
+    /// errno at which the sandbox could not be set up. The seccomp programs come from
+    /// `filters`, compiled when the policy was loaded.
+    pub async fn spawn(
+        sandbox: &Sandbox,
+        launch: Launch,
+        filters: &Filters,
+    ) -> Result<Worker, SandboxError> {
+        let Launch {
+            argv,
+            env,
+            cwd,
+            stdin,
+            writable,
+            readable,
+            profile,
+            cgroup_parent,
+            job_id,
+            identity,
+            registry,
+            progress,
+        } = launch;
+        match argv.first() {
+            None => return Err(SandboxError::Invalid("empty argv".into())),
+            Some(a) if !a.starts_with('/') => {
+                return Err(SandboxError::Invalid(format!(
+                    "argv[0] {a:?} is not an absolute path"
+                )))
+            }
+            Some(_) => {}
+        }
+        // A worker that keeps the daemon's uid owns what the daemon owns: seccomp then denies
+        // every mode and time change too, since file permissions cannot.
+        let seccomp = filters.get(&profile, identity.is_none())?;
+        let limits = &profile.limits;
+        let spec = wire::Spec {
+            argv,
+            cwd,
+            env_kept: profile
+                .env
+                .keep
+                .iter()
+                .filter_map(|name| {
+                    std::env::var_os(name).map(|v| (name.clone(), v.into_encoded_bytes()))
+                })
+                .collect(),
+            env_set: {
+                let mut set = profile.env.set.clone();
+                set.extend(env);
+                set
+            },
+            parent: rustix::process::getpid().as_raw_nonzero().get(),
+            cgroup: None,
+            identity: identity.as_ref().map(|l| (l.uid(), l.gid())),
+            rlimits: wire::Rlimits {
+                cpu_seconds: limits.cpu_seconds,
+                address_space_bytes: limits.address_space_bytes,
+                file_size_bytes: limits.file_size_bytes,
+                open_files: limits.open_files,
+                processes: limits.processes,
+            },
+            landlock: wire::LandlockSpec {
+                abi: profile.landlock.abi,
+                best_effort: profile.landlock.best_effort,
+                network: profile.network,
+                read: profile.landlock.read.clone(),
+                exec: profile.landlock.exec.clone(),
+                write: profile.landlock.write.clone(),
+                writable,
+                readable,
+            },
+            seccomp: seccomp.0.clone(),
+        };
+        // Serialize before creating anything that would need cleaning up.
+        let probe = serde_json::to_vec(&spec)
+            .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
+        drop(probe);
+
+        let (cgroup, cgroup_limits) = match &cgroup_parent {
+            Some(parent) => {
+                let (path, applied) =
+                    cgroup::cgroup_create(parent, &job_id, limits.memory_bytes, limits.processes)?;
+                (Some(path), applied)
+            }
+            None => (None, Vec::new()),
+        };
+        let spec = wire::Spec {
+            cgroup: cgroup.clone(),
+            ..spec
+        };
+        let started = Self::start(
+            sandbox,
+            spec,
+            stdin,
+            limits.output_bytes,
+            limits.grace,
+            cgroup.clone(),
+            cgroup_limits,
+            (identity, registry, progress),
+        )
+        .await;
+        if started.is_err() {
+            if let Some(path) = &cgroup {
+                cgroup::cgroup_remove(path).await;
+            }
+        }
+        started
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn start(
+        sandbox: &Sandbox,
+        spec: wire::Spec,
+        stdin_data: Vec<u8>,
+        output_cap: usize,
+        grace: Duration,
+        cgroup: Option<PathBuf>,
+        cgroup_limits: Vec<String>,
+        (lease, registry, progress): (Option<Lease>, Option<Registry>, Option<ProgressSender>),
+    ) -> Result<Worker, SandboxError> {
+        let exe = sandbox.spawner.exe.clone();
+        let spawn_error = |source| SandboxError::Spawn {
+            exe: exe.clone(),
+            source,
+        };
+        // The progress pipe: its write end goes to the spawner with the worker's other
+        // descriptors, and from there to the worker's leader only.
+        let (progress_rx, progress_fd) = match &progress {
+            Some(_) => {
+                let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                    .map_err(|e| spawn_error(e.into()))?;
+                (Some(r), Some(w))
+            }
+            None => (None, None),
+        };
+        let bytes = serde_json::to_vec(&spec)
+            .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
+        let spawned = sandbox
+            .spawner
+            .spawn_launcher(OwnedFd::from(theirs), progress_fd)
+            .await
+            .map_err(|source| SandboxError::Spawn {
+                exe: exe.clone(),
+                source,
+            })?;
+        let leader = spawned.leader;
+        let pid = leader.as_u32();
+        let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };
+        // Recorded before the launcher has its spec, so before the tool can fork anything a
+        // restart would have to find.
+        let uid = lease.as_ref().map(Lease::uid);
+        let entry = match registry.as_ref().map(|r| r.record(leader.raw(), uid)) {
+            None => None,
+            Some(Ok(entry)) => Some(entry),
+            Some(Err(e)) => {
+                tracing::warn!(pid, "cannot record the worker for the next start: {e}");
+                None
+            }
+        };
+
+        // From here on the worker exists: on any error, dropping it kills the group.
+        let pidfd = match sys::watch_pidfd(spawned.pidfd) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // Nothing to wait with: kill the group now and leave the leader to the reaper.
+                let (fd, source) = e.into_parts();
+                group::kill_and_forget(&sandbox.leaders, leader, &fd);
+                return Err(SandboxError::Io {
+                    pid,
+                    what: "watch the pidfd",
+                    source,
+                });
+            }
+        };
+        let containment = if cgroup.is_some() {
+            "cgroup"
+        } else {
+            "process_group"
+        };
+        let mut worker = Worker {
+            leader,
+            leaders: sandbox.leaders.clone(),
+            live: Some(Live {
+                pidfd,
+                stdin: None,
+                stdin_data,
+                stdout: pipe::Receiver::from_owned_fd(spawned.stdout)
+                    .map_err(io("watch stdout"))?,
+                stderr: pipe::Receiver::from_owned_fd(spawned.stderr)
+                    .map_err(io("watch stderr"))?,
+                output_cap,
+                grace,
+                cgroup,
+                progress: match (progress_rx, progress) {
+                    (Some(r), Some(tx)) => Some((
+                        pipe::Receiver::from_owned_fd(r).map_err(io("watch the progress pipe"))?,
+                        tx,
+                    )),
+                    _ => None,
+                },
+                enforcement: Enforcement {
+                    // Replaced by the launcher's report before the worker is returned.
+                    landlock: LandlockStatus::NotEnforced,
+                    landlock_abi: 0,
+                    containment: containment.into(),
+                    cgroup_limits,
+                },
+                held: Held {
+                    _lease: lease,
+                    _entry: entry,
+                },
+            }),
+        };
+        if let Some(live) = worker.live.as_mut() {
+            live.stdin =
+                Some(pipe::Sender::from_owned_fd(spawned.stdin).map_err(io("feed stdin"))?);
+        }
+
+        // The spec out, the report back. A launcher that died early makes the write fail;
+        // the report (or its absence) says why.
+        ours.set_nonblocking(true)
+            .map_err(io("use the launcher channel"))?;
+        let mut channel =
+            tokio::net::UnixStream::from_std(ours).map_err(io("use the launcher channel"))?;
+        let exchange = async {
+            let _ = channel.write_all(&bytes).await;
+            let _ = channel.shutdown().await;
+            let mut report = Vec::new();
+            channel.read_to_end(&mut report).await.map(|_| report)
+        };
+        let report = match tokio::time::timeout(SETUP_TIMEOUT, exchange).await {
+            Ok(r) => r.map_err(io("read the launcher report"))?,
+            Err(_) => {
+                worker.abort().await;
+                return Err(SandboxError::Setup {
+                    step: Step::Launcher,
+                    errno: libc::ETIMEDOUT,
+                    message: format!("no report from the launcher within {SETUP_TIMEOUT:?}"),
+                });
+            }
+        };
+        match wire::verdict(&report) {
+            wire::Verdict::Running {
+                landlock,
+                landlock_abi,
+            } => {
+                if let Some(live) = worker.live.as_mut() {
+                    live.enforcement.landlock = landlock;
+                    live.enforcement.landlock_abi = landlock_abi;
+                }
+                Ok(worker)
+            }
+            wire::Verdict::Failed {
+                step,
+                errno,
+                message,
+            } => {
+                worker.abort().await;
+                Err(SandboxError::Setup {
+                    step,
+                    errno,
+                    message,
+                })
+            }
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.leader.as_u32()
+    }
+
+    /// What the launcher reported enforcing (Landlock status and ABI, containment), while
+    /// the worker runs.
+    pub fn enforcement(&self) -> Option<&Enforcement> {
+        self.live.as_ref().map(|l| &l.enforcement)
+    }
+
+    /// For a worker that failed to start.
+    async fn abort(&mut self) {
+        if let Some(live) = self.live.take() {
+            let _ = teardown(
+                &self.leaders,
+                self.leader,
+                &live.pidfd,
+                live.cgroup.as_deref(),
+            )
+            .await;
+        }
+    }
+
+    /// Waits for the worker to end, or for `timeout` or `cancel`; then terminates the whole
+    /// group (SIGCONT+SIGTERM, the profile's grace, SIGKILL) and returns only once every
+    /// process of it is gone and reaped.
+    pub async fn finish(
+        mut self,
+        timeout: Duration,
+        cancel: CancellationToken,
+    ) -> Result<Outcome, SandboxError> {
+        let leader = self.leader;
+        let pid = leader.as_u32();
+        let Some(live) = self.live.take() else {
+            return Err(SandboxError::Other(format!(
+                "worker {pid} is already finished"
+            )));
+        };
+        let Live {
+            pidfd,
+            stdin,
+            stdin_data,
+            mut stdout,
+            mut stderr,
+            output_cap,
+            grace,
+            cgroup,
+            progress,
+            enforcement,
+            held,
+        } = live;
+        let mut out = Captured::default();
+        let mut err = Captured::default();
+
+        let end = {
+            let feed = feed(stdin, stdin_data);
+            let read_out = capture(&mut stdout, output_cap, &mut out);
+            let read_err = capture(&mut stderr, output_cap, &mut err);
+            let control = control(
+                &self.leaders,
+                leader,
+                &pidfd,
+                timeout,
+                cancel,
+                grace,
+                cgroup.as_deref(),
+            );
+            // Read while the worker runs, never waited for: dropped with this block.
+            let reports = async {
+                match progress {
+                    Some((rx, tx)) => progress::pump(rx, tx).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(feed, read_out, read_err, control, reports);
+            let (mut fed, mut out_done, mut err_done) = (false, false, false);
+            let mut reports_done = false;
+            let mut end = None;
+            let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
+            let mut drain_until = far;
+            loop {
+                tokio::select! {
+                    r = &mut control, if end.is_none() => {
+                        end = Some(r);
+                        drain_until = tokio::time::Instant::now() + DRAIN;
+                    }
+                    _ = &mut read_out, if !out_done => out_done = true,
+                    _ = &mut read_err, if !err_done => err_done = true,
+                    _ = &mut feed, if !fed => fed = true,
+                    _ = &mut reports, if !reports_done => reports_done = true,
+                    _ = tokio::time::sleep_until(drain_until), if end.is_some() => {
+                        tracing::warn!(pid, "worker output still open after its group is gone; output may be cut");
+                        break;
+                    }
+                }
+                if end.is_some() && out_done && err_done {
+                    break;
+                }
+            }
+            end
+        };
+        match &end {
+            // The group is confirmed gone: the uid may serve another worker.
+            Some(Ok(_)) => drop(held),
+            // Not confirmed: the uid is never leased again in this run, and the record stays
+            // for the next start to sweep.
+            _ => {
+                tracing::warn!(pid, "worker group not confirmed gone; its uid is retired");
+                std::mem::forget(held);
+            }
+        }
+        let end = match end {
+            Some(end) => end?,
+            None => {
+                return Err(SandboxError::Other(format!(
+                    "worker {pid}: wait ended without a result"
+                )))
+            }
+        };
+        Ok(Outcome {
+            end,
+            stdout: out,
+            stderr: err,
+            enforcement,
+            pid,
+        })
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let Some(live) = self.live.take() else { return };
+        let (leader, leaders) = (self.leader, self.leaders.clone());
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    let _ = teardown(&leaders, leader, &live.pidfd, live.cgroup.as_deref()).await;
+                });
+            }
+            Err(_) => group::kill_and_forget(&leaders, leader, live.pidfd.get_ref()),
+        }
+    }
+}
+
+/// Waits for the leader's exit, the timeout or the cancellation; terminates the group, then
+/// tears it down.
+async fn control(
+    leaders: &Leaders,
+    pgid: Pgid,
+    pidfd: &AsyncFd<OwnedFd>,
+    timeout: Duration,
+    cancel: CancellationToken,
+    grace: Duration,
+    cgroup: Option<&Path>,
+) -> Result<End, SandboxError> {
+    let pid = pgid.as_u32();
+    let stopped = tokio::select! {
+        biased;
+        r = pidfd.readable() => {
+            // Exit is final: the readiness is never cleared.
+            let _ready = r.map_err(|source| SandboxError::Io { pid, what: "wait for the leader", source })?;
+            None
+        }
+        _ = tokio::time::sleep(timeout) => Some(End::TimedOut),
+        _ = cancel.cancelled() => Some(End::Cancelled),
+    };
+    if stopped.is_some() {
+        group::terminate(leaders, pgid, pidfd.get_ref(), grace).await;
+    }
+    // Also after a plain exit: background children of the tool must not outlive the call.
+    let exit = teardown(leaders, pgid, pidfd, cgroup).await?;
+    Ok(stopped.unwrap_or(match exit {
+        sys::Exit::Code(c) => End::Exited(c),
+        sys::Exit::Signal(s) => End::Signaled(s),
+    }))
+}
+
+/// The one teardown of every worker, whether it finished, failed to start or was dropped:
+/// SIGKILL to the group until it is confirmed empty, the leader reaped last, the cgroup
+/// removed.
+async fn teardown(
+    leaders: &Leaders,
+    pgid: Pgid,
+    pidfd: &AsyncFd<OwnedFd>,
+    cgroup: Option<&Path>,
+) -> Result<sys::Exit, SandboxError> {
+    group::kill_and_confirm(leaders, pgid, pidfd.get_ref(), cgroup).await;
+    let exit = reap_leader(leaders, pgid, pidfd).await;
+    if let Some(path) = cgroup {
+        cgroup::cgroup_remove(path).await;
+    }
+    exit
+}
+
+async fn reap_leader(
+    leaders: &Leaders,
+    pgid: Pgid,
+    pidfd: &AsyncFd<OwnedFd>,
+) -> Result<sys::Exit, SandboxError> {
+    let pid = pgid.as_u32();
+    loop {
+        let mut guard = pidfd.readable().await.map_err(|source| SandboxError::Io {
+            pid,
+            what: "wait for the leader",
+            source,
+        })?;
+        match group::reap_leader(leaders, pgid, pidfd.get_ref()) {
+            Ok(Some(exit)) => return Ok(exit),
+            Ok(None) => guard.clear_ready(),
+            Err(source) => {
+                return Err(SandboxError::Io {
+                    pid,
+                    what: "reap the leader",
+                    source,
+                })
+            }
+        }
+    }
+}
+
+/// Writes `data` to the worker's stdin, then closes it. A worker that does not read its
+/// input (EPIPE) is not an error of ours.
+async fn feed(stdin: Option<pipe::Sender>, data: Vec<u8>) {
+    if let Some(mut tx) = stdin {
+        if !data.is_empty() {
+            let _ = tx.write_all(&data).await;
+        }
+    }
+}
+
+/// Reads `rx` to EOF, keeping the first `cap` bytes and counting the rest.
+async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match rx.read(&mut buf).await {
+            Ok(0) => return,
+            Ok(n) => {
+                into.total += n as u64;
+                let room = cap.saturating_sub(into.bytes.len());
+                into.bytes.extend_from_slice(&buf[..n.min(room)]);
+                if n > room {
+                    into.truncated = true;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
