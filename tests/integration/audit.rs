@@ -398,6 +398,7 @@ async fn verify_rejects_a_log_whose_line_was_edited_or_removed() {
 
 #[tokio::test]
 async fn a_failing_audit_sink_rolls_the_commit_back_with_audit_failed() {
+    crate::harness::require_program("mount", "mount");
     require_root();
     // The log on a small tmpfs that the test fills: writes fail with ENOSPC, as on a full
     // disk.
@@ -783,6 +784,7 @@ async fn full_audit_disk(unprivileged: bool) {
     let fs = d.dir.path().join("auditfs");
     std::fs::create_dir(&fs).unwrap();
     let owner = if unprivileged { 65534 } else { 0 };
+    crate::harness::require_program("mount", "mount");
     let st = Command::new("mount")
         .args(["-t", "tmpfs", "-o"])
         .arg(format!(

@@ -222,6 +222,7 @@ async fn connect_exits_nonzero_with_one_line_when_the_daemon_dies_mid_call() {
 
 #[test]
 fn connect_names_what_is_wrong_with_the_socket_path() {
+    crate::harness::require_program("setpriv", "util-linux");
     let dir = tempfile::tempdir().expect("tempdir");
     let run = |p: &std::path::Path| {
         let out = Command::new(BIN)

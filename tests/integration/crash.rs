@@ -435,6 +435,7 @@ async fn crash_points_outputs_in_new_subdirectories() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_points_state_and_output_together() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
     run_scenario(Scenario {
         name: "json state + output",
         tool: "counter",
@@ -562,6 +563,7 @@ fn fresh_as(t: &Template, unprivileged: bool) -> Daemon {
 fn recover_as(d: &Daemon) -> (bool, String, String) {
     let mut cmd = match d.user {
         Some((uid, gid)) => {
+            crate::harness::require_program("setpriv", "util-linux");
             let mut c = Command::new("setpriv");
             c.arg(format!("--reuid={uid}"))
                 .arg(format!("--regid={gid}"))

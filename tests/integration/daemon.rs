@@ -53,6 +53,7 @@ async fn tools_list_has_schemas_and_annotations() {
 
 #[tokio::test]
 async fn session_lifecycle() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
     let mut d = Daemon::new();
     d.start();
     let c = d.client().await;
@@ -153,6 +154,7 @@ async fn reads_run_in_parallel() {
 
 #[tokio::test]
 async fn same_session_writes_serialize_without_lost_updates() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
     let mut d = Daemon::new();
     d.start();
     let c = std::sync::Arc::new(d.client().await);
@@ -223,6 +225,7 @@ async fn two_sessions_writes_overlap() {
 
 #[tokio::test]
 async fn destroy_fails_queued_mutators() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
     let mut d = Daemon::new();
     d.start();
     let c = std::sync::Arc::new(d.client().await);
@@ -639,6 +642,7 @@ async fn many_concurrent_connections() {
 
 #[tokio::test]
 async fn cli_call_and_connect() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
     let mut d = Daemon::new();
     d.start();
     let run = |args: &[&str]| {

@@ -21,6 +21,26 @@ pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Fails the test, naming `program` and the Debian package that has it, unless `program` (a
+/// name looked up on PATH, or an absolute path) is an executable file: the base image may
+/// lack what a test runs, and a missing one must fail the test as that, not as a confusing
+/// error further on (or a pass). `.ci/install-deps` installs every package named here.
+pub fn require_program(program: &str, package: &str) {
+    let executable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    let found = if program.contains('/') {
+        executable(Path::new(program))
+    } else {
+        std::env::var_os("PATH")
+            .is_some_and(|path| std::env::split_paths(&path).any(|d| executable(&d.join(program))))
+    };
+    assert!(
+        found,
+        "this test needs `{program}` (Debian package {package}; `.ci/install-deps` installs it)"
+    );
+}
+
 /// Whether every directory above `path` is searchable by other users (uids the daemon or a
 /// worker may run under reach it).
 pub fn reachable_by_others(path: &std::path::Path) -> bool {
@@ -110,6 +130,7 @@ pub fn set_daemon(d: &Daemon, kv: &[(&str, &str)]) {
 /// setpriv, with `groups` given as setpriv takes them (`--clear-groups`, `--groups=1,2`);
 /// stdin and stdout piped, so the caller speaks MCP over them.
 pub fn connect_as(d: &Daemon, uid: u32, groups: &str) -> Command {
+    require_program("setpriv", "util-linux");
     let mut c = Command::new("setpriv");
     c.arg(format!("--reuid={uid}"))
         .arg(format!("--regid={uid}"))
@@ -178,6 +199,7 @@ impl Daemon {
             .expect("log");
         let mut cmd = match self.user {
             Some((uid, gid)) => {
+                require_program("setpriv", "util-linux");
                 let mut c = Command::new("setpriv");
                 let caps = match &self.ambient_caps {
                     Some(list) => {
@@ -326,6 +348,9 @@ impl Daemon {
 
     /// Adds a tool file to this daemon's policy (before `start`).
     pub fn add_tool(&self, name: &str, toml: &str) {
+        if toml.contains("/usr/bin/python3") {
+            require_program("/usr/bin/python3", "python3");
+        }
         std::fs::write(
             self.policies.join("tools").join(format!("{name}.toml")),
             toml,
@@ -604,4 +629,18 @@ pub async fn wait_for_event(c: &Client, tool: &str, kind: &str) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+#[test]
+#[should_panic(
+    expected = "this test needs `airlock-no-such-program` (Debian package airlock-no-such-package; `.ci/install-deps` installs it)"
+)]
+fn a_missing_program_fails_the_test_naming_it_and_its_package() {
+    require_program("airlock-no-such-program", "airlock-no-such-package");
+}
+
+#[test]
+fn a_program_on_path_or_at_its_absolute_path_is_found() {
+    require_program("sh", "dash");
+    require_program("/bin/sh", "dash");
 }

@@ -32,6 +32,7 @@ fn tar_members(bytes: &[u8]) -> Vec<(String, Vec<u8>)> {
 /// name once became `-T -` or `--version`), `upper` and `cat`.
 #[tokio::test(flavor = "multi_thread")]
 async fn files_named_like_options_are_treated_as_files() {
+    crate::harness::require_program("tar", "tar");
     let mut d = Daemon::new();
     d.start();
     let c = d.client().await;
@@ -491,6 +492,7 @@ async fn an_invalid_json_response_publishes_nothing_and_keeps_the_version() {
 /// integer, not a number"; a fraction still says that; nothing runs and the version stays.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_integer_too_large_for_any_integer_type_names_the_range() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
     let mut d = Daemon::new();
     d.start();
     let c = d.client().await;

@@ -407,6 +407,7 @@ async fn handshake_and_idle_timeouts_close_connections_but_not_running_calls() {
 
 #[tokio::test]
 async fn one_uid_at_its_cap_does_not_lock_out_another() {
+    crate::harness::require_program("setpriv", "util-linux");
     require_root();
     let mut d = Daemon::new();
     set_daemon(

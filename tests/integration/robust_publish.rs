@@ -324,6 +324,7 @@ async fn hostile_trees_never_brick(unprivileged: bool) {
     d.kill9();
     pending.abort();
     if unprivileged {
+        crate::harness::require_program("setpriv", "util-linux");
         let mut cmd = Command::new("setpriv");
         cmd.args([
             "--reuid=65534",
@@ -496,6 +497,7 @@ fn serve_status(d: &Daemon, workspace: &Path, state: &Path, socket: &Path) -> (i
 /// resolved); a workspace that cannot be locked says why.
 #[tokio::test]
 async fn state_dir_is_exclusive_and_kept_out_of_the_workspace() {
+    crate::harness::require_program("setpriv", "util-linux");
     require_root();
     let mut d = Daemon::new();
     d.start();
@@ -637,6 +639,7 @@ impl Drop for Mount {
 /// daemon restarts.
 #[tokio::test]
 async fn a_full_workspace_fails_calls_cleanly_and_recovers() {
+    crate::harness::require_program("mount", "mount");
     require_root();
     let mut d = Daemon::new();
     d.add_tool(

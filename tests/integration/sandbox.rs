@@ -304,6 +304,7 @@ async fn namespaces_mounts_and_io_uring_are_denied() {
 
 #[tokio::test]
 async fn setsid_and_double_fork_cannot_escape_the_group() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
     let mut d = hostile_daemon();
     let c = started(&mut d).await;
     let r = sh(&c, "setsid sleep 31.51 & (sleep 31.52 &); python3 -c 'import os; os.setpgid(0, 0)' 2>&1; sleep 30").await;
@@ -574,6 +575,7 @@ pub fn give_to_nobody(d: &Daemon) {
 
 #[tokio::test]
 async fn the_daemon_and_its_sandbox_work_unprivileged() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
     require_root();
     let mut d = hostile_daemon();
     give_to_nobody(&d);
@@ -623,6 +625,7 @@ async fn the_daemon_and_its_sandbox_work_unprivileged() {
 
 #[tokio::test]
 async fn the_strict_profile_runs_shell_coreutils_and_python_tools() {
+    crate::harness::require_program("tar", "tar");
     let mut d = hostile_daemon();
     // Every shipped tool, again under the strict (allow-list) profile.
     for name in ["write_text", "upper", "archive", "counter"] {

@@ -153,6 +153,7 @@ async fn secrets_printed_at_stderr_cuts_leave_no_fragment_unprivileged_daemon() 
 
 /// `cat FILE` as `uid`: its output, or `None` if it could not read it.
 fn read_as(uid: u32, file: &str) -> Option<Vec<u8>> {
+    crate::harness::require_program("setpriv", "util-linux");
     let out = Command::new("setpriv")
         .args([
             &format!("--reuid={uid}"),

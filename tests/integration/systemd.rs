@@ -812,6 +812,8 @@ fn status_fields(pid: u32, keys: &[&str]) -> Vec<String> {
 async fn the_shipped_units_restrictions_keep_the_sandbox_working() {
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::fs::PermissionsExt;
+    crate::harness::require_program("/usr/bin/python3", "python3");
+    crate::harness::require_program("systemd-analyze", "systemd");
     require_root();
     let mut d = crate::sandbox::hostile_daemon();
     crate::sandbox::give_to_nobody(&d);
@@ -953,6 +955,8 @@ async fn the_shipped_units_restrictions_keep_the_sandbox_working() {
 #[tokio::test]
 async fn the_uid_separation_drop_in_gives_workers_their_own_uid() {
     use std::os::unix::fs::MetadataExt;
+    crate::harness::require_program("/usr/bin/python3", "python3");
+    crate::harness::require_program("systemd-analyze", "systemd");
     require_root();
     let mut d = crate::sandbox::hostile_daemon();
     crate::sandbox::give_to_nobody(&d);

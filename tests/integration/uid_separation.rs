@@ -173,6 +173,7 @@ fn abstract_sockets() -> Vec<String> {
 
 #[tokio::test]
 async fn inputs_covering_job_dirs_are_refused_while_another_call_stages_output() {
+    crate::harness::require_program("tar", "tar");
     require_root();
     for (profile, nobody) in [("default", false), ("strict", false), ("default", true)] {
         let mut d = daemon(profile);
@@ -330,6 +331,7 @@ struct Mounted(PathBuf);
 impl Mounted {
     fn tmpfs(at: &Path) -> Mounted {
         std::fs::create_dir_all(at).expect("mount point");
+        crate::harness::require_program("mount", "mount");
         let st = std::process::Command::new("mount")
             .args(["-t", "tmpfs", "-o", "size=1m", "airlock-test"])
             .arg(at)
@@ -351,6 +353,7 @@ impl Drop for Mounted {
 
 #[tokio::test]
 async fn inputs_crossing_into_another_mount_are_refused() {
+    crate::harness::require_program("tar", "tar");
     require_root();
     let mut d = daemon("default");
     d.write("sub/plain.txt", "plain");
@@ -402,6 +405,7 @@ async fn inputs_crossing_into_another_mount_are_refused() {
 
 #[tokio::test]
 async fn setuid_outputs_are_published_without_privilege() {
+    crate::harness::require_program("setpriv", "util-linux");
     require_root();
     for profile in PROFILES {
         for nobody in [false, true] {
@@ -626,6 +630,7 @@ fn meta(p: &Path, with_times: bool) -> Meta {
 
 #[tokio::test]
 async fn workers_change_no_metadata_outside_staging_under_a_root_daemon() {
+    crate::harness::require_program("chattr", "e2fsprogs");
     require_root();
     for profile in PROFILES {
         let mut d = daemon(profile);
@@ -910,6 +915,7 @@ impl Drop for TempUser {
 
 #[tokio::test]
 async fn a_worker_range_holding_an_account_refuses_to_start() {
+    crate::harness::require_program("useradd", "passwd");
     require_root();
     let name = "airlock-h5-taken".to_string();
     let _ = std::process::Command::new("userdel").arg(&name).status();
@@ -1258,6 +1264,7 @@ fn lease_dir() -> (tempfile::TempDir, PathBuf) {
 
 /// `argv` run as [`HOSTILE_UID`] (no groups, no capabilities).
 fn as_hostile(argv: &[&str]) -> std::process::Command {
+    crate::harness::require_program("setpriv", "util-linux");
     let mut c = std::process::Command::new("setpriv");
     c.args([
         format!("--reuid={HOSTILE_UID}"),
