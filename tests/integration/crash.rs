@@ -565,7 +565,7 @@ fn recover_as(d: &Daemon) -> (bool, String, String) {
             let mut c = Command::new("setpriv");
             c.arg(format!("--reuid={uid}"))
                 .arg(format!("--regid={gid}"))
-                .args(["--clear-groups", "--", BIN]);
+                .args(["--clear-groups", "--", BIN.as_str()]);
             c
         }
         None => Command::new(BIN),

@@ -330,7 +330,7 @@ async fn hostile_trees_never_brick(unprivileged: bool) {
             "--regid=65534",
             "--clear-groups",
             "--",
-            BIN,
+            BIN.as_str(),
         ]);
         let out = cmd
             .arg("recover")
@@ -559,7 +559,7 @@ async fn state_dir_is_exclusive_and_kept_out_of_the_workspace() {
             "--regid=65534",
             "--clear-groups",
             "--",
-            BIN,
+            BIN.as_str(),
             "recover",
         ])
         .arg("--policies")

@@ -15,10 +15,76 @@ use rmcp::service::RunningService;
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::{json, Map, Value};
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_airlock");
+/// The `airlock` binary cargo built for this test or bench run. It reads as a path
+/// (`Command::new(BIN)`, `.arg(BIN)`, `format!("{BIN}")`); `BIN.as_str()` where a `&str` is
+/// needed.
+pub const BIN: Bin = Bin;
 
+/// See [`BIN`]: the path is found once, at run time, since this crate is built apart from
+/// airlock's own test targets (which alone get `CARGO_BIN_EXE_airlock` at compile time).
+#[derive(Debug, Clone, Copy)]
+pub struct Bin;
+
+impl Bin {
+    /// `CARGO_BIN_EXE_airlock` when cargo sets it for the running test, else `airlock` in
+    /// the profile dir above the running test or bench executable (`target/<profile>/deps/`);
+    /// fails naming both when neither exists.
+    pub fn as_str(self) -> &'static str {
+        static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        PATH.get_or_init(|| {
+            if let Ok(p) = std::env::var("CARGO_BIN_EXE_airlock") {
+                return p;
+            }
+            let exe = std::env::current_exe().expect("the running test's executable");
+            let beside = exe
+                .parent()
+                .and_then(Path::parent)
+                .map(|dir| dir.join("airlock"))
+                .filter(|p| p.is_file());
+            match beside {
+                Some(p) => p.display().to_string(),
+                None => panic!(
+                    "the airlock binary: CARGO_BIN_EXE_airlock is unset and there is no \
+                     airlock two levels above {}; run the tests through cargo",
+                    exe.display()
+                ),
+            }
+        })
+    }
+}
+
+impl std::ops::Deref for Bin {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Bin {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.as_str().as_ref()
+    }
+}
+
+impl AsRef<Path> for Bin {
+    fn as_ref(&self) -> &Path {
+        Path::new(self.as_str())
+    }
+}
+
+impl std::fmt::Display for Bin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The checkout: the policies and `tests/tools` the daemon under test loads.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("tests/support lies two levels below the checkout")
+        .to_path_buf()
 }
 
 /// Whether every directory above `path` is searchable by other users (uids the daemon or a
@@ -36,7 +102,7 @@ pub fn reachable_by_others(path: &std::path::Path) -> bool {
 pub fn reachable_bin() -> &'static str {
     static BIN_FOR_OTHERS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     BIN_FOR_OTHERS.get_or_init(|| {
-        if reachable_by_others(std::path::Path::new(BIN)) {
+        if reachable_by_others(BIN.as_ref()) {
             return BIN.to_string();
         }
         let dir = std::env::temp_dir().join(format!("airlock-test-bin-{}", std::process::id()));
