@@ -237,13 +237,16 @@ async fn destroy_fails_queued_mutators() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its `start` event is written once it holds the session's lock.
+    wait_for_event(&c, "stamp_write", "start").await;
     let c2 = c.clone();
     let destroy =
         tokio::spawn(
             async move { call(&c2, "session_destroy", json!({"session": "doomed"})).await },
         );
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Destroy's `allow` event is written just before it waits on the session's lock (no
+    // await between them), so the mutators below queue behind it.
+    wait_for_event(&c, "session_destroy", "allow").await;
     let mut queued = Vec::new();
     for i in 0..5 {
         let c = c.clone();

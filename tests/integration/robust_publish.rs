@@ -115,7 +115,7 @@ async fn restarts_and_serves(d: &mut Daemon, session: &str, expect_version: u64)
     assert!(!d.log_text().contains("panicked"));
 }
 
-/// Files left in staging (20,000 here, `AIRLOCK_TEST_LITTER=200000` for the figure;
+/// Files left in staging (20,000 here, `AIRLOCK_TEST_LITTER=200000` for ten times as many;
 /// the count does not change the property) are removed off the async threads: while the removal is
 /// stopped half-way (a failpoint waits for the test), another session's calls complete, on a
 /// daemon with a single async worker thread (`TOKIO_WORKER_THREADS=1`), so a removal on an
@@ -441,7 +441,7 @@ async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     restarts_and_serves(&mut d, "q", 0).await;
 }
 
-/// The path (25 components of 200 bytes) is refused before anything is created.
+/// An overlong path (25 components of 200 bytes, 5,024 bytes) is refused before anything is created.
 #[tokio::test]
 async fn overlong_paths_are_refused_with_nothing_created() {
     let mut d = Daemon::new();

@@ -535,6 +535,21 @@ pub fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// Whether the other end of `s` has closed the connection (`POLLHUP`/`POLLRDHUP`), without
+/// reading what it left unread.
+pub fn peer_closed(s: &StdUnixStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, for a socket `s` keeps open; a zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    assert!(n >= 0, "poll: {}", std::io::Error::last_os_error());
+    p.revents & (libc::POLLHUP | libc::POLLRDHUP) != 0
+}
+
 /// A raw newline-delimited JSON-RPC connection, for what rmcp's client will not send.
 pub struct Raw {
     pub stream: StdUnixStream,
@@ -619,11 +634,26 @@ pub fn require_root() {
 }
 
 /// Polls `done` until it holds, for at most 10 s; fails naming `what` otherwise.
-pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+pub async fn wait_until(what: &str, done: impl FnMut() -> bool) {
+    wait_until_within(what, Duration::from_secs(10), done).await;
+}
+
+/// Polls `done` until it holds, for at most `within` (a generous deadline, not a timing
+/// assertion); fails naming `what` otherwise.
+pub async fn wait_until_within(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
     while !done() {
-        assert!(Instant::now() < deadline, "waited 10 s for {what}");
+        assert!(Instant::now() < deadline, "waited {within:?} for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`wait_until_within`] for a thread outside the async runtime.
+pub fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "waited {within:?} for {what}");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
