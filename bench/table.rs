@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use airlock_test_support::harness::{set_daemon, Daemon, Raw};
+use airlock_test_support::harness::{set_daemon, wait_for, Daemon, Raw};
 use airlock_test_support::soak::{self, children, fd_count, percentile, rss_kib};
 
 /// Sizes of one run: `--short` shrinks every count so the whole run takes a few seconds.
@@ -378,6 +378,8 @@ fn wakeups(pid: u32) -> std::collections::BTreeMap<String, (u64, u64)> {
 /// threads, and how many threads ended meanwhile (a thread pool's idle timeout is a wake-up
 /// too).
 fn idle_wakeups(pid: u32, over: Duration) -> (u64, u64, usize) {
+    // A quiet half second first, then the quiet `over` that is measured: idleness is the
+    // thing measured here, not an ordering.
     std::thread::sleep(Duration::from_millis(500));
     let a = wakeups(pid);
     std::thread::sleep(over);
@@ -404,7 +406,17 @@ fn traced(pid: u32, what: &str, f: impl FnOnce()) {
         .args(["-c", "-f", "-o", &out, "-p", &pid.to_string()])
         .stderr(Stdio::null())
         .spawn();
-    std::thread::sleep(Duration::from_millis(500));
+    if child.is_ok() {
+        // strace has attached once the daemon has a tracer.
+        let tracer = || {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix("TracerPid:"))
+                .is_some_and(|v| v.trim() != "0")
+        };
+        wait_for("strace attached to the daemon", Duration::from_secs(60), tracer);
+    }
     f();
     if let Ok(mut c) = child {
         // SAFETY: SIGINT to the strace we started: it detaches and writes its summary.
@@ -871,6 +883,7 @@ fn main() {
         setup.call("session_create", json!({"id": format!("many-{s}")}));
     }
     let took = t_sessions.elapsed();
+    // A quiet moment before the idle RSS: the resting daemon is what is measured.
     std::thread::sleep(Duration::from_millis(300));
     t.text(
         "daemon RSS: idle / under load (peak) / with many sessions",

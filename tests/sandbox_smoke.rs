@@ -9,6 +9,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use airlock::policy::{Limits, Profile};
+use airlock_test_support::harness::{repo, require_root_for};
 use airlock::sandbox::{self, End, Filters, LandlockStatus, Launch, Outcome, SandboxError, Worker};
 use tokio_util::sync::CancellationToken;
 
@@ -56,16 +57,9 @@ fn require_landlock(abi: i64) {
     );
 }
 
-fn require_root() {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "this test needs root (it creates a cgroup)"
-    );
-}
-
 /// The shipped `default` profile, with a short grace so the SIGTERM tests are quick.
 fn profile() -> Profile {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+    let dir = repo().join("policies");
     let policy = airlock::policy::load(&dir).unwrap_or_else(|e| panic!("{e}"));
     let mut p = (*policy.profiles["default"]).clone();
     p.limits.grace = Duration::from_millis(500);
@@ -500,7 +494,7 @@ fn landlock_fails_closed_above_the_kernel_abi() {
 #[test]
 fn cgroup_contains_and_is_removed() {
     require_landlock(6);
-    require_root();
+    require_root_for("it creates a cgroup");
     let parent = PathBuf::from("/sys/fs/cgroup/unified");
     assert!(
         parent.join("cgroup.procs").exists(),

@@ -313,7 +313,8 @@ fn stuck_server(
         let mut first = [0u8; 64];
         let _ = r.read(&mut first);
         let _ = started.send(());
-        // Hold the connection, reading nothing, until the client is gone.
+        // Hold the connection, reading nothing, until the client is gone (the stuck server
+        // is the behaviour under test).
         std::thread::sleep(Duration::from_secs(10));
     })
 }

@@ -78,14 +78,7 @@ fn count_entries(dir: &Path) -> usize {
 
 /// Runs `airlock recover` on the daemon's dirs; returns (exit code, stdout, stderr).
 fn recover_cmd(d: &Daemon, env: &[(&str, &str)]) -> (i32, String, String) {
-    let mut cmd = Command::new(BIN);
-    cmd.arg("recover")
-        .arg("--policies")
-        .arg(&d.policies)
-        .arg("--workspace")
-        .arg(&d.workspace)
-        .arg("--state-dir")
-        .arg(&d.state);
+    let mut cmd = d.recover(None);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -324,24 +317,7 @@ async fn hostile_trees_never_brick(unprivileged: bool) {
     d.kill9();
     pending.abort();
     if unprivileged {
-        let mut cmd = Command::new("setpriv");
-        cmd.args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--",
-            BIN.as_str(),
-        ]);
-        let out = cmd
-            .arg("recover")
-            .arg("--policies")
-            .arg(&d.policies)
-            .arg("--workspace")
-            .arg(&d.workspace)
-            .arg("--state-dir")
-            .arg(&d.state)
-            .output()
-            .unwrap();
+        let out = d.recover(d.user).output().expect("airlock recover");
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -553,23 +529,10 @@ async fn state_dir_is_exclusive_and_kept_out_of_the_workspace() {
     let st = d.dir.path().join("nobody-state");
     std::fs::create_dir(&st).unwrap();
     let _ = Command::new("chown").arg("65534:65534").arg(&st).status();
-    let out = Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--",
-            BIN.as_str(),
-            "recover",
-        ])
-        .arg("--policies")
-        .arg(&d.policies)
-        .arg("--workspace")
-        .arg(&locked)
-        .arg("--state-dir")
-        .arg(&st)
+    let out = d
+        .recover_in(Some((65534, 65534)), &locked, &st)
         .output()
-        .unwrap();
+        .expect("airlock recover");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(

@@ -390,6 +390,36 @@ impl Daemon {
         std::fs::read_to_string(self.workspace.join(rel)).ok()
     }
 
+    /// `airlock recover` on this daemon's policy dir, workspace and state dir, as `user`
+    /// when set (see [`Daemon::recover_in`]).
+    pub fn recover(&self, user: Option<(u32, u32)>) -> Command {
+        self.recover_in(user, &self.workspace, &self.state)
+    }
+
+    /// `airlock recover` on this daemon's policy dir and the given workspace and state dir;
+    /// as `user` (uid, gid, no supplementary groups, via setpriv) when set, else as the
+    /// test. The caller adds environment and runs it.
+    pub fn recover_in(&self, user: Option<(u32, u32)>, workspace: &Path, state: &Path) -> Command {
+        let mut cmd = match user {
+            Some((uid, gid)) => {
+                let mut c = Command::new("setpriv");
+                c.arg(format!("--reuid={uid}"))
+                    .arg(format!("--regid={gid}"))
+                    .args(["--clear-groups", "--", reachable_bin()]);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        cmd.arg("recover")
+            .arg("--policies")
+            .arg(&self.policies)
+            .arg("--workspace")
+            .arg(workspace)
+            .arg("--state-dir")
+            .arg(state);
+        cmd
+    }
+
     /// Adds a tool file to this daemon's policy (before `start`).
     pub fn add_tool(&self, name: &str, toml: &str) {
         std::fs::write(
@@ -506,31 +536,120 @@ fn command_lines() -> impl Iterator<Item = (i32, String)> {
         })
 }
 
-/// Every file under `root` (but job dirs) with its content, for byte-for-byte comparisons.
-pub fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+/// Visits every entry under `root` without following symlinks, a directory before what it
+/// holds: its path relative to `root`, its full path and its `lstat`. Entries that vanish
+/// or cannot be read are passed over. The one tree walker of [`snapshot`], [`tree`] and
+/// [`tree_names`].
+pub fn walk_tree(root: &Path, mut visit: impl FnMut(&str, &Path, &std::fs::Metadata)) {
+    fn walk(root: &Path, dir: &Path, visit: &mut dyn FnMut(&str, &Path, &std::fs::Metadata)) {
         let Ok(rd) = std::fs::read_dir(dir) else {
             return;
         };
         for e in rd.flatten() {
             let p = e.path();
             let rel = p.strip_prefix(root).unwrap_or(&p).display().to_string();
-            let Ok(ft) = e.file_type() else { continue };
-            if ft.is_dir() {
-                out.push((format!("{rel}/"), Vec::new()));
-                walk(root, &p, out);
-            } else if ft.is_symlink() {
-                let t = std::fs::read_link(&p)
-                    .map(|t| t.display().to_string())
-                    .unwrap_or_default();
-                out.push((format!("{rel}@"), t.into_bytes()));
-            } else {
-                out.push((rel, std::fs::read(&p).unwrap_or_default()));
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            visit(&rel, &p, &m);
+            if m.is_dir() {
+                walk(root, &p, visit);
             }
         }
     }
+    walk(root, root, &mut visit);
+}
+
+/// Every file under `root` with its content, for byte-for-byte comparisons (directories end
+/// in `/`, symlinks in `@` with their target as content), sorted.
+pub fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
-    walk(root, root, &mut out);
+    walk_tree(root, |rel, p, m| {
+        if m.is_dir() {
+            out.push((format!("{rel}/"), Vec::new()));
+        } else if m.file_type().is_symlink() {
+            let t = std::fs::read_link(p)
+                .map(|t| t.display().to_string())
+                .unwrap_or_default();
+            out.push((format!("{rel}@"), t.into_bytes()));
+        } else {
+            out.push((rel.to_string(), std::fs::read(p).unwrap_or_default()));
+        }
+    });
+    out.sort();
+    out
+}
+
+/// Every entry under `root` with its type, mode and content (and a file's link count):
+/// what "unchanged" means for recovery, sorted.
+pub fn tree(root: &Path) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    walk_tree(root, |rel, p, m| {
+        let mode = m.permissions().mode() & 0o7777;
+        if m.is_dir() {
+            out.push(format!("{rel} dir {mode:o}"));
+        } else if m.file_type().is_symlink() {
+            out.push(format!("{rel} symlink {:?}", std::fs::read_link(p).ok()));
+        } else {
+            let content = std::fs::read(p).unwrap_or_default();
+            out.push(format!(
+                "{rel} file {mode:o} nlink={} {:?}",
+                m.nlink(),
+                String::from_utf8_lossy(&content)
+            ));
+        }
+    });
+    out.sort();
+    out
+}
+
+/// The path of every entry under `root`, relative to it, sorted.
+pub fn tree_names(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    walk_tree(root, |rel, _, _| out.push(rel.to_string()));
+    out.sort();
+    out
+}
+
+/// The names of `path`'s extended attributes (`llistxattr`: a symlink's own), in the
+/// kernel's order.
+pub fn xattr_names(path: &Path) -> Vec<Vec<u8>> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
+    let mut names = vec![0u8; 4096];
+    // SAFETY: `c` is a NUL-terminated path; llistxattr writes at most names.len() bytes
+    // into the buffer we own.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    assert!(n >= 0, "llistxattr {}", path.display());
+    names[..n as usize]
+        .split(|&b| b == 0)
+        .filter(|n| !n.is_empty())
+        .map(<[u8]>::to_vec)
+        .collect()
+}
+
+/// `path`'s extended attributes (a symlink's own), name and value, sorted by name.
+pub fn xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
+    let mut out = Vec::new();
+    for name in xattr_names(path) {
+        let cname = std::ffi::CString::new(name.clone()).expect("name");
+        let mut value = vec![0u8; 4096];
+        // SAFETY: lgetxattr writes at most value.len() bytes into the buffer we own.
+        let len = unsafe {
+            libc::lgetxattr(
+                c.as_ptr(),
+                cname.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            )
+        };
+        assert!(len >= 0, "lgetxattr {}", path.display());
+        value.truncate(len as usize);
+        out.push((String::from_utf8_lossy(&name).into_owned(), value));
+    }
     out.sort();
     out
 }
@@ -625,11 +744,16 @@ impl Raw {
 
 /// Fails the test with a clear message unless running as root.
 pub fn require_root() {
+    require_root_for("it runs the daemon as another user");
+}
+
+/// Fails the test unless running as root, saying `why` the test needs it.
+pub fn require_root_for(why: &str) {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     assert_eq!(
         euid, 0,
-        "this test needs root (it runs the daemon as another user); run the suite as root"
+        "this test needs root ({why}); run the suite as root"
     );
 }
 

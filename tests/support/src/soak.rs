@@ -368,6 +368,7 @@ fn session_state(d: &Daemon, s: usize) -> (u64, u64) {
 pub fn run(d: &Daemon, cfg: &Config) -> Report {
     let pid = d.pid();
     prepare(d, cfg.sessions);
+    // A quiet moment before the idle figures: the resting daemon is what is measured.
     std::thread::sleep(Duration::from_millis(300));
     let idle_rss = rss_kib(pid);
     let idle_fds = fd_count(pid);
