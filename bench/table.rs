@@ -415,7 +415,11 @@ fn traced(pid: u32, what: &str, f: impl FnOnce()) {
                 .find_map(|l| l.strip_prefix("TracerPid:"))
                 .is_some_and(|v| v.trim() != "0")
         };
-        wait_for("strace attached to the daemon", Duration::from_secs(60), tracer);
+        wait_for(
+            "strace attached to the daemon",
+            Duration::from_secs(60),
+            tracer,
+        );
     }
     f();
     if let Ok(mut c) = child {

@@ -9,8 +9,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use airlock::policy::{Limits, Profile};
-use airlock_test_support::harness::{repo, require_root_for};
 use airlock::sandbox::{self, End, Filters, LandlockStatus, Launch, Outcome, SandboxError, Worker};
+use airlock_test_support::harness::{repo, require_root_for};
 use tokio_util::sync::CancellationToken;
 
 /// One runtime and one sandbox for the whole binary, so that the orphan reaper started by

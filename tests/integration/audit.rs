@@ -486,8 +486,7 @@ async fn a_failing_audit_sink_rolls_the_commit_back_with_audit_failed() {
     assert_eq!(d.read("a.txt").as_deref(), Some("back"));
     drop(c);
     d.stop();
-    let (code, out, err) =
-        verify_log(&fs.join("audit.jsonl"));
+    let (code, out, err) = verify_log(&fs.join("audit.jsonl"));
     assert_eq!(code, 0, "{out}{err}");
 }
 

@@ -430,6 +430,12 @@ impl Daemon {
     }
 }
 
+impl Default for Daemon {
+    fn default() -> Daemon {
+        Daemon::new()
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill9();
