@@ -4,7 +4,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -64,12 +64,8 @@ fn add_profile(d: &Daemon, name: &str, limits: &[(&str, &str)]) {
 }
 
 /// Waits up to `secs` for `done`, failing with `what`.
-async fn wait_long(what: &str, secs: u64, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !done() {
-        assert!(Instant::now() < deadline, "waited {secs} s for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn wait_long(what: &str, secs: u64, done: impl FnMut() -> bool) {
+    wait_until_within(what, Duration::from_secs(secs), done).await;
 }
 
 fn count_entries(dir: &Path) -> usize {
