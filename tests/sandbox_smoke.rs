@@ -12,6 +12,7 @@ use airlock::policy::{Limits, Profile};
 use airlock::sandbox::{
     self, End, Filters, LandlockStatus, Launch, Outcome, SandboxError, Step, Worker,
 };
+use airlock_test_support::harness::{repo, require_root_for};
 use tokio_util::sync::CancellationToken;
 
 /// One runtime and one sandbox for the whole binary, so that the orphan reaper started by
@@ -58,16 +59,9 @@ fn require_landlock(abi: i64) {
     );
 }
 
-fn require_root() {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "this test needs root (it creates a cgroup)"
-    );
-}
-
 /// The shipped `default` profile, with a short grace so the SIGTERM tests are quick.
 fn profile() -> Profile {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+    let dir = repo().join("policies");
     let policy = airlock::policy::load(&dir).unwrap_or_else(|e| panic!("{e}"));
     let mut p = (*policy.profiles["default"]).clone();
     p.limits.grace = Duration::from_millis(500);
@@ -502,7 +496,7 @@ fn landlock_fails_closed_above_the_kernel_abi() {
 #[test]
 fn cgroup_contains_and_is_removed() {
     require_landlock(6);
-    require_root();
+    require_root_for("it creates a cgroup");
     let parent = PathBuf::from("/sys/fs/cgroup/unified");
     assert!(
         parent.join("cgroup.procs").exists(),

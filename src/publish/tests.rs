@@ -1372,10 +1372,10 @@ fn overlong_paths_are_rejected_before_anything_is_created() {
     let tmp = tempfile::tempdir().unwrap();
     let ws = open(&tmp);
     let root_len = ws.root().as_os_str().len();
-    // The issue's path: 25 components of 200 bytes.
-    let issue = vec!["c".repeat(200); 25].join("/");
+    // An overlong path: 25 components of 200 bytes.
+    let overlong = vec!["c".repeat(200); 25].join("/");
     for role in [PathRole::Input, PathRole::Output] {
-        let e = ws.resolve(&issue, role).unwrap_err().to_string();
+        let e = ws.resolve(&overlong, role).unwrap_err().to_string();
         assert!(e.contains("at most 4095 bytes"), "{e}");
     }
     // One component over NAME_MAX.
@@ -1415,7 +1415,7 @@ fn overlong_paths_are_rejected_before_anything_is_created() {
     fs::remove_dir_all(tmp.path().join("r".repeat(200))).unwrap();
     assert!(snapshot(tmp.path()).is_empty(), "nothing was created");
     // A spec built elsewhere is held to the same bounds.
-    let r = Job::create(&ws, spec("long", &[issue.as_str()]));
+    let r = Job::create(&ws, spec("long", &[overlong.as_str()]));
     assert!(matches!(r, Err(PublishError::InvalidSpec { .. })), "{r:?}");
     assert!(snapshot(tmp.path()).is_empty());
 }

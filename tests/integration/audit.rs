@@ -124,6 +124,20 @@ fn sha256_hex(b: &[u8]) -> String {
         .to_string()
 }
 
+/// `n` write_text calls in `session`, writing `{prefix}{i}` to a.txt; each must commit.
+async fn commit_writes(c: &Client, session: &str, prefix: &str, n: usize) {
+    for i in 0..n {
+        let text = format!("{prefix}{i}");
+        let r = call(
+            c,
+            "write_text",
+            json!({"session": session, "text": text, "out": "a.txt"}),
+        )
+        .await;
+        assert!(!is_error(&r), "{r}");
+    }
+}
+
 fn airlock_audit(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(BIN)
         .arg("audit")
@@ -326,13 +340,13 @@ async fn every_lifecycle_reads_the_same_from_the_resource_and_the_log() {
 
     // The chain holds, across the restart too.
     let log = d.state.join("audit.jsonl");
-    let (code, out, err) = airlock_audit(&["verify", "--log", log.to_str().unwrap()]);
+    let (code, out, err) = verify_log(&log);
     assert_eq!(code, 0, "{out}{err}");
     d.start();
     let c = d.client().await;
     session(&c, "after").await;
     d.stop();
-    let (code, out, err) = airlock_audit(&["verify", "--log", log.to_str().unwrap()]);
+    let (code, out, err) = verify_log(&log);
     assert_eq!(code, 0, "{out}{err}");
     let evs = log_events(&d);
     assert!(
@@ -349,22 +363,13 @@ async fn verify_rejects_a_log_whose_line_was_edited_or_removed() {
     d.start();
     let c = d.client().await;
     session(&c, "s").await;
-    for i in 0..3 {
-        let r = call(
-            &c,
-            "write_text",
-            json!({"session": "s", "text": format!("v{i}"), "out": "a.txt"}),
-        )
-        .await;
-        assert!(!is_error(&r), "{r}");
-    }
+    commit_writes(&c, "s", "v", 3).await;
     drop(c);
     d.stop();
     let log = d.state.join("audit.jsonl");
     let mode = std::fs::metadata(&log).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode, 0o600, "the audit log's mode");
-    let logs = log.to_str().unwrap();
-    let (code, out, err) = airlock_audit(&["verify", "--log", logs]);
+    let (code, out, err) = verify_log(&log);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.starts_with("ok: "), "{out}");
 
@@ -381,19 +386,19 @@ async fn verify_rejects_a_log_whose_line_was_edited_or_removed() {
     assert_ne!(changed, lines[i]);
     edited[i] = &changed;
     std::fs::write(&log, edited.join("\n") + "\n").unwrap();
-    let (code, _, err) = airlock_audit(&["verify", "--log", logs]);
+    let (code, _, err) = verify_log(&log);
     assert_eq!(code, 1, "an edited line passed verify");
     assert!(err.contains(&format!(":{}:", i + 2)), "{err}");
     // A rollback-worthy line removed.
     let mut removed = lines.clone();
     removed.remove(i);
     std::fs::write(&log, removed.join("\n") + "\n").unwrap();
-    let (code, _, err) = airlock_audit(&["verify", "--log", logs]);
+    let (code, _, err) = verify_log(&log);
     assert_eq!(code, 1, "a removed line passed verify");
     assert!(err.contains("edited, removed or inserted"), "{err}");
     // Restored, it verifies again.
     std::fs::write(&log, &good).unwrap();
-    assert_eq!(airlock_audit(&["verify", "--log", logs]).0, 0);
+    assert_eq!(verify_log(&log).0, 0);
 }
 
 #[tokio::test]
@@ -482,8 +487,7 @@ async fn a_failing_audit_sink_rolls_the_commit_back_with_audit_failed() {
     assert_eq!(d.read("a.txt").as_deref(), Some("back"));
     drop(c);
     d.stop();
-    let (code, out, err) =
-        airlock_audit(&["verify", "--log", fs.join("audit.jsonl").to_str().unwrap()]);
+    let (code, out, err) = verify_log(&fs.join("audit.jsonl"));
     assert_eq!(code, 0, "{out}{err}");
 }
 
@@ -574,9 +578,13 @@ async fn the_template_filters_and_subscribers_hear_of_new_events() {
         "params": {"uri": "airlock://audit/events"}}),
     );
     r.response(17);
-    std::thread::sleep(Duration::from_millis(300));
+    // Whatever the notifier sent before the unsubscribe is out before this ping's response
+    // (which skips it), and then whatever still trickles in is drained.
+    r.send(&json!({"jsonrpc": "2.0", "id": 170, "method": "ping"}));
+    r.response(170);
     while r.recv_within(Duration::from_millis(200)).is_some() {}
     r.call(18, "session_create", json!({"id": "u"}));
+    // No notification may come: watching for 800 ms is the check itself, not an ordering.
     let deadline = Instant::now() + Duration::from_millis(800);
     while Instant::now() < deadline {
         if let Some(m) = r.recv_within(Duration::from_millis(200)) {
@@ -762,6 +770,7 @@ fn audit_settings(d: &Daemon, log: &std::path::Path, size: &str, keep: usize) {
     std::fs::write(&toml, text).unwrap();
 }
 
+/// `airlock audit verify --log LOG`: (exit code, stdout, stderr).
 fn verify_log(log: &std::path::Path) -> (i32, String, String) {
     airlock_audit(&["verify", "--log", log.to_str().unwrap()])
 }
@@ -1200,15 +1209,7 @@ async fn verify_tells_retention_from_removed_lines_and_files() {
     assert!(err.contains("does not begin with a header line"), "{err}");
     std::fs::write(&log, &whole).unwrap();
     assert_eq!(verify_log(&log).0, 0);
-    for i in 0..12 {
-        let r = call(
-            &c,
-            "write_text",
-            json!({"session": "s", "text": format!("v{i}"), "out": "a.txt"}),
-        )
-        .await;
-        assert!(!is_error(&r), "{r}");
-    }
+    commit_writes(&c, "s", "v", 12).await;
     drop(c);
     d.stop();
     let files = log_files(&log);
@@ -1243,15 +1244,7 @@ async fn verify_tells_retention_from_removed_lines_and_files() {
     std::fs::write(&toml, t).unwrap();
     d.start();
     let c = d.client().await;
-    for i in 0..6 {
-        let r = call(
-            &c,
-            "write_text",
-            json!({"session": "s", "text": format!("w{i}"), "out": "a.txt"}),
-        )
-        .await;
-        assert!(!is_error(&r), "{r}");
-    }
+    commit_writes(&c, "s", "w", 6).await;
     drop(c);
     d.stop();
     assert_eq!(log_files(&log).len(), 2);

@@ -13,17 +13,10 @@ use crate::harness::*;
 
 pub(crate) const NOBODY: u32 = 65534;
 
-fn require_root() {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "the authorization tests need root: the daemon must see a client of another uid"
-    );
-}
-
 /// A daemon whose socket any local user may open, with `grants` (TOML `[[grant]]` tables)
 /// added to the shipped ones.
 pub(crate) fn daemon(grants: &str) -> Daemon {
-    require_root();
+    require_root_for("the daemon must see a client of another uid");
     let d = Daemon::new();
     let path = d.policies.join("airlock.toml");
     let text = std::fs::read_to_string(&path).expect("airlock.toml");
@@ -398,7 +391,7 @@ default = "no"
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secret_params_reach_the_worker_and_nothing_else() {
-    require_root();
+    require_root_for("the daemon must see a client of another uid");
     let mut d = Daemon::new();
     d.add_tool("secret_write", SECRET_TOOL);
     d.start();

@@ -1,7 +1,7 @@
 //! `airlock call` and `airlock connect` as a client's caller sees them: exit codes, one
 //! clear line on stderr, replies never lost at the end of stdin, cancellation on Ctrl-C.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -287,7 +287,6 @@ fn stuck_server(
     socket: &std::path::Path,
     started: std::sync::mpsc::Sender<()>,
 ) -> std::thread::JoinHandle<()> {
-    use std::io::{BufRead, BufReader};
     let listener = std::os::unix::net::UnixListener::bind(socket).expect("bind");
     std::thread::spawn(move || {
         let (stream, _) = listener.accept().expect("accept");
@@ -315,7 +314,8 @@ fn stuck_server(
         let mut first = [0u8; 64];
         let _ = r.read(&mut first);
         let _ = started.send(());
-        // Hold the connection, reading nothing, until the client is gone.
+        // Hold the connection, reading nothing, until the client is gone (the stuck server
+        // is the behaviour under test).
         std::thread::sleep(Duration::from_secs(10));
     })
 }
@@ -339,18 +339,30 @@ fn call_second_ctrl_c_exits_at_once_while_the_cancel_is_still_going_out() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn airlock call");
-    // The call is being written; its write soon fills the socket and waits.
+    // The call is being written: its first bytes reached the server, so the client has
+    // handed the request to its writer (which soon fills the socket and waits) and waits for
+    // the result.
     writing
         .recv_timeout(Duration::from_secs(10))
         .expect("the call never came");
-    std::thread::sleep(Duration::from_millis(300));
     sigint(&child);
-    std::thread::sleep(Duration::from_millis(150));
+    // The first Ctrl-C is handled (the second's handler is armed) once it says so.
+    let mut stderr = BufReader::new(child.stderr.take().expect("piped stderr"));
+    let mut first = String::new();
+    while !first.contains("cancelled (interrupted);") {
+        let before = first.len();
+        stderr.read_line(&mut first).expect("stderr");
+        assert!(
+            first.len() > before,
+            "the client ended without reporting the first Ctrl-C: {first}"
+        );
+    }
     let t = Instant::now();
     sigint(&child);
     let status = exit_within(&mut child, Duration::from_secs(2));
     let after_second = t.elapsed();
-    let err = stderr_of(&mut child);
+    let mut err = first;
+    stderr.read_to_string(&mut err).expect("stderr");
     assert_eq!(status.code(), Some(130), "stderr: {err}");
     assert!(
         err.contains("interrupted again; exiting at once"),

@@ -39,36 +39,6 @@ struct Meta {
     xattrs: Vec<(String, Vec<u8>)>,
 }
 
-fn xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
-    let c = CString::new(path.as_os_str().as_bytes()).expect("path");
-    let mut names = vec![0u8; 4096];
-    // SAFETY: listxattr writes at most names.len() bytes into the buffer we own.
-    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
-    assert!(n >= 0, "llistxattr {}", path.display());
-    let mut out = Vec::new();
-    for name in names[..n as usize]
-        .split(|&b| b == 0)
-        .filter(|n| !n.is_empty())
-    {
-        let cname = CString::new(name).expect("name");
-        let mut value = vec![0u8; 4096];
-        // SAFETY: lgetxattr writes at most value.len() bytes into the buffer we own.
-        let len = unsafe {
-            libc::lgetxattr(
-                c.as_ptr(),
-                cname.as_ptr(),
-                value.as_mut_ptr().cast(),
-                value.len(),
-            )
-        };
-        assert!(len >= 0, "lgetxattr {}", path.display());
-        value.truncate(len as usize);
-        out.push((String::from_utf8_lossy(name).into_owned(), value));
-    }
-    out.sort();
-    out
-}
-
 fn set_xattr(path: &Path, name: &str, value: &[u8]) {
     let c = CString::new(path.as_os_str().as_bytes()).expect("path");
     let n = CString::new(name).expect("name");

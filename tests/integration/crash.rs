@@ -8,7 +8,7 @@
 //! the audit log's last word on the call's job (its last `commit` or `rollback`) must match
 //! the workspace, and `airlock audit verify` must find the chain intact.
 
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -17,40 +17,6 @@ use rmcp::model::CallToolRequestParams;
 use serde_json::{json, Value};
 
 use crate::harness::*;
-
-/// Every entry under `root` with its type, mode and content: what "unchanged" means.
-fn tree(root: &Path) -> Vec<String> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {
-        let Ok(rd) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for e in rd.flatten() {
-            let p = e.path();
-            let rel = p.strip_prefix(root).unwrap_or(&p).display().to_string();
-            let Ok(m) = std::fs::symlink_metadata(&p) else {
-                continue;
-            };
-            let mode = m.permissions().mode() & 0o7777;
-            if m.is_dir() {
-                out.push(format!("{rel} dir {mode:o}"));
-                walk(root, &p, out);
-            } else if m.file_type().is_symlink() {
-                out.push(format!("{rel} symlink {:?}", std::fs::read_link(&p).ok()));
-            } else {
-                let content = std::fs::read(&p).unwrap_or_default();
-                out.push(format!(
-                    "{rel} file {mode:o} nlink={} {:?}",
-                    m.nlink(),
-                    String::from_utf8_lossy(&content)
-                ));
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(root, root, &mut out);
-    out.sort();
-    out
-}
 
 struct Scenario {
     name: &'static str,
@@ -484,19 +450,7 @@ async fn offline_recover_rolls_back_and_is_idempotent() {
         "the crash left the new file in place"
     );
     assert_eq!(d.job_dirs().len(), 1);
-    let (policies, workspace, state) = (d.policies.clone(), d.workspace.clone(), d.state.clone());
-    let recover = || {
-        Command::new(BIN)
-            .args(["recover", "--policies"])
-            .arg(&policies)
-            .arg("--workspace")
-            .arg(&workspace)
-            .arg("--state-dir")
-            .arg(&state)
-            .output()
-            .unwrap()
-    };
-    let out = recover();
+    let out = d.recover(None).output().expect("airlock recover");
     assert!(
         out.status.success(),
         "{}",
@@ -508,12 +462,12 @@ async fn offline_recover_rolls_back_and_is_idempotent() {
         "{stdout}"
     );
     assert_eq!(tree(&d.workspace), t.before);
-    let out = recover();
+    let out = d.recover(None).output().expect("airlock recover");
     assert!(String::from_utf8_lossy(&out.stdout).contains("recovered 0 job(s)"));
     // Never while a daemon holds the workspace.
     d.env.clear();
     d.start();
-    let out = recover();
+    let out = d.recover(None).output().expect("airlock recover");
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("holds this workspace"));
     let c = d.client().await;
@@ -561,27 +515,7 @@ fn fresh_as(t: &Template, unprivileged: bool) -> Daemon {
 }
 
 fn recover_as(d: &Daemon) -> (bool, String, String) {
-    let mut cmd = match d.user {
-        Some((uid, gid)) => {
-            crate::harness::require_program("setpriv", "util-linux");
-            let mut c = Command::new("setpriv");
-            c.arg(format!("--reuid={uid}"))
-                .arg(format!("--regid={gid}"))
-                .args(["--clear-groups", "--", BIN]);
-            c
-        }
-        None => Command::new(BIN),
-    };
-    let out = cmd
-        .arg("recover")
-        .arg("--policies")
-        .arg(&d.policies)
-        .arg("--workspace")
-        .arg(&d.workspace)
-        .arg("--state-dir")
-        .arg(&d.state)
-        .output()
-        .unwrap();
+    let out = d.recover(d.user).output().expect("airlock recover");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),

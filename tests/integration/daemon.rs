@@ -240,13 +240,16 @@ async fn destroy_fails_queued_mutators() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its `start` event is written once it holds the session's lock.
+    wait_for_event(&c, "stamp_write", "start").await;
     let c2 = c.clone();
     let destroy =
         tokio::spawn(
             async move { call(&c2, "session_destroy", json!({"session": "doomed"})).await },
         );
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Destroy's `allow` event is written just before it waits on the session's lock (no
+    // await between them), so the mutators below queue behind it.
+    wait_for_event(&c, "session_destroy", "allow").await;
     let mut queued = Vec::new();
     for i in 0..5 {
         let c = c.clone();
@@ -990,4 +993,20 @@ async fn a_client_that_disconnects_cancels_its_calls() {
     assert!(d.read("dc.txt").is_none());
     assert!(d.job_dirs().is_empty());
     assert_eq!(version(&c, "dc").await, 0);
+}
+
+/// The shared test support names what a test lacks (its unit tests would not run in the
+/// support crate: `cargo test` runs the root package's).
+#[test]
+#[should_panic(
+    expected = "this test needs `airlock-no-such-program` (Debian package airlock-no-such-package; `.ci/install-deps` installs it)"
+)]
+fn a_missing_program_fails_the_test_naming_it_and_its_package() {
+    require_program("airlock-no-such-program", "airlock-no-such-package");
+}
+
+#[test]
+fn a_program_on_path_or_at_its_absolute_path_is_found() {
+    require_program("sh", "dash");
+    require_program("/bin/sh", "dash");
 }

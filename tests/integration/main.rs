@@ -1,5 +1,8 @@
 //! All integration tests, in one binary that drives the real `airlock` program over a real
-//! socket (the layout of Codex's Linux sandbox tests).
+//! socket (the layout of Codex's Linux sandbox tests). The shared harness lives in the
+//! `airlock-test-support` crate (`tests/support`), which the smoke tests and the bench use too.
+
+use airlock_test_support::harness;
 
 mod audit;
 mod authz;
@@ -11,7 +14,6 @@ mod crash;
 mod daemon;
 mod eras;
 mod features;
-mod harness;
 mod policy_dirs;
 mod race;
 mod reload;

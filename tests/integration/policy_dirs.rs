@@ -32,23 +32,6 @@ fn run(cwd: &Path, unit: Option<&Path>, args: &[&str]) -> Out {
     }
 }
 
-/// Every entry beneath `root`, relative.
-fn tree(root: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).expect("read_dir").flatten() {
-            let p = e.path();
-            out.push(p.strip_prefix(root).expect("beneath").display().to_string());
-            if p.is_dir() {
-                stack.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
 #[test]
 fn every_command_refuses_a_policy_dir_that_is_missing_or_lacks_airlock_toml() {
     let t = tempfile::tempdir().expect("tempdir");
@@ -105,7 +88,7 @@ fn every_command_refuses_a_policy_dir_that_is_missing_or_lacks_airlock_toml() {
             (vec!["audit", "verify", "--policies", d], 2),
         ];
         for (args, code) in commands {
-            let before = tree(root);
+            let before = tree_names(root);
             let o = run(root, None, &args);
             assert_eq!(o.code, code, "{args:?}: {}{}", o.stdout, o.stderr);
             let want = format!("airlock: {}", dir.display());
@@ -115,7 +98,7 @@ fn every_command_refuses_a_policy_dir_that_is_missing_or_lacks_airlock_toml() {
                 o.stderr
             );
             assert!(!o.stdout.contains("ok:"), "{args:?}: {}", o.stdout);
-            assert_eq!(tree(root), before, "{args:?} created something");
+            assert_eq!(tree_names(root), before, "{args:?} created something");
         }
     }
     // From a directory with no `policies/` the default is refused the same way.

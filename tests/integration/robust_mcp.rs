@@ -216,8 +216,9 @@ pub(crate) fn memory_bound(
 #[tokio::test]
 async fn memory_stays_under_the_documented_bound_under_abuse() {
     let mut d = Daemon::new();
-    // The issue's abuse needs 4 MiB messages; the other limits are small so that the
-    // bound is tight enough to catch what the issue saw (560 MB, 2 GB, 630 MB/connection).
+    // The abuse (half-sent and pipelined large messages) needs 4 MiB messages; the other
+    // limits are small so that the bound is tight enough to catch the growth once seen
+    // without bounds (560 MB, 2 GB, 630 MB/connection).
     set_daemon(
         &d,
         &[
@@ -295,10 +296,15 @@ async fn memory_stays_under_the_documented_bound_under_abuse() {
         }
         pipers.push(p);
     }
-    // Neither reads for a while (past write_timeout, with more than max_queued_bytes of
-    // results ready): each must then be dropped. Reading earlier would let a fast daemon
-    // deliver everything and prove nothing.
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    // Neither reads until the daemon has closed both (past write_timeout, with more than
+    // max_queued_bytes of results ready): each must then be dropped. Reading earlier would
+    // let a fast daemon deliver everything and prove nothing.
+    wait_until_within(
+        "the daemon to close both pipelining clients' connections",
+        Duration::from_secs(120),
+        || pipers.iter().all(|p| peer_closed(&p.stream)),
+    )
+    .await;
     // Each is dropped (reading what the kernel buffered, then EOF), not grown without end.
     for p in &mut pipers {
         let (_, eof) = read_to_eof(&mut p.stream, Duration::from_secs(60));
@@ -346,8 +352,14 @@ async fn a_client_that_does_not_read_is_dropped_after_the_write_timeout() {
     let mut raw = d.raw();
     raw.initialize();
     raw.call(1, "cat", json!({"path": "big.txt"}));
-    // The reply (over 1 MiB) is more than the socket buffers; nobody reads it for 4 s.
-    std::thread::sleep(Duration::from_secs(4));
+    // The reply (over 1 MiB) is more than the socket buffers; nobody reads it until the
+    // daemon says it gave up on the client.
+    wait_until_within(
+        "the daemon's log saying the client did not read within write_timeout",
+        Duration::from_secs(60),
+        || d.log_text().contains("did not read a reply within 1s"),
+    )
+    .await;
     let (got, eof) = read_to_eof(&mut raw.stream, Duration::from_secs(30));
     assert!(eof, "the connection was not closed");
     assert!(

@@ -4,7 +4,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -64,12 +64,8 @@ fn add_profile(d: &Daemon, name: &str, limits: &[(&str, &str)]) {
 }
 
 /// Waits up to `secs` for `done`, failing with `what`.
-async fn wait_long(what: &str, secs: u64, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !done() {
-        assert!(Instant::now() < deadline, "waited {secs} s for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn wait_long(what: &str, secs: u64, done: impl FnMut() -> bool) {
+    wait_until_within(what, Duration::from_secs(secs), done).await;
 }
 
 fn count_entries(dir: &Path) -> usize {
@@ -78,14 +74,7 @@ fn count_entries(dir: &Path) -> usize {
 
 /// Runs `airlock recover` on the daemon's dirs; returns (exit code, stdout, stderr).
 fn recover_cmd(d: &Daemon, env: &[(&str, &str)]) -> (i32, String, String) {
-    let mut cmd = Command::new(BIN);
-    cmd.arg("recover")
-        .arg("--policies")
-        .arg(&d.policies)
-        .arg("--workspace")
-        .arg(&d.workspace)
-        .arg("--state-dir")
-        .arg(&d.state);
+    let mut cmd = d.recover(None);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -115,7 +104,7 @@ async fn restarts_and_serves(d: &mut Daemon, session: &str, expect_version: u64)
     assert!(!d.log_text().contains("panicked"));
 }
 
-/// Files left in staging (20,000 here, `AIRLOCK_TEST_LITTER=200000` for the figure;
+/// Files left in staging (20,000 here, `AIRLOCK_TEST_LITTER=200000` for ten times as many;
 /// the count does not change the property) are removed off the async threads: while the removal is
 /// stopped half-way (a failpoint waits for the test), another session's calls complete, on a
 /// daemon with a single async worker thread (`TOKIO_WORKER_THREADS=1`), so a removal on an
@@ -324,25 +313,7 @@ async fn hostile_trees_never_brick(unprivileged: bool) {
     d.kill9();
     pending.abort();
     if unprivileged {
-        crate::harness::require_program("setpriv", "util-linux");
-        let mut cmd = Command::new("setpriv");
-        cmd.args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--",
-            BIN,
-        ]);
-        let out = cmd
-            .arg("recover")
-            .arg("--policies")
-            .arg(&d.policies)
-            .arg("--workspace")
-            .arg(&d.workspace)
-            .arg("--state-dir")
-            .arg(&d.state)
-            .output()
-            .unwrap();
+        let out = d.recover(d.user).output().expect("airlock recover");
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -442,7 +413,7 @@ async fn unremovable_job_dirs_are_quarantined_and_the_daemon_serves() {
     restarts_and_serves(&mut d, "q", 0).await;
 }
 
-/// The path (25 components of 200 bytes) is refused before anything is created.
+/// An overlong path (25 components of 200 bytes, 5,024 bytes) is refused before anything is created.
 #[tokio::test]
 async fn overlong_paths_are_refused_with_nothing_created() {
     let mut d = Daemon::new();
@@ -555,23 +526,10 @@ async fn state_dir_is_exclusive_and_kept_out_of_the_workspace() {
     let st = d.dir.path().join("nobody-state");
     std::fs::create_dir(&st).unwrap();
     let _ = Command::new("chown").arg("65534:65534").arg(&st).status();
-    let out = Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--",
-            BIN,
-            "recover",
-        ])
-        .arg("--policies")
-        .arg(&d.policies)
-        .arg("--workspace")
-        .arg(&locked)
-        .arg("--state-dir")
-        .arg(&st)
+    let out = d
+        .recover_in(Some((65534, 65534)), &locked, &st)
         .output()
-        .unwrap();
+        .expect("airlock recover");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(

@@ -28,16 +28,9 @@ fn assert_no_fragment(what: &str, text: &str) {
     }
 }
 
-fn require_root() {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "the secret tests need root: to run the daemon as another user and read /proc as a third"
-    );
-}
-
 /// A daemon with the `secret_*` test tools under `profile`, run as `user` when set.
 fn daemon(profile: &str, user: Option<(u32, u32)>) -> Daemon {
-    require_root();
+    require_root_for("to run the daemon as another user and read /proc as a third");
     let mut d = Daemon::new();
     for tool in ["secret_stderr", "secret_env_wait"] {
         let path = repo().join(format!("tests/tools/{tool}.toml"));

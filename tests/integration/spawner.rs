@@ -2,8 +2,6 @@
 //! (signals, ptrace, its socket), a spawner that dies or hangs (the daemon replaces it and
 //! keeps serving), and a daemon killed with SIGKILL (the spawner and the workers die with it).
 
-use std::time::Duration;
-
 use serde_json::json;
 
 use crate::harness::*;
@@ -213,8 +211,8 @@ async fn the_spawner_and_the_workers_die_with_the_daemon() {
         "the spawner survived the daemon"
     );
     call.abort();
+    let _ = call.await;
     drop(c);
-    tokio::time::sleep(Duration::from_millis(10)).await;
 }
 
 #[tokio::test]

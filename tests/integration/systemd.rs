@@ -754,16 +754,7 @@ async fn recover_with_a_broken_policy_says_so_instead_of_going_on_silently() {
     )
     .expect("write");
     std::fs::create_dir_all(&d.state).expect("state");
-    let out = Command::new(BIN)
-        .arg("recover")
-        .arg("--policies")
-        .arg(&d.policies)
-        .arg("--workspace")
-        .arg(&d.workspace)
-        .arg("--state-dir")
-        .arg(&d.state)
-        .output()
-        .expect("recover");
+    let out = d.recover(None).output().expect("recover");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("broken.toml:2:"), "{err}");

@@ -83,23 +83,19 @@ required = false
     d
 }
 
-/// Sets `key = value` lines in `[daemon]` of the daemon's airlock.toml (its last table),
-/// replacing a key that is already set.
+/// Sets `key = value` lines in `[daemon]` of the daemon's airlock.toml, replacing a key
+/// that is already set: [`set_daemon`] with the pairs `lines` holds.
 pub fn daemon_setting(d: &Daemon, lines: &str) {
-    let p = d.policies.join("airlock.toml");
-    let mut t = std::fs::read_to_string(&p).expect("airlock.toml");
-    for line in lines.lines() {
-        let key = line.split('=').next().expect("key").trim();
-        t = t
-            .lines()
-            .filter(|l| l.split('=').next().map(str::trim) != Some(key))
-            .collect::<Vec<_>>()
-            .join("\n");
-        t.push('\n');
-        t.push_str(line);
-        t.push('\n');
-    }
-    std::fs::write(&p, t).expect("airlock.toml");
+    let kv: Vec<(&str, &str)> = lines
+        .lines()
+        .map(|l| {
+            let (k, v) = l
+                .split_once('=')
+                .unwrap_or_else(|| panic!("not a `key = value` line: {l:?}"));
+            (k.trim(), v.trim())
+        })
+        .collect();
+    set_daemon(d, &kv);
 }
 
 fn as_nobody(d: &mut Daemon) {
@@ -603,17 +599,11 @@ struct Meta {
     mtime: (i64, i64),
     /// Moves with every chmod, chown, utimensat, setxattr and inode-flag change.
     ctime: Option<(i64, i64)>,
-    xattrs: Vec<u8>,
+    xattrs: Vec<Vec<u8>>,
 }
 
 fn meta(p: &Path, with_times: bool) -> Meta {
     let m = std::fs::symlink_metadata(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("path");
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: `c` is a NUL-terminated path and `buf` a writable buffer of the length given.
-    let n = unsafe { libc::llistxattr(c.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    assert!(n >= 0, "llistxattr {}", p.display());
-    buf.truncate(n as usize);
     Meta {
         mode: m.mode(),
         uid: m.uid(),
@@ -624,7 +614,7 @@ fn meta(p: &Path, with_times: bool) -> Meta {
             (0, 0)
         },
         ctime: with_times.then(|| (m.ctime(), m.ctime_nsec())),
-        xattrs: buf,
+        xattrs: xattr_names(p),
     }
 }
 

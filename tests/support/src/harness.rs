@@ -15,10 +15,76 @@ use rmcp::service::RunningService;
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::{json, Map, Value};
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_airlock");
+/// The `airlock` binary cargo built for this test or bench run. It reads as a path
+/// (`Command::new(BIN)`, `.arg(BIN)`, `format!("{BIN}")`); `BIN.as_str()` where a `&str` is
+/// needed.
+pub const BIN: Bin = Bin;
 
+/// See [`BIN`]: the path is found once, at run time, since this crate is built apart from
+/// airlock's own test targets (which alone get `CARGO_BIN_EXE_airlock` at compile time).
+#[derive(Debug, Clone, Copy)]
+pub struct Bin;
+
+impl Bin {
+    /// `CARGO_BIN_EXE_airlock` when cargo sets it for the running test, else `airlock` in
+    /// the profile dir above the running test or bench executable (`target/<profile>/deps/`);
+    /// fails naming both when neither exists.
+    pub fn as_str(self) -> &'static str {
+        static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        PATH.get_or_init(|| {
+            if let Ok(p) = std::env::var("CARGO_BIN_EXE_airlock") {
+                return p;
+            }
+            let exe = std::env::current_exe().expect("the running test's executable");
+            let beside = exe
+                .parent()
+                .and_then(Path::parent)
+                .map(|dir| dir.join("airlock"))
+                .filter(|p| p.is_file());
+            match beside {
+                Some(p) => p.display().to_string(),
+                None => panic!(
+                    "the airlock binary: CARGO_BIN_EXE_airlock is unset and there is no \
+                     airlock two levels above {}; run the tests through cargo",
+                    exe.display()
+                ),
+            }
+        })
+    }
+}
+
+impl std::ops::Deref for Bin {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Bin {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.as_str().as_ref()
+    }
+}
+
+impl AsRef<Path> for Bin {
+    fn as_ref(&self) -> &Path {
+        Path::new(self.as_str())
+    }
+}
+
+impl std::fmt::Display for Bin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The checkout: the policies and `tests/tools` the daemon under test loads.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("tests/support lies two levels below the checkout")
+        .to_path_buf()
 }
 
 /// Fails the test, naming `program` and the Debian package that has it, unless `program` (a
@@ -56,7 +122,7 @@ pub fn reachable_by_others(path: &std::path::Path) -> bool {
 pub fn reachable_bin() -> &'static str {
     static BIN_FOR_OTHERS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     BIN_FOR_OTHERS.get_or_init(|| {
-        if reachable_by_others(std::path::Path::new(BIN)) {
+        if reachable_by_others(BIN.as_ref()) {
             return BIN.to_string();
         }
         let dir = std::env::temp_dir().join(format!("airlock-test-bin-{}", std::process::id()));
@@ -346,6 +412,37 @@ impl Daemon {
         std::fs::read_to_string(self.workspace.join(rel)).ok()
     }
 
+    /// `airlock recover` on this daemon's policy dir, workspace and state dir, as `user`
+    /// when set (see [`Daemon::recover_in`]).
+    pub fn recover(&self, user: Option<(u32, u32)>) -> Command {
+        self.recover_in(user, &self.workspace, &self.state)
+    }
+
+    /// `airlock recover` on this daemon's policy dir and the given workspace and state dir;
+    /// as `user` (uid, gid, no supplementary groups, via setpriv) when set, else as the
+    /// test. The caller adds environment and runs it.
+    pub fn recover_in(&self, user: Option<(u32, u32)>, workspace: &Path, state: &Path) -> Command {
+        let mut cmd = match user {
+            Some((uid, gid)) => {
+                require_program("setpriv", "util-linux");
+                let mut c = Command::new("setpriv");
+                c.arg(format!("--reuid={uid}"))
+                    .arg(format!("--regid={gid}"))
+                    .args(["--clear-groups", "--", reachable_bin()]);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        cmd.arg("recover")
+            .arg("--policies")
+            .arg(&self.policies)
+            .arg("--workspace")
+            .arg(workspace)
+            .arg("--state-dir")
+            .arg(state);
+        cmd
+    }
+
     /// Adds a tool file to this daemon's policy (before `start`).
     pub fn add_tool(&self, name: &str, toml: &str) {
         if toml.contains("/usr/bin/python3") {
@@ -356,6 +453,12 @@ impl Daemon {
             toml,
         )
         .expect("tool");
+    }
+}
+
+impl Default for Daemon {
+    fn default() -> Daemon {
+        Daemon::new()
     }
 }
 
@@ -465,33 +568,137 @@ fn command_lines() -> impl Iterator<Item = (i32, String)> {
         })
 }
 
-/// Every file under `root` (but job dirs) with its content, for byte-for-byte comparisons.
-pub fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+/// Visits every entry under `root` without following symlinks, a directory before what it
+/// holds: its path relative to `root`, its full path and its `lstat`. Entries that vanish
+/// or cannot be read are passed over. The one tree walker of [`snapshot`], [`tree`] and
+/// [`tree_names`].
+pub fn walk_tree(root: &Path, mut visit: impl FnMut(&str, &Path, &std::fs::Metadata)) {
+    fn walk(root: &Path, dir: &Path, visit: &mut dyn FnMut(&str, &Path, &std::fs::Metadata)) {
         let Ok(rd) = std::fs::read_dir(dir) else {
             return;
         };
         for e in rd.flatten() {
             let p = e.path();
             let rel = p.strip_prefix(root).unwrap_or(&p).display().to_string();
-            let Ok(ft) = e.file_type() else { continue };
-            if ft.is_dir() {
-                out.push((format!("{rel}/"), Vec::new()));
-                walk(root, &p, out);
-            } else if ft.is_symlink() {
-                let t = std::fs::read_link(&p)
-                    .map(|t| t.display().to_string())
-                    .unwrap_or_default();
-                out.push((format!("{rel}@"), t.into_bytes()));
-            } else {
-                out.push((rel, std::fs::read(&p).unwrap_or_default()));
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            visit(&rel, &p, &m);
+            if m.is_dir() {
+                walk(root, &p, visit);
             }
         }
     }
+    walk(root, root, &mut visit);
+}
+
+/// Every file under `root` with its content, for byte-for-byte comparisons (directories end
+/// in `/`, symlinks in `@` with their target as content), sorted.
+pub fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
-    walk(root, root, &mut out);
+    walk_tree(root, |rel, p, m| {
+        if m.is_dir() {
+            out.push((format!("{rel}/"), Vec::new()));
+        } else if m.file_type().is_symlink() {
+            let t = std::fs::read_link(p)
+                .map(|t| t.display().to_string())
+                .unwrap_or_default();
+            out.push((format!("{rel}@"), t.into_bytes()));
+        } else {
+            out.push((rel.to_string(), std::fs::read(p).unwrap_or_default()));
+        }
+    });
     out.sort();
     out
+}
+
+/// Every entry under `root` with its type, mode and content (and a file's link count):
+/// what "unchanged" means for recovery, sorted.
+pub fn tree(root: &Path) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    walk_tree(root, |rel, p, m| {
+        let mode = m.permissions().mode() & 0o7777;
+        if m.is_dir() {
+            out.push(format!("{rel} dir {mode:o}"));
+        } else if m.file_type().is_symlink() {
+            out.push(format!("{rel} symlink {:?}", std::fs::read_link(p).ok()));
+        } else {
+            let content = std::fs::read(p).unwrap_or_default();
+            out.push(format!(
+                "{rel} file {mode:o} nlink={} {:?}",
+                m.nlink(),
+                String::from_utf8_lossy(&content)
+            ));
+        }
+    });
+    out.sort();
+    out
+}
+
+/// The path of every entry under `root`, relative to it, sorted.
+pub fn tree_names(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    walk_tree(root, |rel, _, _| out.push(rel.to_string()));
+    out.sort();
+    out
+}
+
+/// The names of `path`'s extended attributes (`llistxattr`: a symlink's own), in the
+/// kernel's order.
+pub fn xattr_names(path: &Path) -> Vec<Vec<u8>> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
+    let mut names = vec![0u8; 4096];
+    // SAFETY: `c` is a NUL-terminated path; llistxattr writes at most names.len() bytes
+    // into the buffer we own.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    assert!(n >= 0, "llistxattr {}", path.display());
+    names[..n as usize]
+        .split(|&b| b == 0)
+        .filter(|n| !n.is_empty())
+        .map(<[u8]>::to_vec)
+        .collect()
+}
+
+/// `path`'s extended attributes (a symlink's own), name and value, sorted by name.
+pub fn xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
+    let mut out = Vec::new();
+    for name in xattr_names(path) {
+        let cname = std::ffi::CString::new(name.clone()).expect("name");
+        let mut value = vec![0u8; 4096];
+        // SAFETY: lgetxattr writes at most value.len() bytes into the buffer we own.
+        let len = unsafe {
+            libc::lgetxattr(
+                c.as_ptr(),
+                cname.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            )
+        };
+        assert!(len >= 0, "lgetxattr {}", path.display());
+        value.truncate(len as usize);
+        out.push((String::from_utf8_lossy(&name).into_owned(), value));
+    }
+    out.sort();
+    out
+}
+
+/// Whether the other end of `s` has closed the connection (`POLLHUP`/`POLLRDHUP`), without
+/// reading what it left unread.
+pub fn peer_closed(s: &StdUnixStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, for a socket `s` keeps open; a zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    assert!(n >= 0, "poll: {}", std::io::Error::last_os_error());
+    p.revents & (libc::POLLHUP | libc::POLLRDHUP) != 0
 }
 
 /// A raw newline-delimited JSON-RPC connection, for what rmcp's client will not send.
@@ -569,20 +776,40 @@ impl Raw {
 
 /// Fails the test with a clear message unless running as root.
 pub fn require_root() {
+    require_root_for("it runs the daemon as another user");
+}
+
+/// Fails the test unless running as root, saying `why` the test needs it.
+pub fn require_root_for(why: &str) {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     assert_eq!(
         euid, 0,
-        "this test needs root (it runs the daemon as another user); run the suite as root"
+        "this test needs root ({why}); run the suite as root"
     );
 }
 
 /// Polls `done` until it holds, for at most 10 s; fails naming `what` otherwise.
-pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+pub async fn wait_until(what: &str, done: impl FnMut() -> bool) {
+    wait_until_within(what, Duration::from_secs(10), done).await;
+}
+
+/// Polls `done` until it holds, for at most `within` (a generous deadline, not a timing
+/// assertion); fails naming `what` otherwise.
+pub async fn wait_until_within(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
     while !done() {
-        assert!(Instant::now() < deadline, "waited 10 s for {what}");
+        assert!(Instant::now() < deadline, "waited {within:?} for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`wait_until_within`] for a thread outside the async runtime.
+pub fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "waited {within:?} for {what}");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -629,18 +856,4 @@ pub async fn wait_for_event(c: &Client, tool: &str, kind: &str) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-#[test]
-#[should_panic(
-    expected = "this test needs `airlock-no-such-program` (Debian package airlock-no-such-package; `.ci/install-deps` installs it)"
-)]
-fn a_missing_program_fails_the_test_naming_it_and_its_package() {
-    require_program("airlock-no-such-program", "airlock-no-such-package");
-}
-
-#[test]
-fn a_program_on_path_or_at_its_absolute_path_is_found() {
-    require_program("sh", "dash");
-    require_program("/bin/sh", "dash");
 }
