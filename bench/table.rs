@@ -213,7 +213,8 @@ fn publish_times(c: &mut Conn, tool: &str, n: usize) -> Series {
 /// filesystem): alone, and per event with 16 threads writing at once, which share fsyncs
 /// (group commit).
 fn audit_commit_cost(state: &Path, n: usize) -> (Series, Duration) {
-    use airlock::audit::{log::Log, Audit, CallRef, EventKind};
+    use airlock::audit::event::{Commit, Output, Ran};
+    use airlock::audit::{log::Log, Audit, CallRef, Event};
     let path = state.join("bench-audit.jsonl");
     let (log, head) = Log::open(&path, 1 << 40, 1).expect("bench audit log");
     let audit = Audit::with_log(1024, 1 << 20, log, head);
@@ -225,11 +226,25 @@ fn audit_commit_cost(state: &Path, n: usize) -> (Series, Duration) {
         secrets: Default::default(),
         request_id: None,
     };
-    let detail = json!({"version": 1, "duration_ms": 1, "outputs": [
-        {"path": "out-1k", "size": 1024, "dev": 1, "ino": 1, "sha256": "0".repeat(64)}]});
+    let event = Event::Commit(Commit::Published {
+        version: 1,
+        outputs: vec![Output {
+            path: "out-1k".into(),
+            size: 1024,
+            dev: 1,
+            ino: 1,
+            sha256: Some("0".repeat(64)),
+            not_hashed: None,
+        }],
+        ran: Ran {
+            duration_ms: 1,
+            worker_ms: None,
+            exit: None,
+        },
+    });
     let record = || {
         audit
-            .record_durable(&call, EventKind::Commit, detail.clone())
+            .record_durable(&call, event.clone())
             .expect("durable audit event");
     };
     let alone = Series::measure(n, || timed(record));
