@@ -112,7 +112,7 @@ pub struct ToolReply {
 }
 
 impl ToolReply {
-    pub(crate) fn ok(text: String, structured: Value) -> ToolReply {
+    fn ok(text: String, structured: Value) -> ToolReply {
         ToolReply {
             is_error: false,
             content: vec![json!({"type": "text", "text": text})],
