@@ -6,9 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::json;
-
-use crate::audit::{Audit, CallRef, EventKind};
+use crate::audit::{Audit, CallRef, Event};
 use crate::policy::DaemonConfig;
 use crate::publish::{self, Workspace};
 use crate::sandbox::{Identities, Registry};
@@ -383,11 +381,27 @@ fn recover(
     // Each job's event is durable before its journal is dropped: a crash between the two
     // makes the next recovery settle the job and record it again.
     let record = |r: &publish::Recovered| -> Result<(), publish::CallbackError> {
-        let kind = match (r.settled, r.phase) {
-            (publish::Settled::Completed, _) => EventKind::Commit,
-            (publish::Settled::RolledBack, _) => EventKind::Rollback,
+        use crate::audit::event::{Commit, Failure, Kept, Recovery, Rollback};
+        let recovery = Recovery {
+            recovery: true,
+            phase: r.phase.map(str::to_string),
+            action: r.action.clone(),
+            kept: match (&r.kept, &r.quarantined) {
+                (Some(kept), Some(to)) => Some(Kept {
+                    code: "RECOVERY_KEPT",
+                    quarantined: to.display().to_string(),
+                    reason: kept.to_string(),
+                }),
+                _ => None,
+            },
+        };
+        let event = match (r.settled, r.phase) {
+            (publish::Settled::Completed, _) => Event::Commit(Commit::Recovered(recovery)),
+            (publish::Settled::RolledBack, _) => Event::Rollback(Rollback::Recovered(recovery)),
             // Journaled `worker_running`: nothing was published.
-            (publish::Settled::NeverPublished, Some(_)) => EventKind::Rollback,
+            (publish::Settled::NeverPublished, Some(_)) => {
+                Event::Rollback(Rollback::Recovered(recovery))
+            }
             // No journal: either the job never got past creation (its last word is not a
             // commit) or a committed job's cleanup was cut short (its last word is its
             // commit); recovery changes no target either way, and the log already says so.
@@ -396,7 +410,7 @@ fn recover(
             }
             // Kept aside as it is (it may hold the only old copy of a target): the call did
             // not commit and is not rolled back; the event says where the dir went and why.
-            (publish::Settled::Kept, _) => EventKind::Error,
+            (publish::Settled::Kept, _) => Event::Error(Failure::Recovered(recovery)),
         };
         let call = CallRef {
             call: r.job.clone(),
@@ -406,18 +420,8 @@ fn recover(
             secrets: Default::default(),
             request_id: None,
         };
-        let mut detail = json!({
-            "recovery": true,
-            "phase": r.phase,
-            "action": r.action,
-        });
-        if let (Some(kept), Some(to)) = (&r.kept, &r.quarantined) {
-            detail["code"] = json!("RECOVERY_KEPT");
-            detail["quarantined"] = json!(to.display().to_string());
-            detail["reason"] = json!(kept.to_string());
-        }
         audit
-            .record_durable(&call, kind, detail)
+            .record_durable(&call, event)
             .map_err(|e| format!("cannot record what recovery did in the audit log: {e}").into())
     };
     let done = publish::recover_with(

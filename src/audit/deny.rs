@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use serde_json::{json, Value};
+use serde::Serialize;
 
 use super::{format_rfc3339, Principal};
 
@@ -40,21 +40,34 @@ pub struct Pending {
 }
 
 impl Pending {
-    /// The aggregated `deny` event's detail.
-    pub fn detail(&self) -> Value {
-        json!({
-            "aggregated": {
-                "count": self.count,
-                "first_time": format_rfc3339(self.first_ms),
-                "last_time": format_rfc3339(self.last_ms),
-                "tools": self.tools,
-                "other_tools": self.other_tools,
-                "codes": self.codes,
-                "other_codes": self.other_codes,
-                "why": format!("denials of this uid over {BURST} and one per {} s are counted, not written one by one", REFILL_MS / 1000),
-            }
+    /// The aggregated `deny` event.
+    pub fn event(&self) -> super::Event {
+        super::Event::Deny(super::event::Deny::Aggregated {
+            aggregated: Aggregate {
+                count: self.count,
+                first_time: format_rfc3339(self.first_ms),
+                last_time: format_rfc3339(self.last_ms),
+                tools: self.tools.clone(),
+                other_tools: self.other_tools,
+                codes: self.codes.clone(),
+                other_codes: self.other_codes,
+                why: format!("denials of this uid over {BURST} and one per {} s are counted, not written one by one", REFILL_MS / 1000),
+            },
         })
     }
+}
+
+/// What an aggregated `deny` says of the denials it counts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Aggregate {
+    pub count: u64,
+    pub first_time: String,
+    pub last_time: String,
+    pub tools: BTreeMap<String, u64>,
+    pub other_tools: u64,
+    pub codes: BTreeMap<String, u64>,
+    pub other_codes: u64,
+    pub why: String,
 }
 
 fn bump(m: &mut BTreeMap<String, u64>, other: &mut u64, key: &str) {
@@ -225,7 +238,13 @@ mod tests {
             if let Some(a) = d.aggregate {
                 aggregated += a.count;
                 aggregates += 1;
-                assert!(a.detail()["aggregated"]["tools"].as_object().unwrap().len() <= NAMES);
+                assert!(
+                    a.event().detail()["aggregated"]["tools"]
+                        .as_object()
+                        .unwrap()
+                        .len()
+                        <= NAMES
+                );
             }
             written += u64::from(d.write);
         }

@@ -1,5 +1,5 @@
 //! Audit evidence: one event per step of each call, in the order of the execution model
-//! (see [`EventKind`]), written to a durable, hash-chained JSON Lines log ([`log`]) and kept
+//! (see [`Event`]), written to a durable, hash-chained JSON Lines log ([`log`]) and kept
 //! in an in-memory ring served as the `airlock://audit/events` resource.
 //!
 //! Bounded by construction: every string an event carries is truncated (with a marker) to
@@ -14,6 +14,7 @@
 //! covered returns without one.
 
 pub mod deny;
+pub mod event;
 pub mod log;
 mod time;
 
@@ -21,11 +22,12 @@ use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value;
 
 use crate::policy::redact::Secrets;
 
+pub use event::{Event, EventKind};
 pub use time::{format_rfc3339, now_ms, parse_since};
 /// The longest string an audit event keeps; longer ones are cut and marked.
 pub const MAX_STRING: usize = 1024;
@@ -107,75 +109,9 @@ impl Principal {
     }
 }
 
-/// Every kind of audit event, in the order of the execution model. A mutating call is one
-/// of: `allow, start, commit` (success); `allow, start, timeout, worker_terminated, rollback`;
-/// `allow, start, cancel, worker_terminated, rollback` (cancelled in flight); `allow, start,
-/// error, rollback` (worker or coordinator failure); `allow, cancel` with `phase: "queued"`
-/// (cancelled before its worker started); `deny`. A read call is `allow, start, done|error`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EventKind {
-    /// The call is authorized; its job id is from now on its `job`.
-    Allow,
-    /// The call is refused before anything ran.
-    Deny,
-    /// Its locks are held and its work begins (the worker is spawned, or a built-in runs).
-    Start,
-    /// A mutating call's outputs and state are committed (durable before the commit point).
-    Commit,
-    /// The worker outlived the tool's timeout.
-    Timeout,
-    /// The call was cancelled: cause, request id, phase, and whether it came too late.
-    Cancel,
-    /// The worker's whole process group (or cgroup) is confirmed gone after a kill.
-    WorkerTerminated,
-    /// Nothing the call did stays: every target holds its old file, the state its version.
-    Rollback,
-    /// The call failed (its error code says why).
-    Error,
-    /// A read call returned its result.
-    Done,
-}
-
-impl EventKind {
-    pub const ALL: [EventKind; 10] = [
-        EventKind::Allow,
-        EventKind::Deny,
-        EventKind::Start,
-        EventKind::Commit,
-        EventKind::Timeout,
-        EventKind::Cancel,
-        EventKind::WorkerTerminated,
-        EventKind::Rollback,
-        EventKind::Error,
-        EventKind::Done,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventKind::Allow => "allow",
-            EventKind::Deny => "deny",
-            EventKind::Start => "start",
-            EventKind::Commit => "commit",
-            EventKind::Timeout => "timeout",
-            EventKind::Cancel => "cancel",
-            EventKind::WorkerTerminated => "worker_terminated",
-            EventKind::Rollback => "rollback",
-            EventKind::Error => "error",
-            EventKind::Done => "done",
-        }
-    }
-}
-
-impl std::fmt::Display for EventKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 /// One step of one call: one line of the log.
 #[derive(Debug, Clone, Serialize)]
-pub struct Event {
+pub struct Line {
     /// Position in the log: one per line, headers included (the genesis header is 0), never
     /// reused across restarts.
     pub seq: u64,
@@ -345,13 +281,13 @@ impl Audit {
     /// A `deny` goes through its uid's bound ([`deny`]): over it, the denial is counted and
     /// written later in an aggregated `deny`. Every event of another kind first writes the
     /// aggregates pending.
-    pub fn record(&self, call: &CallRef, kind: EventKind, detail: Value) {
+    pub fn record(&self, call: &CallRef, event: Event) {
+        let kind = event.kind();
         if kind == EventKind::Deny {
-            let code = detail.get("code").and_then(Value::as_str).unwrap_or("");
             let d = self.denials.lock().unwrap_or_else(|p| p.into_inner()).deny(
                 call.principal.as_ref(),
                 &call.tool,
-                code,
+                event.deny_code(),
                 now_ms(),
             );
             if let Some(a) = d.aggregate {
@@ -363,7 +299,7 @@ impl Audit {
         } else {
             self.flush_denials();
         }
-        if let Err(e) = self.append(call, kind, detail, false) {
+        if let Err(e) = self.append(call, kind, event.detail(), false) {
             tracing::error!(call = %call.call, %kind, error = %e, "cannot write an audit event to the log");
         }
     }
@@ -389,7 +325,7 @@ impl Audit {
             secrets: Default::default(),
             request_id: None,
         };
-        if let Err(e) = self.append(&call, EventKind::Deny, a.detail(), false) {
+        if let Err(e) = self.append(&call, EventKind::Deny, a.event().detail(), false) {
             tracing::error!(count = a.count, error = %e, "cannot write an aggregated deny to the audit log");
         }
     }
@@ -398,14 +334,9 @@ impl Audit {
     /// another caller's fsync). On `Err` the caller must not act on the event (a `commit`
     /// rolls back, and its `rollback` follows): when the write failed, the event is in neither
     /// the log nor the ring; when the fsync failed, it may be in both, not durable.
-    pub fn record_durable(
-        &self,
-        call: &CallRef,
-        kind: EventKind,
-        detail: Value,
-    ) -> Result<(), AuditError> {
+    pub fn record_durable(&self, call: &CallRef, event: Event) -> Result<(), AuditError> {
         self.flush_denials();
-        self.append(call, kind, detail, true)
+        self.append(call, event.kind(), event.detail(), true)
     }
 
     fn append(
@@ -425,7 +356,7 @@ impl Audit {
         let time_ms = now_ms();
         let mut guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let w = &mut *guard;
-        let mut event = Event {
+        let mut event = Line {
             seq: w.head.next_seq,
             time: format_rfc3339(time_ms),
             time_ms,
@@ -615,6 +546,30 @@ mod tests {
         }
     }
 
+    /// An event with no fields of its own (its detail is `{}`).
+    fn start() -> Event {
+        Event::Start(event::Start::default())
+    }
+
+    /// A commit as recovery records it.
+    fn commit() -> Event {
+        Event::Commit(event::Commit::Recovered(event::Recovery {
+            recovery: true,
+            phase: None,
+            action: "test".into(),
+            kept: None,
+        }))
+    }
+
+    /// A `deny` of a call with `code` and `message`.
+    fn deny(code: &str, message: String) -> Event {
+        Event::Deny(event::Deny::Call {
+            code: code.into(),
+            message: Some(message),
+            phase: None,
+        })
+    }
+
     fn seqs(a: &Audit, budget: usize) -> Vec<u64> {
         let v: Vec<Value> =
             serde_json::from_str(&a.newest_json(budget, &Filter::default())).unwrap();
@@ -625,7 +580,7 @@ mod tests {
     fn ring_keeps_the_newest() {
         let a = Audit::new(2, 1 << 20);
         for _ in 0..3 {
-            a.record(&call(), EventKind::Allow, Value::Null);
+            a.record(&call(), start());
         }
         assert_eq!(seqs(&a, usize::MAX), vec![1, 2]);
     }
@@ -642,12 +597,9 @@ mod tests {
                 call: format!("job-{i}"),
                 ..call()
             };
-            let kind = EventKind::ALL[(i % 10) as usize];
-            a.record(
-                &c,
-                kind,
-                serde_json::json!({"text": "x".repeat((i % 700) as usize)}),
-            );
+            let mut every = event::tests::samples(&"x".repeat((i % 700) as usize));
+            let n = every.len();
+            a.record(&c, every.swap_remove(i as usize % n));
             peak = peak.max(a.usage().1);
         }
         assert!(peak <= bound, "the ring held {peak} bytes, over {bound}");
@@ -673,7 +625,7 @@ mod tests {
                 session: Some(format!("s{}", i % 2)),
                 ..call()
             };
-            a.record(&c, EventKind::Allow, Value::Null);
+            a.record(&c, start());
         }
         let get = |f: Filter| -> Vec<u64> {
             let v: Vec<Value> = serde_json::from_str(&a.newest_json(usize::MAX, &f)).unwrap();
@@ -705,52 +657,14 @@ mod tests {
         );
     }
 
-    /// README's lifecycle table names every event kind and no other.
-    #[test]
-    fn readme_lifecycle_table_matches_the_enum() {
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-            .expect("README.md");
-        let start = readme
-            .find("| call | events |")
-            .expect("README has a `| call | events |` table");
-        let mut named = std::collections::BTreeSet::new();
-        for line in readme[start..].lines().skip(2) {
-            if !line.starts_with('|') {
-                break;
-            }
-            let events = line.split('|').nth(2).unwrap_or("");
-            // The backticked single words are kinds (`phase: "queued"` is a field).
-            for (i, part) in events.split('`').enumerate() {
-                if i % 2 == 1 && part.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
-                    named.insert(part.to_string());
-                }
-            }
-        }
-        let all: std::collections::BTreeSet<String> = EventKind::ALL
-            .iter()
-            .map(|k| k.as_str().to_string())
-            .collect();
-        assert_eq!(named, all, "README's lifecycle table and EventKind differ");
-    }
-
-    #[test]
-    fn every_event_kind_has_one_name() {
-        for k in EventKind::ALL {
-            assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
-            let back: EventKind = serde_json::from_value(Value::from(k.as_str())).unwrap();
-            assert_eq!(back, k);
-        }
-    }
-
     #[test]
     fn the_log_gets_every_event_chained_and_durable_ones_fail_loudly() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.jsonl");
         let (l, head) = log::Log::open(&path, 1 << 20, 2).unwrap();
         let a = Audit::with_log(100, 1 << 20, l, head);
-        a.record(&call(), EventKind::Allow, Value::Null);
-        a.record_durable(&call(), EventKind::Commit, Value::Null)
-            .unwrap();
+        a.record(&call(), start());
+        a.record_durable(&call(), commit()).unwrap();
         let v = log::verify(&path).unwrap();
         // The genesis header is seq 0, the events 1 and 2.
         assert_eq!(
@@ -774,9 +688,7 @@ mod tests {
             .unwrap();
         let (l2, head2) = log::Log::open(&dir.path().join("b.jsonl"), 1 << 20, 2).unwrap();
         let b = Audit::with_log(100, 1 << 20, l2.replace_file_for_test(full), head2);
-        assert!(b
-            .record_durable(&call(), EventKind::Commit, Value::Null)
-            .is_err());
+        assert!(b.record_durable(&call(), commit()).is_err());
         assert_eq!(b.usage().0, 0);
     }
 
@@ -788,8 +700,7 @@ mod tests {
         let path = dir.path().join("audit.jsonl");
         let (l, head) = log::Log::open(&path, 1 << 20, 1).unwrap();
         let a = Audit::with_log(1000, 1 << 20, l, head);
-        a.record_durable(&call(), EventKind::Commit, Value::Null)
-            .unwrap();
+        a.record_durable(&call(), commit()).unwrap();
         let nobody = CallRef {
             principal: Some(Principal {
                 uid: 65534,
@@ -801,14 +712,10 @@ mod tests {
             ..call()
         };
         for _ in 0..20_000 {
-            a.record(
-                &nobody,
-                EventKind::Deny,
-                serde_json::json!({"code": "TOOL_FORBIDDEN"}),
-            );
+            a.record(&nobody, deny("TOOL_FORBIDDEN", String::new()));
         }
         // The next event of another kind writes the aggregate first.
-        a.record(&call(), EventKind::Allow, Value::Null);
+        a.record(&call(), start());
         let lines: Vec<Value> = std::fs::read_to_string(&path)
             .unwrap()
             .lines()
@@ -834,8 +741,11 @@ mod tests {
         for _ in 0..10_000 {
             a.record(
                 &call(),
-                EventKind::Allow,
-                serde_json::json!({"x": "y".repeat(500)}),
+                Event::Allow(event::Allow {
+                    capability: "read",
+                    arguments: serde_json::json!({"x": "y".repeat(500)}),
+                    timeout_ms: None,
+                }),
             );
         }
         let (n, bytes) = a.usage();
@@ -849,7 +759,7 @@ mod tests {
     fn a_reader_gets_the_newest_within_its_budget() {
         let a = Audit::new(100, 1 << 20);
         for _ in 0..100 {
-            a.record(&call(), EventKind::Allow, Value::Null);
+            a.record(&call(), start());
         }
         let text = a.newest_json(1000, &Filter::default());
         assert!(text.len() <= 1000, "{} bytes", text.len());
@@ -879,8 +789,11 @@ mod tests {
         };
         a.record(
             &c,
-            EventKind::Deny,
-            serde_json::json!({"why": "w".repeat(1 << 20), "k".repeat(5000): 1}),
+            Event::Allow(event::Allow {
+                capability: "read",
+                arguments: serde_json::json!({"why": "w".repeat(1 << 20), "k".repeat(5000): 1}),
+                timeout_ms: None,
+            }),
         );
         let text = a.newest_json(usize::MAX, &Filter::default());
         assert!(text.len() < MAX_EVENT, "{} bytes", text.len());
@@ -896,7 +809,7 @@ mod tests {
             client.starts_with('é') && client.contains("…[truncated"),
             "{client}"
         );
-        assert!(v[0]["detail"]["why"].as_str().unwrap().len() < 2 * MAX_STRING);
+        assert!(v[0]["detail"]["arguments"]["why"].as_str().unwrap().len() < 2 * MAX_STRING);
     }
 
     #[test]
@@ -905,8 +818,11 @@ mod tests {
         let many: Vec<String> = (0..100).map(|_| "x".repeat(1000)).collect();
         a.record(
             &call(),
-            EventKind::Error,
-            serde_json::json!({ "list": many }),
+            Event::Allow(event::Allow {
+                capability: "read",
+                arguments: serde_json::json!({ "list": many }),
+                timeout_ms: None,
+            }),
         );
         let v: Vec<Value> =
             serde_json::from_str(&a.newest_json(usize::MAX, &Filter::default())).unwrap();

@@ -226,7 +226,7 @@ impl Handler {
     }
 
     /// Records a `deny` of an audit read or subscription of this connection's principal.
-    fn record_audit_refusal(&self, method: &str, detail: Value) {
+    fn record_audit_refusal(&self, method: &str, uri: &str, message: Option<&str>) {
         self.exec.audit.record(
             &crate::audit::CallRef {
                 call: "-".into(),
@@ -236,8 +236,11 @@ impl Handler {
                 secrets: Default::default(),
                 request_id: None,
             },
-            crate::audit::EventKind::Deny,
-            detail,
+            crate::audit::Event::Deny(crate::audit::event::Deny::Resource {
+                code: AUDIT_FORBIDDEN.into(),
+                uri: uri.into(),
+                message: message.map(str::to_string),
+            }),
         );
     }
 
@@ -259,8 +262,8 @@ impl Handler {
             .retain(|_, t| !t.is_cancelled());
         self.record_audit_refusal(
             "resources/subscribe",
-            json!({"code": AUDIT_FORBIDDEN, "uri": uri,
-                   "message": "subscription dropped: the reloaded policy no longer lets this principal read the audit"}),
+            uri,
+            Some("subscription dropped: the reloaded policy no longer lets this principal read the audit"),
         );
         false
     }
@@ -275,7 +278,7 @@ impl Handler {
         if self.may_read_audit(policy) {
             return Ok(());
         }
-        self.record_audit_refusal(method, json!({"code": AUDIT_FORBIDDEN, "uri": uri}));
+        self.record_audit_refusal(method, uri, None);
         Err(McpError::invalid_request(
             format!(
                 "{AUDIT_FORBIDDEN}: uid {} may not read {AUDIT_URI}; it needs the admin or audit capability in a [[grant]] of airlock.toml",

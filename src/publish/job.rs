@@ -269,16 +269,17 @@ impl Job {
 
     /// As [`Job::publish_and_commit`], handing `commit` what each target received (size,
     /// identity, SHA-256), read from the validated outputs before anything was renamed.
-    pub fn publish_and_commit_with(
+    /// `commit`'s error is the caller's own type; it comes back in [`PublishError::Commit`].
+    pub fn publish_and_commit_with<E: Into<super::CallbackError>>(
         mut self,
-        commit: impl FnOnce(&[Published]) -> Result<(), super::CallbackError>,
+        commit: impl FnOnce(&[Published]) -> Result<(), E>,
     ) -> Result<(), PublishError> {
         if let Err(e) = self.publish() {
             return Err(self.fail(e));
         }
         // The commit point: the caller persists the session state recording this job.
         if let Err(e) = commit(&self.published) {
-            return Err(self.fail(PublishError::Commit(e)));
+            return Err(self.fail(PublishError::Commit(e.into())));
         }
         self.journal.phase = Phase::Committed;
         // The unlink of the journal is made durable here, under the session's lock: a
