@@ -105,12 +105,7 @@ pub enum ArgError {
     },
 }
 
-/// A client's string as it may appear in a message: quoted, and cut (at a character
-/// boundary) when long, with its length, so that no error echoes megabytes back. A string a
-/// call's secrets could be in is shown by [`Secrets::shown`] instead.
-pub fn shown(s: &str) -> String {
-    Secrets::default().shown(s)
-}
+pub use crate::text::shown;
 
 /// Whether argument `name` of `tool` names a session (and must be a valid session id).
 fn names_session(tool: &Tool, name: &str) -> bool {

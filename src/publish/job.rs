@@ -14,16 +14,9 @@ use super::sys::{
     sync_point, FileId,
 };
 use super::tree::{remove_tree, usage, Usage};
-use super::workspace::{check_target, shown_path, split_target};
-use super::{JobSpec, PublishError, Published, Workspace, JOB_DIR_PREFIX};
-
-const STAGE: &str = "stage";
-/// Job ids become file names: keep them short and free of separators and dots.
-pub(super) const MAX_ID_LEN: usize = 128;
-/// How much longer than the workspace root's path a staged output's path is, at most,
-/// without its file name: `/.airlock-job-<id>/stage/<slot>/`.
-pub(super) const STAGED_OVERHEAD: usize =
-    1 + JOB_DIR_PREFIX.len() + MAX_ID_LEN + 1 + STAGE.len() + 1 + 20 + 1;
+use super::workspace::{check_target, split_target};
+use super::{JobSpec, PublishError, Published, Workspace, JOB_DIR_PREFIX, MAX_ID_LEN, STAGE};
+use crate::text::shown_path;
 
 pub struct Job {
     spec: JobSpec,

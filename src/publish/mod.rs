@@ -61,6 +61,14 @@ pub const QUARANTINE_PREFIX: &str = ".airlock-quarantine-";
 /// with one of these is rejected.
 pub const RESERVED_PREFIXES: [&str; 2] = [JOB_DIR_PREFIX, QUARANTINE_PREFIX];
 
+/// The job dir's staging subdirectory.
+const STAGE: &str = "stage";
+/// Job ids become file names: keep them short and free of separators and dots.
+const MAX_ID_LEN: usize = 128;
+/// How much longer than the workspace root's path a staged output's path is, at most,
+/// without its file name: `/.airlock-job-<id>/stage/<slot>/`.
+const STAGED_OVERHEAD: usize = 1 + JOB_DIR_PREFIX.len() + MAX_ID_LEN + 1 + STAGE.len() + 1 + 20 + 1;
+
 /// The longest path the kernel takes, terminating NUL included (`PATH_MAX`).
 pub const PATH_MAX: usize = libc::PATH_MAX as usize;
 /// The longest file name (`NAME_MAX`).
@@ -70,7 +78,7 @@ pub const NAME_MAX: usize = 255;
 pub enum PathError {
     /// `raw` is the path as the client sent it, shown escaped and cut (as every
     /// client-supplied string in a message is).
-    #[error("{}: {reason}", crate::exec::args::shown(raw))]
+    #[error("{}: {reason}", crate::text::shown(raw))]
     Rejected { raw: String, reason: String },
 }
 

@@ -942,15 +942,34 @@ fn types_are_send_and_sync() {
 const CHILD_ROOT: &str = "AIRLOCK_TEST_CHILD_ROOT";
 const CHILD_MARKER: &str = "AIRLOCK_TEST_CHILD_MARKER";
 
-/// Does nothing unless started by `real_failpoints_*` with the child variables set.
+/// Spawned by `real_failpoints_*` with the child variables set, runs one typical call in the
+/// parent's scenario and prints its result for the parent to check. Run on its own (neither
+/// variable set), runs the same call in a fresh scenario and checks that it commits and
+/// leaves exactly the new state: it never passes without running the call.
 #[test]
 fn child_runs_a_typical_call() {
-    let (Ok(root), Ok(marker)) = (std::env::var(CHILD_ROOT), std::env::var(CHILD_MARKER)) else {
-        return;
-    };
-    match run_call(Path::new(&root), Path::new(&marker), true) {
-        Ok(()) => println!("CHILD-RESULT ok"),
-        Err(e) => println!("CHILD-RESULT err {e}"),
+    use std::env::{var_os, VarError};
+    match (std::env::var(CHILD_ROOT), std::env::var(CHILD_MARKER)) {
+        (Ok(root), Ok(marker)) => match run_call(Path::new(&root), Path::new(&marker), true) {
+            Ok(()) => println!("CHILD-RESULT ok"),
+            Err(e) => println!("CHILD-RESULT err {e}"),
+        },
+        (Err(VarError::NotPresent), Err(VarError::NotPresent)) => {
+            let s = Scenario::new();
+            run_call(s.root(), &s.committed_marker(), true).unwrap();
+            assert!(s.is_committed(), "the call did not commit");
+            assert_eq!(snapshot(s.root()), new_state());
+            assert!(
+                s.recover().unwrap().is_empty(),
+                "a committed call left work"
+            );
+        }
+        (root, marker) => panic!(
+            "{CHILD_ROOT} ({:?}) and {CHILD_MARKER} ({:?}) must both be set (as by \
+             real_failpoints_*) or both unset: {root:?} {marker:?}",
+            var_os(CHILD_ROOT),
+            var_os(CHILD_MARKER)
+        ),
     }
 }
 
@@ -1399,7 +1418,7 @@ fn overlong_paths_are_rejected_before_anything_is_created() {
     // A workspace root so long that an output's staged copy would not fit, though the
     // target itself would.
     let mut deep_root = tmp.path().to_path_buf();
-    while deep_root.as_os_str().len() < 4096 - job::STAGED_OVERHEAD - 100 {
+    while deep_root.as_os_str().len() < 4096 - super::STAGED_OVERHEAD - 100 {
         deep_root.push("r".repeat(200));
     }
     fs::create_dir_all(&deep_root).unwrap();

@@ -7,11 +7,10 @@ use std::path::{Component, Path, PathBuf};
 use rustix::fs::{FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use super::job::STAGED_OVERHEAD;
 use super::sys::{describe, file_type, open_beneath, stat_at};
-use super::{PathError, PublishError, NAME_MAX, PATH_MAX, RESERVED_PREFIXES};
-use crate::exec::args::shown;
+use super::{PathError, PublishError, NAME_MAX, PATH_MAX, RESERVED_PREFIXES, STAGED_OVERHEAD};
 use crate::policy::PathRole;
+use crate::text::{shown, shown_path};
 
 /// The workspace root, held open as a directory fd. Every later operation resolves beneath
 /// this fd, so renaming or replacing the root's path after `open` steers nothing.
@@ -242,11 +241,6 @@ fn walk_error(prefix: &Path, e: Errno) -> String {
         Errno::ACCESS => format!("{p}: permission denied"),
         e => format!("{p}: {}", std::io::Error::from(e)),
     }
-}
-
-/// A path as a message shows it: through [`shown`], like every client-supplied string.
-pub(super) fn shown_path(p: &Path) -> String {
-    shown(&p.to_string_lossy())
 }
 
 /// The first character of `s` that no path a client names may hold, with its byte offset and

@@ -287,7 +287,7 @@ pub enum IdError {
 /// client names (to create, read, mutate or destroy a session) passes here first, so no
 /// lookup, message, audit event or file name ever holds anything else.
 pub fn check_id(id: &str) -> Result<(), IdError> {
-    let shown = || crate::exec::args::shown(id);
+    let shown = || crate::text::shown(id);
     if id.is_empty() {
         return Err(IdError::Empty);
     }
