@@ -256,6 +256,7 @@ pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
     println!(
         "  command:  {}",
         ext.command
+            .written()
             .iter()
             .map(|a| shell_quoted(a))
             .collect::<Vec<_>>()

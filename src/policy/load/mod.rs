@@ -19,7 +19,6 @@ use daemon::load_daemon;
 use grant::load_grants;
 use profile::load_profile;
 use tool::load_tool;
-pub use tool::placeholders;
 use units::Size;
 pub use units::{parse_duration, parse_size};
 

@@ -3,6 +3,7 @@ use std::time::Duration;
 use super::daemon::parse_uid_range;
 use super::tool::parse_output_mode;
 use super::*;
+use crate::policy::placeholders;
 
 #[test]
 fn sizes_and_durations() {

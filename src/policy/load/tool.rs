@@ -8,6 +8,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::*;
+use crate::policy::command::{Command, Piece};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -195,8 +196,13 @@ pub(super) fn load_tool(
         }
         Some(_) => {}
     }
-    for part in raw.command.get_ref() {
-        for ph in placeholders(part.get_ref()) {
+    // Parsed once, here: the checks below and every call use the same pieces.
+    let template = Command::parse(&command);
+    for (part, pieces) in raw.command.get_ref().iter().zip(template.elements()) {
+        for ph in pieces.iter().filter_map(|p| match p {
+            Piece::Param(n) => Some(n.as_str()),
+            Piece::Lit(_) => None,
+        }) {
             let known =
                 params.contains_key(ph) || (ph == "session" && raw.capability == Capability::Write);
             if !known {
@@ -311,7 +317,7 @@ pub(super) fn load_tool(
         description: raw.description.unwrap_or_default(),
         capability: raw.capability,
         kind: ToolKind::External(ExternalTool {
-            command,
+            command: template,
             protocol: raw.protocol.unwrap_or(Protocol::Argv),
             timeout,
             profile: resolved?,
@@ -381,24 +387,4 @@ fn check_param_env(
         ));
     }
     Ok(())
-}
-
-/// The `{name}` placeholders in one argv element.
-pub fn placeholders(s: &str) -> Vec<&str> {
-    let mut out = Vec::new();
-    let mut rest = s;
-    while let Some(start) = rest.find('{') {
-        let after = &rest[start + 1..];
-        match after.find('}') {
-            Some(end) => {
-                let name = &after[..end];
-                if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                    out.push(name);
-                }
-                rest = &after[end + 1..];
-            }
-            None => break,
-        }
-    }
-    out
 }
