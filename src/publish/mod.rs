@@ -32,6 +32,7 @@
 mod job;
 mod journal;
 mod recover;
+mod rejection;
 mod sys;
 mod tree;
 mod workspace;
@@ -48,6 +49,7 @@ pub use job::Unreached;
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};
 pub use recover::{recover, recover_with, Kept};
+pub use rejection::{Rejection, TargetError};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;
@@ -79,7 +81,7 @@ pub enum PathError {
     /// `raw` is the path as the client sent it, shown escaped and cut (as every
     /// client-supplied string in a message is).
     #[error("{}: {reason}", crate::text::shown(raw))]
-    Rejected { raw: String, reason: String },
+    Rejected { raw: String, reason: Rejection },
 }
 
 /// The error of a caller's callback (the commit, recovery's question), kept with its causes.

@@ -15,7 +15,7 @@ fn resolve_rejects_escapes_and_accepts_nested_new_paths() {
     fs::create_dir(tmp.path().join(".airlock-job-x")).unwrap();
     let ws = open(&tmp);
     let rejected = |raw: &str, role| match ws.resolve(raw, role) {
-        Err(PathError::Rejected { reason, .. }) => reason,
+        Err(PathError::Rejected { reason, .. }) => reason.to_string(),
         Ok(p) => panic!("{raw:?} accepted as {p:?}"),
     };
 
