@@ -12,7 +12,8 @@ pub mod redact;
 pub use command::{placeholders, Command, Piece, Template};
 pub use grant::{Grant, Right, Subject};
 pub use load::{
-    check_dir, load, load_for, parse_duration, parse_size, DaemonIdentity, Diagnostic, PolicyErrors,
+    check_dir, load, load_for, parse_duration, parse_size, DaemonIdentity, Diagnostic,
+    DurationError, PolicyErrors, SizeError,
 };
 pub use model::*;
 

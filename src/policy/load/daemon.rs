@@ -321,8 +321,10 @@ fn load_principal_bounds(
 }
 
 /// `"FIRST-LAST"`: an inclusive range of unprivileged ids, at least 2 long.
-pub fn parse_uid_range(s: &str) -> Result<(u32, u32), String> {
-    let bad = || format!("worker_uids {s:?} must be a range such as \"60600-61099\"");
+pub fn parse_uid_range(s: &str) -> Result<(u32, u32), UidRangeError> {
+    let bad = || UidRangeError::Malformed {
+        text: s.to_string(),
+    };
     let (a, b) = s.trim().split_once('-').ok_or_else(bad)?;
     let a: u32 = a.trim().parse().map_err(|_| bad())?;
     let b: u32 = b.trim().parse().map_err(|_| bad())?;
@@ -331,9 +333,18 @@ pub fn parse_uid_range(s: &str) -> Result<(u32, u32), String> {
     }
     // 65534 is nobody and u32::MAX is "no uid": neither may be a worker.
     if (a..=b).contains(&65534) || b == u32::MAX {
-        return Err(format!(
-            "worker_uids {s:?} must not contain 65534 (nobody) or 4294967295"
-        ));
+        return Err(UidRangeError::Reserved {
+            text: s.to_string(),
+        });
     }
     Ok((a, b))
+}
+
+/// Why `worker_uids` as written is refused; `text` is what was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UidRangeError {
+    #[error("worker_uids {text:?} must be a range such as \"60600-61099\"")]
+    Malformed { text: String },
+    #[error("worker_uids {text:?} must not contain 65534 (nobody) or 4294967295")]
+    Reserved { text: String },
 }

@@ -36,12 +36,7 @@ pub const DAEMON_USER: &str = "@daemon";
 /// unknown one is an error), every capability and tool known.
 /// A `users` (or, with `group`, `groups`) entry of a grant as its id: `@daemon` is the
 /// daemon's own; any other name is looked up.
-fn resolve_subject(name: &str, group: bool, daemon: DaemonIdentity) -> Result<u32, String> {
-    let (what, list, numbers, names) = if group {
-        ("group", "groups", "gids", "group names")
-    } else {
-        ("user", "users", "uids", "account names")
-    };
+fn resolve_subject(name: &str, group: bool, daemon: DaemonIdentity) -> Result<u32, SubjectError> {
     if name == DAEMON_USER {
         return Ok(if group { daemon.gid } else { daemon.uid });
     }
@@ -50,10 +45,40 @@ fn resolve_subject(name: &str, group: bool, daemon: DaemonIdentity) -> Result<u3
     } else {
         nix::unistd::User::from_name(name).map(|u| u.map(|u| u.uid.as_raw()))
     };
+    let name = name.to_string();
     match found {
         Ok(Some(id)) => Ok(id),
-        Ok(None) => Err(format!("no {what} named {name:?} on this system ({list} = [...] takes {names}, or \"{DAEMON_USER}\" for the daemon's own {what}; {numbers} = [...] takes numbers)")),
-        Err(e) => Err(format!("cannot look up {what} {name:?}: {e}")),
+        Ok(None) => Err(SubjectError::Unknown { name, group }),
+        Err(errno) => Err(SubjectError::Lookup { name, group, errno }),
+    }
+}
+
+/// Why a grant's user or group name (`group`: a `groups` entry) resolves to no id.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum SubjectError {
+    #[error(
+        "no {what} named {name:?} on this system ({list} = [...] takes {names}, or \
+         \"{DAEMON_USER}\" for the daemon's own {what}; {numbers} = [...] takes numbers)",
+        what = subject_words(*group).0,
+        list = subject_words(*group).1,
+        numbers = subject_words(*group).2,
+        names = subject_words(*group).3
+    )]
+    Unknown { name: String, group: bool },
+    #[error("cannot look up {} {name:?}: {errno}", subject_words(*group).0)]
+    Lookup {
+        name: String,
+        group: bool,
+        errno: nix::Error,
+    },
+}
+
+/// How messages name a subject: (what, its list, its numeric list, what the list takes).
+fn subject_words(group: bool) -> (&'static str, &'static str, &'static str, &'static str) {
+    if group {
+        ("group", "groups", "gids", "group names")
+    } else {
+        ("user", "users", "uids", "account names")
     }
 }
 

@@ -20,7 +20,7 @@ use grant::load_grants;
 use profile::load_profile;
 use tool::load_tool;
 use units::Size;
-pub use units::{parse_duration, parse_size};
+pub use units::{parse_duration, parse_size, DurationError, SizeError};
 
 /// One problem in one policy file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,12 +176,12 @@ struct Cx {
 }
 
 impl Cx {
-    fn file(&mut self, file: &Path, message: impl Into<String>) {
+    fn file(&mut self, file: &Path, message: impl fmt::Display) {
         self.diags.push(Diagnostic {
             file: file.to_path_buf(),
             line: 0,
             col: 0,
-            message: message.into(),
+            message: message.to_string(),
         });
     }
 
@@ -190,14 +190,14 @@ impl Cx {
         file: &Path,
         text: &str,
         span: std::ops::Range<usize>,
-        message: impl Into<String>,
+        message: impl fmt::Display,
     ) {
         let (line, col) = line_col(text, span.start);
         self.diags.push(Diagnostic {
             file: file.to_path_buf(),
             line,
             col,
-            message: message.into(),
+            message: message.to_string(),
         });
     }
 

@@ -294,3 +294,65 @@ fn secret_params_never_reach_the_command_line() {
     let e = with_tool(path).expect_err("a path in env").to_string();
     assert!(e.contains("env needs a string that is not a path"), "{e}");
 }
+
+#[test]
+fn value_errors_read_as_the_loader_reports_them() {
+    use super::units::parse_size;
+    assert_eq!(
+        parse_size("4 parsecs").unwrap_err().to_string(),
+        "\"4 parsecs\" has an unknown unit (use B, KiB, MiB, GiB)"
+    );
+    assert_eq!(
+        parse_size("x").unwrap_err().to_string(),
+        "\"x\" is not a size such as \"4MiB\""
+    );
+    assert_eq!(
+        parse_size("99999999999T").unwrap_err().to_string(),
+        "\"99999999999T\" is too large"
+    );
+    assert_eq!(
+        parse_duration("soon").unwrap_err().to_string(),
+        "\"soon\" is not a duration such as \"20s\" or \"500ms\""
+    );
+    assert_eq!(
+        parse_duration("5y").unwrap_err().to_string(),
+        "\"5y\" has an unknown unit (use ms, s, m or h)"
+    );
+    assert_eq!(
+        parse_uid_range("5").unwrap_err().to_string(),
+        "worker_uids \"5\" must be a range such as \"60600-61099\""
+    );
+    assert_eq!(
+        parse_uid_range("60000-70000").unwrap_err().to_string(),
+        "worker_uids \"60000-70000\" must not contain 65534 (nobody) or 4294967295"
+    );
+    let out = Some(PathRole::Output);
+    assert_eq!(
+        parse_output_mode("0644", None).unwrap_err().to_string(),
+        "mode is only for path = \"output\" parameters"
+    );
+    assert_eq!(
+        parse_output_mode("x", out).unwrap_err().to_string(),
+        "mode \"x\" is not an octal mode such as \"0644\""
+    );
+    assert_eq!(
+        parse_output_mode("4755", out).unwrap_err().to_string(),
+        "mode \"4755\" is refused: a published output may not be setuid, setgid, sticky, or group- or other-writable"
+    );
+    assert_eq!(
+        parse_output_mode("0200", out).unwrap_err().to_string(),
+        "mode \"0200\" must leave the file readable by its owner"
+    );
+}
+
+#[test]
+fn unknown_grant_subjects_are_named_with_what_the_list_takes() {
+    let e = with_extra(
+        "airlock.toml",
+        "[[grant]]\nusers = [\"no-such-user-here\"]\ngroups = [\"no-such-group-here\"]\ncapabilities = [\"read\"]\n",
+    )
+    .expect_err("unknown names")
+    .to_string();
+    assert!(e.contains("no user named \"no-such-user-here\" on this system (users = [...] takes account names, or \"@daemon\" for the daemon's own user; uids = [...] takes numbers)"), "{e}");
+    assert!(e.contains("no group named \"no-such-group-here\" on this system (groups = [...] takes group names, or \"@daemon\" for the daemon's own group; gids = [...] takes numbers)"), "{e}");
+}

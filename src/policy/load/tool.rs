@@ -330,25 +330,35 @@ pub(super) fn load_tool(
 }
 
 /// An output's `mode = "0755"`: octal, on an output parameter only, carrying no privilege.
-pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, String> {
+pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, ModeError> {
     if role != Some(PathRole::Output) {
-        return Err("mode is only for path = \"output\" parameters".into());
+        return Err(ModeError::NotAnOutput);
     }
+    let text = || s.to_string();
     let m = u32::from_str_radix(s.trim().trim_start_matches("0o"), 8)
         .ok()
         .filter(|m| *m <= 0o7777)
-        .ok_or_else(|| format!("mode {s:?} is not an octal mode such as \"0644\""))?;
+        .ok_or_else(|| ModeError::NotOctal { text: text() })?;
     if m & FORBIDDEN_OUTPUT_BITS != 0 {
-        return Err(format!(
-            "mode {s:?} is refused: a published output may not be setuid, setgid, sticky, or group- or other-writable"
-        ));
+        return Err(ModeError::Privileged { text: text() });
     }
     if m & 0o400 == 0 {
-        return Err(format!(
-            "mode {s:?} must leave the file readable by its owner"
-        ));
+        return Err(ModeError::OwnerCannotRead { text: text() });
     }
     Ok(m)
+}
+
+/// Why an output's `mode` is refused; `text` is what was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModeError {
+    #[error("mode is only for path = \"output\" parameters")]
+    NotAnOutput,
+    #[error("mode {text:?} is not an octal mode such as \"0644\"")]
+    NotOctal { text: String },
+    #[error("mode {text:?} is refused: a published output may not be setuid, setgid, sticky, or group- or other-writable")]
+    Privileged { text: String },
+    #[error("mode {text:?} must leave the file readable by its owner")]
+    OwnerCannotRead { text: String },
 }
 
 /// Variables a parameter's `env` may not name: the ones the launcher or the dynamic loader
@@ -362,29 +372,44 @@ fn check_param_env(
     name: &str,
     ty: ParamType,
     role: Option<PathRole>,
-) -> Result<(), String> {
+) -> Result<(), EnvNameError> {
     let well_formed = name.starts_with(|c: char| c.is_ascii_uppercase() || c == '_')
         && name
             .chars()
             .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+    let (param, name) = (param.to_string(), name.to_string());
     if !well_formed {
-        return Err(format!(
-            "parameter {param:?}: env {name:?} must be an environment variable name \
-             ([A-Z_][A-Z0-9_]*)"
-        ));
+        return Err(EnvNameError::Malformed { param, name });
     }
-    if RESERVED_ENV.contains(&name) || name.starts_with("AIRLOCK_") || name.starts_with("LD_") {
-        return Err(format!(
-            "parameter {param:?}: env {name:?} is reserved (PATH, HOME, IFS, BASH_ENV, ENV, \
-             SHELL, AIRLOCK_* and LD_* mean something to the launcher, the shell or the \
-             dynamic loader)"
-        ));
+    if RESERVED_ENV.contains(&name.as_str())
+        || name.starts_with("AIRLOCK_")
+        || name.starts_with("LD_")
+    {
+        return Err(EnvNameError::Reserved { param, name });
     }
     if ty != ParamType::String || role.is_some() {
-        return Err(format!(
-            "parameter {param:?}: env needs a string that is not a path (type = \"string\", \
-             no path)"
-        ));
+        return Err(EnvNameError::NotAPlainString { param });
     }
     Ok(())
+}
+
+/// Why a parameter's `env = "NAME"` is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum EnvNameError {
+    #[error(
+        "parameter {param:?}: env {name:?} must be an environment variable name \
+         ([A-Z_][A-Z0-9_]*)"
+    )]
+    Malformed { param: String, name: String },
+    #[error(
+        "parameter {param:?}: env {name:?} is reserved (PATH, HOME, IFS, BASH_ENV, ENV, \
+         SHELL, AIRLOCK_* and LD_* mean something to the launcher, the shell or the \
+         dynamic loader)"
+    )]
+    Reserved { param: String, name: String },
+    #[error(
+        "parameter {param:?}: env needs a string that is not a path (type = \"string\", \
+         no path)"
+    )]
+    NotAPlainString { param: String },
 }
