@@ -45,8 +45,12 @@ pub enum SessionError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("corrupt session file {path}: {reason}")]
-    Corrupt { path: PathBuf, reason: String },
+    /// `cause`: the JSON error (printed, so not a `#[source]`).
+    #[error("corrupt session file {path}: {cause}")]
+    Corrupt {
+        path: PathBuf,
+        cause: serde_json::Error,
+    },
     #[error(transparent)]
     Quota(#[from] QuotaError),
 }
@@ -558,9 +562,9 @@ impl SessionStore {
             owner: snap.owner,
         };
         // Compact: the file is the state's counted size plus a few fields.
-        let bytes = serde_json::to_vec(&file).map_err(|e| SessionError::Corrupt {
+        let bytes = serde_json::to_vec(&file).map_err(|cause| SessionError::Corrupt {
             path: self.path(&snap.id),
-            reason: e.to_string(),
+            cause,
         })?;
         let name = format!("{}.json", snap.id);
         fsutil::atomic_write_no_dir_sync(&self.dir, &name, &bytes, 0o600, "session.write")
@@ -589,8 +593,8 @@ fn read_file(path: &Path) -> Result<SessionFile, SessionError> {
         path: path.to_path_buf(),
         source,
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| SessionError::Corrupt {
+    serde_json::from_slice(&bytes).map_err(|cause| SessionError::Corrupt {
         path: path.to_path_buf(),
-        reason: e.to_string(),
+        cause,
     })
 }
