@@ -15,7 +15,9 @@ use super::sys::{
 };
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
-use super::{JobSpec, PublishError, Published, Workspace, JOB_DIR_PREFIX, MAX_ID_LEN, STAGE};
+use super::{
+    JobSpec, PublishError, Published, SpecError, Workspace, JOB_DIR_PREFIX, MAX_ID_LEN, STAGE,
+};
 use crate::text::shown_path;
 
 pub struct Job {
@@ -49,7 +51,7 @@ impl std::fmt::Debug for Job {
 /// Checks a spec before anything is created: the id becomes a file name and the targets
 /// become renames beneath the root.
 fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
-    let bad = |reason: String| PublishError::InvalidSpec { reason };
+    let bad = |reason: SpecError| PublishError::InvalidSpec { reason };
     if spec.id.is_empty()
         || spec.id.len() > MAX_ID_LEN
         || !spec
@@ -57,26 +59,29 @@ fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
     {
-        return Err(bad(format!(
-            "job id {:?} must be 1 to {MAX_ID_LEN} ASCII letters, digits, '-' or '_'",
-            spec.id
-        )));
+        return Err(bad(SpecError::BadId {
+            id: spec.id.clone(),
+        }));
     }
     let mut seen = HashSet::new();
     for t in &spec.targets {
-        check_target(t).map_err(|r| bad(format!("{}: {r}", shown_path(t))))?;
+        check_target(t).map_err(|error| {
+            bad(SpecError::Target {
+                target: t.clone(),
+                error,
+            })
+        })?;
         if !seen.insert(t.as_path()) {
-            return Err(bad(format!("{} is named by two outputs", shown_path(t))));
+            return Err(bad(SpecError::Duplicate { target: t.clone() }));
         }
     }
     for a in &spec.targets {
         for b in &spec.targets {
             if a != b && b.starts_with(a) {
-                return Err(bad(format!(
-                    "output {} is a parent directory of output {}",
-                    shown_path(a),
-                    shown_path(b)
-                )));
+                return Err(bad(SpecError::Nested {
+                    parent: a.clone(),
+                    child: b.clone(),
+                }));
             }
         }
     }

@@ -49,7 +49,7 @@ pub use job::Unreached;
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};
 pub use recover::{recover, recover_with, Kept};
-pub use rejection::{Rejection, TargetError};
+pub use rejection::{Rejection, SpecError, TargetError};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;
@@ -108,7 +108,7 @@ pub enum PublishError {
     Commit(#[source] CallbackError),
     /// The job spec cannot become a job dir (bad id, targets not normalized or overlapping).
     #[error("invalid job: {reason}")]
-    InvalidSpec { reason: String },
+    InvalidSpec { reason: SpecError },
     /// A target (or one of its parents) changed between resolution and publication.
     #[error("target {path} changed: {reason}")]
     TargetChanged { path: PathBuf, reason: String },

@@ -1,12 +1,13 @@
 //! Why a path is refused: one variant per reason, each carrying what its message shows.
 //! [`Rejection`] is a client's path parameter ([`super::Workspace::resolve`],
-//! [`super::Workspace::check_input_reach`]); [`TargetError`] a job spec's target.
+//! [`super::Workspace::check_input_reach`]); [`TargetError`] a job spec's target, and
+//! [`SpecError`] the spec as a whole.
 
 use std::path::PathBuf;
 
 use rustix::io::Errno;
 
-use super::{NAME_MAX, PATH_MAX};
+use super::{MAX_ID_LEN, NAME_MAX, PATH_MAX};
 use crate::text::{shown, shown_path};
 
 /// Names beginning with this are airlock's own (job dirs, quarantine dirs): no input may name
@@ -114,6 +115,23 @@ pub enum TargetError {
     ComponentTooLong,
     #[error("target is not a normalized relative path")]
     NotNormalized,
+}
+
+/// Why a job spec cannot become a job dir.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("job id {id:?} must be 1 to {MAX_ID_LEN} ASCII letters, digits, '-' or '_'")]
+    BadId { id: String },
+    #[error("{}: {error}", shown_path(target))]
+    Target { target: PathBuf, error: TargetError },
+    #[error("{} is named by two outputs", shown_path(target))]
+    Duplicate { target: PathBuf },
+    #[error(
+        "output {} is a parent directory of output {}",
+        shown_path(parent),
+        shown_path(child)
+    )]
+    Nested { parent: PathBuf, child: PathBuf },
 }
 
 /// The reason a path holding a [`super::workspace::forbidden_char`] is refused.
