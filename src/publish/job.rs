@@ -16,9 +16,9 @@ use super::sys::{
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
 use super::{
-    JobSpec, PublishError, Published, SpecError, Workspace, JOB_DIR_PREFIX, MAX_ID_LEN, STAGE,
+    Change, JobSpec, OutputFault, PublishError, Published, SpecError, Workspace, JOB_DIR_PREFIX,
+    MAX_ID_LEN, STAGE,
 };
-use crate::text::shown_path;
 
 pub struct Job {
     spec: JobSpec,
@@ -414,7 +414,7 @@ impl Job {
         let mut ids = Vec::with_capacity(self.journal.targets.len());
         let mut published = Vec::with_capacity(self.journal.targets.len());
         for (i, rec) in self.journal.targets.iter().enumerate() {
-            let bad = |reason: String| PublishError::BadOutput {
+            let bad = |reason: OutputFault| PublishError::BadOutput {
                 path: rec.target.clone(),
                 index: i,
                 reason,
@@ -422,33 +422,26 @@ impl Job {
             let staged = self.dir.join(&rec.staged);
             let slot = Path::new(STAGE).join(i.to_string());
             let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot).map_err(|e| match e {
-                Errno::NOENT | Errno::LOOP | Errno::NOTDIR => bad(format!(
-                    "the staging dir {} was removed or replaced",
-                    slot.display()
-                )),
+                Errno::NOENT | Errno::LOOP | Errno::NOTDIR => {
+                    bad(OutputFault::SlotGone { slot: slot.clone() })
+                }
                 e => io("open staging dir", &self.dir.join(&slot), e),
             })?;
             let name = rec.staged.file_name().unwrap_or(OsStr::new("output"));
             // O_PATH first: learn the type without opening a FIFO or a device for reading.
             let pfd = open_beneath(slot_fd.as_fd(), name, OFlags::PATH).map_err(|e| match e {
-                Errno::NOENT => bad("the tool did not write it (missing)".into()),
-                Errno::LOOP => bad("it is a symlink".into()),
+                Errno::NOENT => bad(OutputFault::Missing),
+                Errno::LOOP => bad(OutputFault::Symlink),
                 e => io("open staged output", &staged, e),
             })?;
             let st =
                 rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
             let ft = file_type(&st);
             if ft != FileType::RegularFile {
-                return Err(bad(format!(
-                    "the tool left {} there, not a regular file",
-                    describe(ft)
-                )));
+                return Err(bad(OutputFault::NotAFile(describe(ft))));
             }
             if nlink(&st) != 1 {
-                return Err(bad(format!(
-                    "it has {} hard links (a staged output must have one)",
-                    nlink(&st)
-                )));
+                return Err(bad(OutputFault::Links(nlink(&st))));
             }
             // Owner and mode are the daemon's to set, before the file can be read or moved:
             // no setuid/setgid/sticky bit, no group or other write, the worker's uid gone.
@@ -464,7 +457,7 @@ impl Job {
             let st2 =
                 rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
             if FileId::of(&st2) != FileId::of(&st) {
-                return Err(bad("it was replaced while being validated".into()));
+                return Err(bad(OutputFault::Replaced));
             }
             sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
             let size = st2.st_size as u64;
@@ -505,12 +498,12 @@ impl Job {
         let root = self.root.as_fd();
         for (rec, new) in self.journal.targets.iter_mut().zip(news) {
             let target_abs = self.root_path.join(&rec.target);
-            let changed = |reason: String| PublishError::TargetChanged {
+            let changed = |reason: Change| PublishError::TargetChanged {
                 path: target_abs.clone(),
                 reason,
             };
-            let (parent, name) = split_target(&rec.target)
-                .ok_or_else(|| changed("target has no file name".into()))?;
+            let (parent, name) =
+                split_target(&rec.target).ok_or_else(|| changed(Change::TargetHasNoName))?;
             let mut missing = false;
             let mut prefix = PathBuf::new();
             for comp in parent.iter() {
@@ -528,20 +521,18 @@ impl Job {
                         created.push(prefix.clone());
                         missing = true;
                     }
-                    Err(e) => return Err(changed(parent_reason(&prefix, e))),
+                    Err(e) => return Err(changed(Change::parent(&prefix, e))),
                 }
             }
             let old = if missing {
                 None
             } else {
                 let pfd = open_dir_beneath(root, parent)
-                    .map_err(|e| changed(parent_reason(parent, e)))?;
+                    .map_err(|e| changed(Change::parent(parent, e)))?;
                 match stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))? {
                     None => None,
                     Some(st) if file_type(&st) == FileType::RegularFile => Some(FileId::of(&st)),
-                    Some(st) => {
-                        return Err(changed(format!("it is now {}", describe(file_type(&st)))))
-                    }
+                    Some(st) => return Err(changed(Change::NowA(describe(file_type(&st))))),
                 }
             };
             rec.old = old;
@@ -557,14 +548,14 @@ impl Job {
         let mut touched = Vec::new();
         for dir in &self.journal.created_dirs {
             let abs = self.root_path.join(dir);
-            let changed = |reason: String| PublishError::TargetChanged {
+            let changed = |reason: Change| PublishError::TargetChanged {
                 path: abs.clone(),
                 reason,
             };
             let (parent, name) =
-                split_target(dir).ok_or_else(|| changed("no directory name".into()))?;
+                split_target(dir).ok_or_else(|| changed(Change::NoDirectoryName))?;
             let pfd =
-                open_dir_beneath(root, parent).map_err(|e| changed(parent_reason(parent, e)))?;
+                open_dir_beneath(root, parent).map_err(|e| changed(Change::parent(parent, e)))?;
             match mutate("publish.mkdir_parent", &abs, || {
                 rustix::fs::mkdirat(pfd.as_fd(), name, Mode::from_raw_mode(0o777))
             }) {
@@ -574,7 +565,7 @@ impl Job {
                     if source.raw_os_error() == Some(libc::EEXIST) =>
                 {
                     open_dir_beneath(pfd.as_fd(), name)
-                        .map_err(|e| changed(parent_reason(dir, e)))?;
+                        .map_err(|e| changed(Change::parent(dir, e)))?;
                 }
                 Err(e) => return Err(e),
             }
@@ -589,14 +580,14 @@ impl Job {
     fn rename_one(&self, i: usize) -> Result<(OwnedFd, OwnedFd), PublishError> {
         let rec = &self.journal.targets[i];
         let target_abs = self.root_path.join(&rec.target);
-        let changed = |reason: String| PublishError::TargetChanged {
+        let changed = |reason: Change| PublishError::TargetChanged {
             path: target_abs.clone(),
             reason,
         };
         let (parent, name) =
-            split_target(&rec.target).ok_or_else(|| changed("no file name".into()))?;
+            split_target(&rec.target).ok_or_else(|| changed(Change::NoFileName))?;
         let pfd = open_dir_beneath(self.root.as_fd(), parent)
-            .map_err(|e| changed(parent_reason(parent, e)))?;
+            .map_err(|e| changed(Change::parent(parent, e)))?;
         let slot = Path::new(STAGE).join(i.to_string());
         let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot)
             .map_err(|e| io("open staging dir", &self.dir.join(&slot), e))?;
@@ -605,13 +596,8 @@ impl Job {
             Some(old) => {
                 match &now {
                     Some(st) if FileId::of(st) == old => {}
-                    Some(st) => {
-                        return Err(changed(format!(
-                            "it was replaced (now {}) since publication began",
-                            describe(file_type(st))
-                        )))
-                    }
-                    None => return Err(changed("it was removed since publication began".into())),
+                    Some(st) => return Err(changed(Change::Replaced(describe(file_type(st))))),
+                    None => return Err(changed(Change::Removed)),
                 }
                 mutate("publish.exchange", &target_abs, || {
                     rustix::fs::renameat_with(
@@ -627,15 +613,12 @@ impl Job {
                 let backup = stat_at(slot_fd.as_fd(), name)
                     .map_err(|e| io("stat backup", &self.dir.join(&rec.staged), e))?;
                 if backup.as_ref().map(FileId::of) != Some(old) {
-                    return Err(changed("it was replaced during publication".into()));
+                    return Err(changed(Change::ReplacedDuringRename));
                 }
             }
             None => {
                 if let Some(st) = &now {
-                    return Err(changed(format!(
-                        "{} appeared there since publication began",
-                        describe(file_type(st))
-                    )));
+                    return Err(changed(Change::Appeared(describe(file_type(st)))));
                 }
                 match mutate("publish.rename_noreplace", &target_abs, || {
                     rustix::fs::renameat_with(
@@ -650,7 +633,7 @@ impl Job {
                     Err(PublishError::Io { source, .. })
                         if source.raw_os_error() == Some(libc::EEXIST) =>
                     {
-                        return Err(changed("a file appeared there during publication".into()))
+                        return Err(changed(Change::AppearedDuringRename))
                     }
                     Err(e) => return Err(e),
                 }
@@ -680,7 +663,7 @@ impl Job {
                     error: Box::new(error),
                     rollback: Box::new(PublishError::TargetChanged {
                         path: u.target.clone(),
-                        reason: format!("cannot reach it safely to restore it: {}", u.reason),
+                        reason: Change::Unreachable(Box::new(u.reason.clone())),
                     }),
                 }
             }
@@ -721,17 +704,6 @@ fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
     Ok(crate::audit::log::hex(&h.finalize()))
 }
 
-fn parent_reason(prefix: &Path, e: Errno) -> String {
-    let p = shown_path(prefix);
-    match e {
-        Errno::NOENT => format!("{p} no longer exists"),
-        Errno::LOOP => format!("{p} is now a symlink"),
-        Errno::NOTDIR => format!("{p} is no longer a directory"),
-        Errno::XDEV => format!("{p} is now on another mount"),
-        e => format!("{p}: {}", std::io::Error::from(e)),
-    }
-}
-
 /// Brings every target of a journaled job back to its old state, deciding by identity what
 /// each target holds now: the new file is swapped back with its backup (or unlinked if the
 /// target did not exist); anything else (the old file, nothing, someone else's file) is left.
@@ -769,10 +741,10 @@ pub(super) fn rollback(
                 continue
             }
             Err(e @ (Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) => {
-                tracing::warn!(target = %target_abs.display(), reason = %parent_reason(parent, e), "cannot reach target safely; left as is");
+                tracing::warn!(target = %target_abs.display(), reason = %Change::parent(parent, e), "cannot reach target safely; left as is");
                 out.unreached.push(Unreached {
                     target: target_abs,
-                    reason: parent_reason(parent, e),
+                    reason: Change::parent(parent, e),
                 });
                 continue;
             }
@@ -867,7 +839,7 @@ pub struct Unreached {
     /// Absolute path of the target.
     pub target: PathBuf,
     /// Which parent and why (`x is now a symlink`).
-    pub reason: String,
+    pub reason: Change,
 }
 
 /// The journaled targets a rollback could not reach safely, found without changing
@@ -891,7 +863,7 @@ pub(super) fn unreachable_targets(
             }
             out.push(Unreached {
                 target: root_path.join(&rec.target),
-                reason: parent_reason(parent, e),
+                reason: Change::parent(parent, e),
             });
         }
     }

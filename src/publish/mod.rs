@@ -49,7 +49,7 @@ pub use job::Unreached;
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};
 pub use recover::{recover, recover_with, Kept};
-pub use rejection::{Rejection, SpecError, TargetError};
+pub use rejection::{Change, OutputFault, Rejection, SpecError, TargetError};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;
@@ -101,7 +101,7 @@ pub enum PublishError {
     BadOutput {
         path: PathBuf,
         index: usize,
-        reason: String,
+        reason: OutputFault,
     },
     /// The caller's commit (the session store's write) failed; its error is kept.
     #[error("commit failed: {0}")]
@@ -111,7 +111,7 @@ pub enum PublishError {
     InvalidSpec { reason: SpecError },
     /// A target (or one of its parents) changed between resolution and publication.
     #[error("target {path} changed: {reason}")]
-    TargetChanged { path: PathBuf, reason: String },
+    TargetChanged { path: PathBuf, reason: Change },
     /// Publication failed and so did the rollback: the targets may be mixed until startup
     /// recovery runs; the job dir and its journal are kept for it.
     #[error(

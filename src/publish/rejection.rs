@@ -134,6 +134,75 @@ pub enum SpecError {
     Nested { parent: PathBuf, child: PathBuf },
 }
 
+/// How a target (or one of its parents) changed between resolution and publication.
+/// `kind`s are as [`super::sys::describe`] names a file type.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Change {
+    #[error("target has no file name")]
+    TargetHasNoName,
+    #[error("no directory name")]
+    NoDirectoryName,
+    #[error("no file name")]
+    NoFileName,
+    /// A parent of the target (`path`, beneath the root) cannot be opened as a directory.
+    #[error("{}", parent_message(path, *errno))]
+    Parent { path: PathBuf, errno: Errno },
+    #[error("it is now {0}")]
+    NowA(&'static str),
+    #[error("it was replaced (now {0}) since publication began")]
+    Replaced(&'static str),
+    #[error("it was removed since publication began")]
+    Removed,
+    #[error("it was replaced during publication")]
+    ReplacedDuringRename,
+    #[error("{0} appeared there since publication began")]
+    Appeared(&'static str),
+    #[error("a file appeared there during publication")]
+    AppearedDuringRename,
+    /// Rollback cannot reach the target to restore it, for this reason.
+    #[error("cannot reach it safely to restore it: {0}")]
+    Unreachable(Box<Change>),
+}
+
+impl Change {
+    pub(super) fn parent(path: &std::path::Path, errno: Errno) -> Change {
+        Change::Parent {
+            path: path.to_path_buf(),
+            errno,
+        }
+    }
+}
+
+fn parent_message(prefix: &std::path::Path, e: Errno) -> String {
+    let p = shown_path(prefix);
+    match e {
+        Errno::NOENT => format!("{p} no longer exists"),
+        Errno::LOOP => format!("{p} is now a symlink"),
+        Errno::NOTDIR => format!("{p} is no longer a directory"),
+        Errno::XDEV => format!("{p} is now on another mount"),
+        e => format!("{p}: {}", std::io::Error::from(e)),
+    }
+}
+
+/// What is wrong with what the worker left as an output (the tool's result is at fault).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OutputFault {
+    /// `slot`: the staging slot, relative to the job dir.
+    #[error("the staging dir {} was removed or replaced", slot.display())]
+    SlotGone { slot: PathBuf },
+    #[error("the tool did not write it (missing)")]
+    Missing,
+    #[error("it is a symlink")]
+    Symlink,
+    /// What the tool left, as [`super::sys::describe`] names a file type.
+    #[error("the tool left {0} there, not a regular file")]
+    NotAFile(&'static str),
+    #[error("it has {0} hard links (a staged output must have one)")]
+    Links(u64),
+    #[error("it was replaced while being validated")]
+    Replaced,
+}
+
 /// The reason a path holding a [`super::workspace::forbidden_char`] is refused.
 fn forbidden_message(at: usize, c: char, class: &str) -> String {
     format!(

@@ -291,7 +291,7 @@ fn bad_outputs_are_rejected_and_the_workspace_is_unchanged() {
         match &err {
             PublishError::BadOutput { path, reason, .. } => {
                 assert_eq!(path, Path::new("new/b.txt"), "{why}");
-                assert!(reason.contains(why), "{why}: {reason}");
+                assert!(reason.to_string().contains(why), "{why}: {reason}");
             }
             e => panic!("{why}: {e:?}"),
         }
