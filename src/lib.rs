@@ -16,3 +16,4 @@ pub mod session;
 pub mod startup;
 pub mod syscalls;
 pub mod systemd;
+pub mod text;

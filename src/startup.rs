@@ -12,6 +12,12 @@ use crate::publish::{self, Workspace};
 use crate::sandbox::{Identities, Registry};
 use crate::session::{SessionError, SessionStore};
 
+/// Recovery settled a job but its audit event could not be written durably: recovery stops
+/// there, as it does when the session store cannot answer.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot record what recovery did in the audit log: {0}")]
+pub struct RecoveryNotRecorded(pub crate::audit::AuditError);
+
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
     #[error("cannot create the workspace {path}: {source}")]
@@ -422,7 +428,7 @@ fn recover(
         };
         audit
             .record_durable(&call, event)
-            .map_err(|e| format!("cannot record what recovery did in the audit log: {e}").into())
+            .map_err(|e| RecoveryNotRecorded(e).into())
     };
     let done = publish::recover_with(
         workspace.root(),

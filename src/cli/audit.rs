@@ -153,19 +153,19 @@ fn verify(path: &Path) -> Exit {
     Exit::Failed
 }
 
-fn filter_of(a: &ReadArgs) -> Result<Filter, String> {
-    Ok(Filter {
+fn filter_of(a: &ReadArgs, since_ms: Option<u64>) -> Filter {
+    Filter {
         job: a.job.clone(),
         session: a.session.clone(),
         tool: a.tool.clone(),
-        since_ms: a.since.as_deref().map(parse_since).transpose()?,
+        since_ms,
         limit: a.limit,
-    })
+    }
 }
 
 fn read(path: &Path, a: &ReadArgs) -> Exit {
-    let filter = match filter_of(a) {
-        Ok(f) => f,
+    let filter = match a.since.as_deref().map(parse_since).transpose() {
+        Ok(since_ms) => filter_of(a, since_ms),
         Err(e) => {
             eprintln!("airlock: audit: {e}");
             return Exit::Error;

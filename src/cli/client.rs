@@ -226,13 +226,24 @@ fn track_reply(p: &mut Pending, line: &[u8]) {
 }
 
 /// Reads `--arg` values as the declared type of the parameter (from the tool's schema).
-fn coerce(raw: &str, schema_type: Option<&str>) -> Result<Value, String> {
+fn coerce(raw: &str, schema_type: Option<&str>) -> Result<Value, CoerceError> {
     match schema_type {
         Some("string") | None => Ok(Value::String(raw.to_string())),
-        Some(t) => {
-            serde_json::from_str(raw).map_err(|e| format!("{raw:?} is not a valid {t}: {e}"))
-        }
+        Some(t) => serde_json::from_str(raw).map_err(|cause| CoerceError {
+            raw: raw.to_string(),
+            ty: t.to_string(),
+            cause,
+        }),
     }
+}
+
+/// An `--arg` value that does not parse as its parameter's declared JSON type.
+#[derive(Debug, thiserror::Error)]
+#[error("{raw:?} is not a valid {ty}: {cause}")]
+struct CoerceError {
+    raw: String,
+    ty: String,
+    cause: serde_json::Error,
 }
 
 /// `airlock call`: Ctrl-C (SIGINT) or `--timeout` cancels the call over the wire

@@ -32,10 +32,10 @@ pub(super) fn load_policy(dir: &Path) -> Result<Policy, Exit> {
 /// Whom `@daemon` means for `policy check|explain`, and the line that says why.
 fn daemon_identity(dir: &Path, as_user: Option<&str>) -> Result<(DaemonIdentity, String), Exit> {
     use nix::unistd::{Uid, User};
-    let lookup = |name: &str| -> Result<Option<User>, String> {
+    let lookup = |name: &str| -> nix::Result<Option<User>> {
         match name.parse::<u32>() {
-            Ok(uid) => User::from_uid(Uid::from_raw(uid)).map_err(|e| e.to_string()),
-            Err(_) => User::from_name(name).map_err(|e| e.to_string()),
+            Ok(uid) => User::from_uid(Uid::from_raw(uid)),
+            Err(_) => User::from_name(name),
         }
     };
     let (user, why) = if let Some(name) = as_user {
@@ -259,6 +259,7 @@ pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
     println!(
         "  command:  {}",
         ext.command
+            .written()
             .iter()
             .map(|a| shell_quoted(a))
             .collect::<Vec<_>>()

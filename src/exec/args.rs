@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::policy::{PathRole, Tool};
+use crate::policy::{PathRole, Piece as CommandPiece, Template, Tool};
 use crate::session::IdError;
 
 mod validate;
@@ -139,65 +139,14 @@ pub fn render(v: &Value) -> String {
     }
 }
 
-/// One piece of a command element: literal text, or a `{name}` placeholder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Piece<'a> {
-    Text(&'a str),
-    Placeholder(&'a str),
-}
+pub use crate::policy::command::{tokens as pieces, Token as Piece};
 
-/// Splits one command element into literal text and placeholders, scanning exactly as
-/// [`crate::policy::placeholders`] does (a `{...}` whose inside is not a name is text).
-/// Empty text pieces are left out.
-pub fn pieces(part: &str) -> Vec<Piece<'_>> {
-    let mut out = Vec::new();
-    // `text` is where the current run of literal text began; `at` is where scanning resumes.
-    let (mut text, mut at) = (0, 0);
-    while let Some(open) = part[at..].find('{').map(|i| at + i) {
-        let Some(close) = part[open + 1..].find('}').map(|i| open + 1 + i) else {
-            break;
-        };
-        let name = &part[open + 1..close];
-        if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            if open > text {
-                out.push(Piece::Text(&part[text..open]));
-            }
-            out.push(Piece::Placeholder(name));
-            text = close + 1;
-        }
-        at = close + 1;
-    }
-    if part.len() > text {
-        out.push(Piece::Text(&part[text..]));
-    }
-    out
-}
-
-/// Substitutes `{name}` placeholders in each element of `command`, in one pass over the
-/// template: the text of a value is copied as data and never scanned again, so a value
-/// holding `{out}` stays `{out}`. An element that is only a placeholder of an absent
-/// optional argument is dropped; any other placeholder of an absent argument becomes empty.
-pub fn substitute(command: &[String], values: &BTreeMap<String, String>) -> Vec<String> {
-    let mut argv = Vec::with_capacity(command.len());
-    for part in command {
-        let pieces = pieces(part);
-        if let [Piece::Placeholder(name)] = pieces.as_slice() {
-            if !values.contains_key(*name) {
-                continue;
-            }
-        }
-        let mut s = String::with_capacity(part.len());
-        for piece in pieces {
-            match piece {
-                Piece::Text(t) => s.push_str(t),
-                Piece::Placeholder(name) => {
-                    s.push_str(values.get(name).map(String::as_str).unwrap_or(""))
-                }
-            }
-        }
-        argv.push(s);
-    }
-    argv
+/// The argv of `command` with `values` substituted: [`crate::policy::Command::render`].
+pub fn substitute<T: Template + ?Sized>(
+    command: &T,
+    values: &BTreeMap<String, String>,
+) -> Vec<String> {
+    command.template().render(values)
 }
 
 /// The most bytes of command line (argv and environment strings with their NULs, and the
@@ -219,23 +168,17 @@ pub fn argv_budget(stack_limit: Option<u64>) -> usize {
 /// anything is created: no value may hold a NUL byte or exceed [`MAX_ARGV_ELEMENT`], no
 /// element may exceed it, and the whole (argv, plus `env_bytes` of environment, pointers
 /// included) may not exceed `budget`. Only values whose placeholder the command uses count.
-pub fn check_command(
+pub fn check_command<T: Template + ?Sized>(
     tool: &str,
-    command: &[String],
+    command: &T,
     values: &BTreeMap<String, String>,
     env_bytes: usize,
     budget: usize,
 ) -> Result<(), ArgError> {
     const POINTER: usize = std::mem::size_of::<usize>();
+    let command = command.template();
     let mut largest = (String::new(), 0usize);
-    let mut used = std::collections::BTreeSet::new();
-    for part in command {
-        for piece in pieces(part) {
-            if let Piece::Placeholder(name) = piece {
-                used.insert(name);
-            }
-        }
-    }
+    let used: std::collections::BTreeSet<&str> = command.params().collect();
     for name in &used {
         let Some(v) = values.get(*name) else { continue };
         if v.as_bytes().contains(&0) {
@@ -255,15 +198,15 @@ pub fn check_command(
             largest = (name.to_string(), v.len());
         }
     }
-    let argv = substitute(command, values);
+    let argv = command.render(values);
     let mut total = env_bytes + POINTER;
-    for (index, (elem, part)) in argv.iter().zip(kept(command, values)).enumerate() {
+    for (index, (elem, pieces)) in argv.iter().zip(command.kept(values)).enumerate() {
         if elem.len() + 1 > MAX_ARGV_ELEMENT {
-            let names: Vec<String> = pieces(part)
-                .into_iter()
+            let names: Vec<String> = pieces
+                .iter()
                 .filter_map(|p| match p {
-                    Piece::Placeholder(n) => Some(format!("{n:?}")),
-                    Piece::Text(_) => None,
+                    CommandPiece::Param(n) => Some(format!("{n:?}")),
+                    CommandPiece::Lit(_) => None,
                 })
                 .collect();
             return Err(ArgError::ElementTooLong {
@@ -287,16 +230,6 @@ pub fn check_command(
         });
     }
     Ok(())
-}
-
-/// The elements of `command` that [`substitute`] keeps, in order.
-fn kept<'a>(
-    command: &'a [String],
-    values: &'a BTreeMap<String, String>,
-) -> impl Iterator<Item = &'a String> + 'a {
-    command.iter().filter(move |part| {
-        !matches!(pieces(part).as_slice(), [Piece::Placeholder(n)] if !values.contains_key(*n))
-    })
 }
 
 /// The bytes an environment takes on a command line: `NAME=value` and a NUL per variable,

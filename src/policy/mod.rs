@@ -3,15 +3,17 @@
 //! `load` reads the whole directory and returns every problem with `file:line:col`; the rest
 //! of the daemon only ever sees a validated [`Policy`].
 
+pub mod command;
 mod grant;
 mod load;
 mod model;
 pub mod redact;
 
+pub use command::{placeholders, Command, Piece, Template};
 pub use grant::{Grant, Right, Subject};
 pub use load::{
-    check_dir, load, load_for, parse_duration, parse_size, placeholders, DaemonIdentity,
-    Diagnostic, PolicyErrors,
+    check_dir, load, load_for, parse_duration, parse_size, DaemonIdentity, Diagnostic,
+    DurationError, PolicyErrors, SizeError,
 };
 pub use model::*;
 

@@ -336,7 +336,8 @@ pub enum ToolKind {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExternalTool {
-    pub command: Vec<String>,
+    /// The `command` template, parsed at load.
+    pub command: super::Command,
     pub protocol: Protocol,
     pub timeout: Duration,
     /// The profile, resolved at load: a tool cannot name a profile the policy lacks, and a

@@ -14,16 +14,11 @@ use super::sys::{
     sync_point, FileId,
 };
 use super::tree::{remove_tree, usage, Usage};
-use super::workspace::{check_target, shown_path, split_target};
-use super::{JobSpec, PublishError, Published, Workspace, JOB_DIR_PREFIX};
-
-const STAGE: &str = "stage";
-/// Job ids become file names: keep them short and free of separators and dots.
-pub(super) const MAX_ID_LEN: usize = 128;
-/// How much longer than the workspace root's path a staged output's path is, at most,
-/// without its file name: `/.airlock-job-<id>/stage/<slot>/`.
-pub(super) const STAGED_OVERHEAD: usize =
-    1 + JOB_DIR_PREFIX.len() + MAX_ID_LEN + 1 + STAGE.len() + 1 + 20 + 1;
+use super::workspace::{check_target, split_target};
+use super::{
+    Change, JobSpec, OutputFault, PublishError, Published, SpecError, Workspace, JOB_DIR_PREFIX,
+    MAX_ID_LEN, STAGE,
+};
 
 pub struct Job {
     spec: JobSpec,
@@ -56,7 +51,7 @@ impl std::fmt::Debug for Job {
 /// Checks a spec before anything is created: the id becomes a file name and the targets
 /// become renames beneath the root.
 fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
-    let bad = |reason: String| PublishError::InvalidSpec { reason };
+    let bad = |reason: SpecError| PublishError::InvalidSpec { reason };
     if spec.id.is_empty()
         || spec.id.len() > MAX_ID_LEN
         || !spec
@@ -64,26 +59,29 @@ fn check_spec(spec: &JobSpec) -> Result<(), PublishError> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
     {
-        return Err(bad(format!(
-            "job id {:?} must be 1 to {MAX_ID_LEN} ASCII letters, digits, '-' or '_'",
-            spec.id
-        )));
+        return Err(bad(SpecError::BadId {
+            id: spec.id.clone(),
+        }));
     }
     let mut seen = HashSet::new();
     for t in &spec.targets {
-        check_target(t).map_err(|r| bad(format!("{}: {r}", shown_path(t))))?;
+        check_target(t).map_err(|error| {
+            bad(SpecError::Target {
+                target: t.clone(),
+                error,
+            })
+        })?;
         if !seen.insert(t.as_path()) {
-            return Err(bad(format!("{} is named by two outputs", shown_path(t))));
+            return Err(bad(SpecError::Duplicate { target: t.clone() }));
         }
     }
     for a in &spec.targets {
         for b in &spec.targets {
             if a != b && b.starts_with(a) {
-                return Err(bad(format!(
-                    "output {} is a parent directory of output {}",
-                    shown_path(a),
-                    shown_path(b)
-                )));
+                return Err(bad(SpecError::Nested {
+                    parent: a.clone(),
+                    child: b.clone(),
+                }));
             }
         }
     }
@@ -417,7 +415,7 @@ impl Job {
         let mut ids = Vec::with_capacity(self.journal.targets.len());
         let mut published = Vec::with_capacity(self.journal.targets.len());
         for (i, rec) in self.journal.targets.iter().enumerate() {
-            let bad = |reason: String| PublishError::BadOutput {
+            let bad = |reason: OutputFault| PublishError::BadOutput {
                 path: rec.target.clone(),
                 index: i,
                 reason,
@@ -425,33 +423,26 @@ impl Job {
             let staged = self.dir.join(&rec.staged);
             let slot = Path::new(STAGE).join(i.to_string());
             let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot).map_err(|e| match e {
-                Errno::NOENT | Errno::LOOP | Errno::NOTDIR => bad(format!(
-                    "the staging dir {} was removed or replaced",
-                    slot.display()
-                )),
+                Errno::NOENT | Errno::LOOP | Errno::NOTDIR => {
+                    bad(OutputFault::SlotGone { slot: slot.clone() })
+                }
                 e => io("open staging dir", &self.dir.join(&slot), e),
             })?;
             let name = rec.staged.file_name().unwrap_or(OsStr::new("output"));
             // O_PATH first: learn the type without opening a FIFO or a device for reading.
             let pfd = open_beneath(slot_fd.as_fd(), name, OFlags::PATH).map_err(|e| match e {
-                Errno::NOENT => bad("the tool did not write it (missing)".into()),
-                Errno::LOOP => bad("it is a symlink".into()),
+                Errno::NOENT => bad(OutputFault::Missing),
+                Errno::LOOP => bad(OutputFault::Symlink),
                 e => io("open staged output", &staged, e),
             })?;
             let st =
                 rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
             let ft = file_type(&st);
             if ft != FileType::RegularFile {
-                return Err(bad(format!(
-                    "the tool left {} there, not a regular file",
-                    describe(ft)
-                )));
+                return Err(bad(OutputFault::NotAFile(describe(ft))));
             }
             if nlink(&st) != 1 {
-                return Err(bad(format!(
-                    "it has {} hard links (a staged output must have one)",
-                    nlink(&st)
-                )));
+                return Err(bad(OutputFault::Links(nlink(&st))));
             }
             // Owner and mode are the daemon's to set, before the file can be read or moved:
             // no setuid/setgid/sticky bit, no group or other write, the worker's uid gone.
@@ -467,7 +458,7 @@ impl Job {
             let st2 =
                 rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
             if FileId::of(&st2) != FileId::of(&st) {
-                return Err(bad("it was replaced while being validated".into()));
+                return Err(bad(OutputFault::Replaced));
             }
             sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
             let size = st2.st_size as u64;
@@ -508,12 +499,12 @@ impl Job {
         let root = self.root.as_fd();
         for (rec, new) in self.journal.targets.iter_mut().zip(news) {
             let target_abs = self.root_path.join(&rec.target);
-            let changed = |reason: String| PublishError::TargetChanged {
+            let changed = |reason: Change| PublishError::TargetChanged {
                 path: target_abs.clone(),
                 reason,
             };
-            let (parent, name) = split_target(&rec.target)
-                .ok_or_else(|| changed("target has no file name".into()))?;
+            let (parent, name) =
+                split_target(&rec.target).ok_or_else(|| changed(Change::TargetHasNoName))?;
             let mut missing = false;
             let mut prefix = PathBuf::new();
             for comp in parent.iter() {
@@ -531,20 +522,18 @@ impl Job {
                         created.push(prefix.clone());
                         missing = true;
                     }
-                    Err(e) => return Err(changed(parent_reason(&prefix, e))),
+                    Err(e) => return Err(changed(Change::parent(&prefix, e))),
                 }
             }
             let old = if missing {
                 None
             } else {
                 let pfd = open_dir_beneath(root, parent)
-                    .map_err(|e| changed(parent_reason(parent, e)))?;
+                    .map_err(|e| changed(Change::parent(parent, e)))?;
                 match stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))? {
                     None => None,
                     Some(st) if file_type(&st) == FileType::RegularFile => Some(FileId::of(&st)),
-                    Some(st) => {
-                        return Err(changed(format!("it is now {}", describe(file_type(&st)))))
-                    }
+                    Some(st) => return Err(changed(Change::NowA(describe(file_type(&st))))),
                 }
             };
             rec.old = old;
@@ -560,14 +549,14 @@ impl Job {
         let mut touched = Vec::new();
         for dir in &self.journal.created_dirs {
             let abs = self.root_path.join(dir);
-            let changed = |reason: String| PublishError::TargetChanged {
+            let changed = |reason: Change| PublishError::TargetChanged {
                 path: abs.clone(),
                 reason,
             };
             let (parent, name) =
-                split_target(dir).ok_or_else(|| changed("no directory name".into()))?;
+                split_target(dir).ok_or_else(|| changed(Change::NoDirectoryName))?;
             let pfd =
-                open_dir_beneath(root, parent).map_err(|e| changed(parent_reason(parent, e)))?;
+                open_dir_beneath(root, parent).map_err(|e| changed(Change::parent(parent, e)))?;
             match mutate("publish.mkdir_parent", &abs, || {
                 rustix::fs::mkdirat(pfd.as_fd(), name, Mode::from_raw_mode(0o777))
             }) {
@@ -577,7 +566,7 @@ impl Job {
                     if source.raw_os_error() == Some(libc::EEXIST) =>
                 {
                     open_dir_beneath(pfd.as_fd(), name)
-                        .map_err(|e| changed(parent_reason(dir, e)))?;
+                        .map_err(|e| changed(Change::parent(dir, e)))?;
                 }
                 Err(e) => return Err(e),
             }
@@ -592,14 +581,14 @@ impl Job {
     fn rename_one(&self, i: usize) -> Result<(OwnedFd, OwnedFd), PublishError> {
         let rec = &self.journal.targets[i];
         let target_abs = self.root_path.join(&rec.target);
-        let changed = |reason: String| PublishError::TargetChanged {
+        let changed = |reason: Change| PublishError::TargetChanged {
             path: target_abs.clone(),
             reason,
         };
         let (parent, name) =
-            split_target(&rec.target).ok_or_else(|| changed("no file name".into()))?;
+            split_target(&rec.target).ok_or_else(|| changed(Change::NoFileName))?;
         let pfd = open_dir_beneath(self.root.as_fd(), parent)
-            .map_err(|e| changed(parent_reason(parent, e)))?;
+            .map_err(|e| changed(Change::parent(parent, e)))?;
         let slot = Path::new(STAGE).join(i.to_string());
         let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot)
             .map_err(|e| io("open staging dir", &self.dir.join(&slot), e))?;
@@ -608,13 +597,8 @@ impl Job {
             Some(old) => {
                 match &now {
                     Some(st) if FileId::of(st) == old => {}
-                    Some(st) => {
-                        return Err(changed(format!(
-                            "it was replaced (now {}) since publication began",
-                            describe(file_type(st))
-                        )))
-                    }
-                    None => return Err(changed("it was removed since publication began".into())),
+                    Some(st) => return Err(changed(Change::Replaced(describe(file_type(st))))),
+                    None => return Err(changed(Change::Removed)),
                 }
                 mutate("publish.exchange", &target_abs, || {
                     rustix::fs::renameat_with(
@@ -630,15 +614,12 @@ impl Job {
                 let backup = stat_at(slot_fd.as_fd(), name)
                     .map_err(|e| io("stat backup", &self.dir.join(&rec.staged), e))?;
                 if backup.as_ref().map(FileId::of) != Some(old) {
-                    return Err(changed("it was replaced during publication".into()));
+                    return Err(changed(Change::ReplacedDuringRename));
                 }
             }
             None => {
                 if let Some(st) = &now {
-                    return Err(changed(format!(
-                        "{} appeared there since publication began",
-                        describe(file_type(st))
-                    )));
+                    return Err(changed(Change::Appeared(describe(file_type(st)))));
                 }
                 match mutate("publish.rename_noreplace", &target_abs, || {
                     rustix::fs::renameat_with(
@@ -653,7 +634,7 @@ impl Job {
                     Err(PublishError::Io { source, .. })
                         if source.raw_os_error() == Some(libc::EEXIST) =>
                     {
-                        return Err(changed("a file appeared there during publication".into()))
+                        return Err(changed(Change::AppearedDuringRename))
                     }
                     Err(e) => return Err(e),
                 }
@@ -683,7 +664,7 @@ impl Job {
                     error: Box::new(error),
                     rollback: Box::new(PublishError::TargetChanged {
                         path: u.target.clone(),
-                        reason: format!("cannot reach it safely to restore it: {}", u.reason),
+                        reason: Change::Unreachable(Box::new(u.reason.clone())),
                     }),
                 }
             }
@@ -724,17 +705,6 @@ fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
     Ok(crate::audit::log::hex(&h.finalize()))
 }
 
-fn parent_reason(prefix: &Path, e: Errno) -> String {
-    let p = shown_path(prefix);
-    match e {
-        Errno::NOENT => format!("{p} no longer exists"),
-        Errno::LOOP => format!("{p} is now a symlink"),
-        Errno::NOTDIR => format!("{p} is no longer a directory"),
-        Errno::XDEV => format!("{p} is now on another mount"),
-        e => format!("{p}: {}", std::io::Error::from(e)),
-    }
-}
-
 /// Brings every target of a journaled job back to its old state, deciding by identity what
 /// each target holds now: the new file is swapped back with its backup (or unlinked if the
 /// target did not exist); anything else (the old file, nothing, someone else's file) is left.
@@ -772,10 +742,10 @@ pub(super) fn rollback(
                 continue
             }
             Err(e @ (Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) => {
-                tracing::warn!(target = %target_abs.display(), reason = %parent_reason(parent, e), "cannot reach target safely; left as is");
+                tracing::warn!(target = %target_abs.display(), reason = %Change::parent(parent, e), "cannot reach target safely; left as is");
                 out.unreached.push(Unreached {
                     target: target_abs,
-                    reason: parent_reason(parent, e),
+                    reason: Change::parent(parent, e),
                 });
                 continue;
             }
@@ -870,7 +840,7 @@ pub struct Unreached {
     /// Absolute path of the target.
     pub target: PathBuf,
     /// Which parent and why (`x is now a symlink`).
-    pub reason: String,
+    pub reason: Change,
 }
 
 /// The journaled targets a rollback could not reach safely, found without changing
@@ -894,7 +864,7 @@ pub(super) fn unreachable_targets(
             }
             out.push(Unreached {
                 target: root_path.join(&rec.target),
-                reason: parent_reason(parent, e),
+                reason: Change::parent(parent, e),
             });
         }
     }

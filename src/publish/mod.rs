@@ -32,6 +32,7 @@
 mod job;
 mod journal;
 mod recover;
+mod rejection;
 mod sys;
 mod tree;
 mod workspace;
@@ -48,6 +49,7 @@ pub use job::Unreached;
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};
 pub use recover::{recover, recover_with, Kept};
+pub use rejection::{Change, OutputFault, Rejection, SpecError, TargetError};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;
@@ -61,6 +63,14 @@ pub const QUARANTINE_PREFIX: &str = ".airlock-quarantine-";
 /// with one of these is rejected.
 pub const RESERVED_PREFIXES: [&str; 2] = [JOB_DIR_PREFIX, QUARANTINE_PREFIX];
 
+/// The job dir's staging subdirectory.
+const STAGE: &str = "stage";
+/// Job ids become file names: keep them short and free of separators and dots.
+const MAX_ID_LEN: usize = 128;
+/// How much longer than the workspace root's path a staged output's path is, at most,
+/// without its file name: `/.airlock-job-<id>/stage/<slot>/`.
+const STAGED_OVERHEAD: usize = 1 + JOB_DIR_PREFIX.len() + MAX_ID_LEN + 1 + STAGE.len() + 1 + 20 + 1;
+
 /// The longest path the kernel takes, terminating NUL included (`PATH_MAX`).
 pub const PATH_MAX: usize = libc::PATH_MAX as usize;
 /// The longest file name (`NAME_MAX`).
@@ -70,8 +80,8 @@ pub const NAME_MAX: usize = 255;
 pub enum PathError {
     /// `raw` is the path as the client sent it, shown escaped and cut (as every
     /// client-supplied string in a message is).
-    #[error("{}: {reason}", crate::exec::args::shown(raw))]
-    Rejected { raw: String, reason: String },
+    #[error("{}: {reason}", crate::text::shown(raw))]
+    Rejected { raw: String, reason: Rejection },
 }
 
 /// The error of a caller's callback (the commit, recovery's question), kept with its causes.
@@ -91,17 +101,17 @@ pub enum PublishError {
     BadOutput {
         path: PathBuf,
         index: usize,
-        reason: String,
+        reason: OutputFault,
     },
     /// The caller's commit (the session store's write) failed; its error is kept.
     #[error("commit failed: {0}")]
     Commit(#[source] CallbackError),
     /// The job spec cannot become a job dir (bad id, targets not normalized or overlapping).
     #[error("invalid job: {reason}")]
-    InvalidSpec { reason: String },
+    InvalidSpec { reason: SpecError },
     /// A target (or one of its parents) changed between resolution and publication.
     #[error("target {path} changed: {reason}")]
-    TargetChanged { path: PathBuf, reason: String },
+    TargetChanged { path: PathBuf, reason: Change },
     /// Publication failed and so did the rollback: the targets may be mixed until startup
     /// recovery runs; the job dir and its journal are kept for it.
     #[error(

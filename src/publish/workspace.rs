@@ -7,10 +7,9 @@ use std::path::{Component, Path, PathBuf};
 use rustix::fs::{FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use super::job::STAGED_OVERHEAD;
+use super::rejection::{Rejection, TargetError};
 use super::sys::{describe, file_type, open_beneath, stat_at};
-use super::{PathError, PublishError, NAME_MAX, PATH_MAX, RESERVED_PREFIXES};
-use crate::exec::args::shown;
+use super::{PathError, PublishError, NAME_MAX, PATH_MAX, RESERVED_PREFIXES, STAGED_OVERHEAD};
 use crate::policy::PathRole;
 
 /// The workspace root, held open as a directory fd. Every later operation resolves beneath
@@ -67,7 +66,7 @@ impl Workspace {
     /// raw one), and every existing component of it is checked to be a real directory beneath
     /// the root (no symlink at all, no mount crossing).
     pub fn resolve(&self, raw: &str, role: PathRole) -> Result<PathBuf, PathError> {
-        let reject = |reason: String| PathError::Rejected {
+        let reject = |reason: Rejection| PathError::Rejected {
             raw: raw.to_string(),
             reason,
         };
@@ -81,32 +80,27 @@ impl Workspace {
     }
 
     /// The lexical half of [`Workspace::resolve`]: a relative, normalized path.
-    fn normalize(&self, raw: &str) -> Result<PathBuf, String> {
+    fn normalize(&self, raw: &str) -> Result<PathBuf, Rejection> {
         if raw.is_empty() {
-            return Err("empty path".into());
+            return Err(Rejection::Empty);
         }
         if raw.contains('\0') {
-            return Err("contains a NUL byte".into());
+            return Err(Rejection::Nul);
         }
-        if let Some((at, c, class)) = forbidden_char(raw) {
-            return Err(forbidden_message(at, c, class));
+        if let Some((at, found, class)) = forbidden_char(raw) {
+            return Err(Rejection::ForbiddenChar { at, found, class });
         }
         if raw.len() >= PATH_MAX {
-            return Err(format!(
-                "is {} bytes long; a path is at most {} bytes",
-                raw.len(),
-                PATH_MAX - 1
-            ));
+            return Err(Rejection::TooLong { len: raw.len() });
         }
         if let Some(c) = Path::new(raw)
             .iter()
             .find(|c| c.as_encoded_bytes().len() > NAME_MAX)
         {
-            return Err(format!(
-                "has a component of {} bytes ({}...); a file name is at most {NAME_MAX} bytes",
-                c.len(),
-                shown(&String::from_utf8_lossy(&c.as_encoded_bytes()[..16]))
-            ));
+            return Err(Rejection::ComponentTooLong {
+                len: c.len(),
+                head: String::from_utf8_lossy(&c.as_encoded_bytes()[..16]).into_owned(),
+            });
         }
         let path = Path::new(raw);
         let owned;
@@ -117,10 +111,9 @@ impl Workspace {
             } else if let Ok(r) = owned.strip_prefix(&self.given) {
                 r
             } else {
-                return Err(format!(
-                    "absolute path outside the workspace {}",
-                    self.root.display()
-                ));
+                return Err(Rejection::OutsideWorkspace {
+                    root: self.root.clone(),
+                });
             }
         } else {
             path
@@ -132,17 +125,15 @@ impl Workspace {
                 Component::CurDir => {}
                 Component::ParentDir => {
                     if !out.pop() {
-                        return Err("'..' leads out of the workspace".into());
+                        return Err(Rejection::LeadsOut);
                     }
                 }
-                Component::RootDir | Component::Prefix(_) => {
-                    return Err("unexpected root component".into())
-                }
+                Component::RootDir | Component::Prefix(_) => return Err(Rejection::RootComponent),
             }
         }
         if let Some(Component::Normal(first)) = out.components().next() {
             if is_reserved(first) {
-                return Err("names an airlock job directory (or a quarantined one)".into());
+                return Err(Rejection::JobDir);
             }
         }
         Ok(out)
@@ -152,37 +143,29 @@ impl Workspace {
     /// (the worker's open of its argument, publication, rollback, recovery) meets
     /// ENAMETOOLONG: the absolute path beneath the root, and for an output its staged path
     /// inside the job dir (which is also where the old file is kept as the backup).
-    fn check_length(&self, rel: &Path, role: PathRole) -> Result<(), String> {
+    fn check_length(&self, rel: &Path, role: PathRole) -> Result<(), Rejection> {
         let root = self.root.as_os_str().len();
         let total = root + 1 + rel.as_os_str().len();
         if total >= PATH_MAX {
-            return Err(format!(
-                "would be {total} bytes long beneath the workspace root ({root} bytes); \
-                 a path is at most {} bytes",
-                PATH_MAX - 1
-            ));
+            return Err(Rejection::TooLongBeneathRoot { total, root });
         }
         if role == PathRole::Output {
             let base = rel.file_name().map_or(0, |n| n.len());
             let staged = root + STAGED_OVERHEAD + base;
             if staged >= PATH_MAX {
-                return Err(format!(
-                    "its staged copy would be {staged} bytes long; a path is at most {} bytes \
-                     (the workspace root is {root} bytes)",
-                    PATH_MAX - 1
-                ));
+                return Err(Rejection::StagedTooLong { staged, root });
             }
         }
         Ok(())
     }
 
     /// The physical half: walks the existing components beneath the root fd.
-    fn check(&self, rel: &Path, role: PathRole) -> Result<(), String> {
+    fn check(&self, rel: &Path, role: PathRole) -> Result<(), Rejection> {
         let comps: Vec<&OsStr> = rel.iter().collect();
         let Some((last, parents)) = comps.split_last() else {
             return match role {
                 PathRole::Input => Ok(()),
-                PathRole::Output => Err("is the workspace root itself".into()),
+                PathRole::Output => Err(Rejection::OutputIsRoot),
             };
         };
         let mut cur: Option<OwnedFd> = None;
@@ -205,15 +188,14 @@ impl Workspace {
         match role {
             PathRole::Input => {
                 let Some(st) = st else {
-                    return Err(format!("{} does not exist", shown_path(&prefix)));
+                    return Err(Rejection::Missing { path: prefix });
                 };
                 let ft = file_type(&st);
                 if ft != FileType::RegularFile && ft != FileType::Directory {
-                    return Err(format!(
-                        "{} is {}, not a regular file or directory",
-                        shown_path(&prefix),
-                        describe(ft)
-                    ));
+                    return Err(Rejection::InputNotFileOrDir {
+                        path: prefix,
+                        kind: describe(ft),
+                    });
                 }
                 // Prove it is readable (the type is known, so opening has no side effect).
                 open_beneath(dir, last, OFlags::RDONLY | OFlags::NONBLOCK)
@@ -222,31 +204,20 @@ impl Workspace {
             }
             PathRole::Output => match st.map(|st| file_type(&st)) {
                 None | Some(FileType::RegularFile) => Ok(()),
-                Some(ft) => Err(format!(
-                    "{} is {}; an output must be a regular file",
-                    shown_path(&prefix),
-                    describe(ft)
-                )),
+                Some(ft) => Err(Rejection::OutputNotFile {
+                    path: prefix,
+                    kind: describe(ft),
+                }),
             },
         }
     }
 }
 
-fn walk_error(prefix: &Path, e: Errno) -> String {
-    let p = shown_path(prefix);
-    match e {
-        Errno::NOENT => format!("{p} does not exist"),
-        Errno::LOOP => format!("{p} is a symlink (symlinks are never followed)"),
-        Errno::NOTDIR => format!("{p} is not a directory"),
-        Errno::XDEV => format!("{p} is on another mount than the workspace"),
-        Errno::ACCESS => format!("{p}: permission denied"),
-        e => format!("{p}: {}", std::io::Error::from(e)),
+fn walk_error(prefix: &Path, errno: Errno) -> Rejection {
+    Rejection::Walk {
+        path: prefix.to_path_buf(),
+        errno,
     }
-}
-
-/// A path as a message shows it: through [`shown`], like every client-supplied string.
-pub(super) fn shown_path(p: &Path) -> String {
-    shown(&p.to_string_lossy())
 }
 
 /// The first character of `s` that no path a client names may hold, with its byte offset and
@@ -271,15 +242,6 @@ pub fn forbidden_char(s: &str) -> Option<(usize, char, &'static str)> {
         };
         Some((at, c, class))
     })
-}
-
-/// The reason a path holding a [`forbidden_char`] is refused.
-fn forbidden_message(at: usize, c: char, class: &str) -> String {
-    format!(
-        "holds U+{:04X} ({class}) at byte {at}; a path may not hold control characters, \
-         bidirectional controls or invisible formatting characters",
-        c as u32
-    )
 }
 
 /// Lexical normalization of an absolute path (`.` dropped, `..` pops, never above `/`).
@@ -308,32 +270,30 @@ pub(super) fn split_target(target: &Path) -> Option<(&Path, &OsStr)> {
 
 /// Checks that `target` is a normalized relative path as [`Workspace::resolve`] returns for an
 /// output (the spec may come from elsewhere; never trust it blindly).
-pub(super) fn check_target(target: &Path) -> Result<(), String> {
+pub(super) fn check_target(target: &Path) -> Result<(), TargetError> {
     if target.as_os_str().is_empty() {
-        return Err("empty target".into());
+        return Err(TargetError::Empty);
     }
     if target.to_str().is_none() {
-        return Err("target is not valid UTF-8".into());
+        return Err(TargetError::NotUtf8);
     }
     if target.as_os_str().len() >= PATH_MAX {
-        return Err("target is longer than PATH_MAX".into());
+        return Err(TargetError::TooLong);
     }
-    if let Some((at, c, class)) = target.to_str().and_then(forbidden_char) {
-        return Err(format!("target {}", forbidden_message(at, c, class)));
+    if let Some((at, found, class)) = target.to_str().and_then(forbidden_char) {
+        return Err(TargetError::ForbiddenChar { at, found, class });
     }
     for (k, c) in target.components().enumerate() {
         match c {
             Component::Normal(n) => {
                 if k == 0 && is_reserved(n) {
-                    return Err(
-                        "target names an airlock job directory (or a quarantined one)".into(),
-                    );
+                    return Err(TargetError::JobDir);
                 }
                 if n.len() > NAME_MAX {
-                    return Err("target has a component longer than NAME_MAX".into());
+                    return Err(TargetError::ComponentTooLong);
                 }
             }
-            _ => return Err("target is not a normalized relative path".into()),
+            _ => return Err(TargetError::NotNormalized),
         }
     }
     Ok(())
@@ -346,9 +306,7 @@ pub(super) fn is_reserved(first: &OsStr) -> bool {
         .any(|p| first.as_encoded_bytes().starts_with(p.as_bytes()))
 }
 
-/// Names beginning with this are airlock's own (job dirs, quarantine dirs): no input may name
-/// one or be a directory that holds one.
-pub const RESERVED_PREFIX: &str = ".airlock-";
+pub use super::rejection::RESERVED_PREFIX;
 
 impl Workspace {
     /// The reach of an input, checked after [`Workspace::resolve`] (`rel` is what it
@@ -366,24 +324,20 @@ impl Workspace {
     /// Mounts and entries created after this check are not seen: the check is for mistakes
     /// and for the layout the workspace has, not a race-free guard against its own operator.
     pub fn check_input_reach(&self, raw: &str, rel: &Path) -> Result<(), PathError> {
-        let reject = |reason: String| PathError::Rejected {
+        let reject = |reason: Rejection| PathError::Rejected {
             raw: raw.to_string(),
             reason,
         };
         if rel.as_os_str().is_empty() || rel == Path::new(".") {
-            return Err(reject(format!(
-                "is the workspace root, which holds the job dirs of running calls \
-                 ({RESERVED_PREFIX}*); name a subdirectory of it instead"
-            )));
+            return Err(reject(Rejection::InputIsRoot));
         }
         if let Some(c) = rel
             .iter()
             .find(|c| c.as_encoded_bytes().starts_with(RESERVED_PREFIX.as_bytes()))
         {
-            return Err(reject(format!(
-                "{} is a name reserved to airlock ({RESERVED_PREFIX}*)",
-                shown(&c.to_string_lossy())
-            )));
+            return Err(reject(Rejection::ReservedComponent {
+                name: c.to_string_lossy().into_owned(),
+            }));
         }
         let dir = match open_beneath(self.fd(), rel, OFlags::RDONLY | OFlags::DIRECTORY) {
             Ok(fd) => fd,
@@ -391,32 +345,27 @@ impl Workspace {
             Err(Errno::NOTDIR) => return Ok(()),
             Err(e) => return Err(reject(walk_error(rel, e))),
         };
-        let entries = rustix::fs::Dir::read_from(&dir)
-            .map_err(|e| reject(format!("cannot list {}: {e}", shown_path(rel))))?;
+        let list = |errno| {
+            reject(Rejection::List {
+                path: rel.to_path_buf(),
+                errno,
+            })
+        };
+        let entries = rustix::fs::Dir::read_from(&dir).map_err(list)?;
         for entry in entries {
-            let entry =
-                entry.map_err(|e| reject(format!("cannot list {}: {e}", shown_path(rel))))?;
+            let entry = entry.map_err(list)?;
             let name = entry.file_name().to_bytes();
             if name.starts_with(RESERVED_PREFIX.as_bytes()) {
-                return Err(reject(format!(
-                    "holds {}, a name reserved to airlock job and quarantine dirs \
-                     ({RESERVED_PREFIX}*); name a subdirectory that does not",
-                    shown(&String::from_utf8_lossy(name))
-                )));
+                return Err(reject(Rejection::HoldsReserved {
+                    name: String::from_utf8_lossy(name).into_owned(),
+                }));
             }
         }
         let abs = self.root.join(rel);
-        let info = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| {
-            reject(format!(
-                "cannot read /proc/self/mountinfo to check for mounts beneath it: {e}"
-            ))
-        })?;
+        let info = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|cause| reject(Rejection::Mountinfo { cause }))?;
         if let Some(m) = mounts_beneath(&info, &abs).into_iter().next() {
-            return Err(reject(format!(
-                "crosses into the filesystem mounted at {}; name a directory with no mount \
-                 point beneath it",
-                m.display()
-            )));
+            return Err(reject(Rejection::CrossesMount { mount: m }));
         }
         Ok(())
     }

@@ -19,6 +19,16 @@ use serde_json::{Map, Value};
 
 use crate::fsutil;
 
+mod dir_sync;
+mod id;
+mod quota;
+#[cfg(test)]
+mod tests;
+
+use dir_sync::DirSync;
+pub use id::{check_id, valid_id, IdError, MAX_ID_LEN};
+pub use quota::{state_bytes, QuotaError, Reserved, SessionLimits, Usage};
+
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
     #[error("no session {0:?}")]
@@ -35,66 +45,14 @@ pub enum SessionError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("corrupt session file {path}: {reason}")]
-    Corrupt { path: PathBuf, reason: String },
+    /// `cause`: the JSON error (printed, so not a `#[source]`).
+    #[error("corrupt session file {path}: {cause}")]
+    Corrupt {
+        path: PathBuf,
+        cause: serde_json::Error,
+    },
     #[error(transparent)]
     Quota(#[from] QuotaError),
-}
-
-/// A bound of [`SessionLimits`] that a create or a commit would pass: nothing was created
-/// or committed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum QuotaError {
-    #[error("uid {uid} already holds {held} live sessions, the most max_sessions_per_principal ({limit}) allows; destroy one first")]
-    Sessions { uid: u32, held: usize, limit: usize },
-    #[error("the state of session {session:?} would be {bytes} bytes (as compact JSON), more than max_session_state_bytes ({limit})")]
-    SessionBytes {
-        session: String,
-        bytes: u64,
-        limit: u64,
-    },
-    #[error("the sessions of uid {uid} hold {held} bytes of state; session {session:?} would add {more}, past max_state_bytes_per_principal ({limit})")]
-    PrincipalBytes {
-        uid: u32,
-        session: String,
-        held: u64,
-        more: u64,
-        limit: u64,
-    },
-}
-
-/// The bounds of one owner's sessions (`[daemon]` in airlock.toml).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SessionLimits {
-    /// Live sessions one uid may own (`max_sessions_per_principal`).
-    pub sessions_per_principal: usize,
-    /// The state of one session, as compact JSON (`max_session_state_bytes`).
-    pub session_state_bytes: u64,
-    /// The states of one uid's live sessions together (`max_state_bytes_per_principal`).
-    pub state_bytes_per_principal: u64,
-}
-
-impl Default for SessionLimits {
-    fn default() -> Self {
-        SessionLimits {
-            sessions_per_principal: usize::MAX,
-            session_state_bytes: u64::MAX,
-            state_bytes_per_principal: u64::MAX,
-        }
-    }
-}
-
-/// The size a state is counted at: its compact JSON.
-pub fn state_bytes(state: &Map<String, Value>) -> u64 {
-    serde_json::to_vec(state).map_or(u64::MAX, |v| v.len() as u64)
-}
-
-/// What one owner's live sessions hold.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Usage {
-    pub sessions: usize,
-    /// Committed state bytes, plus the growth commits have reserved and not yet made.
-    pub bytes: u64,
 }
 
 /// A committed snapshot of one session.
@@ -157,39 +115,6 @@ impl SessionGuard {
     }
 }
 
-/// Room a commit has taken in its owner's state bytes before publication; given back
-/// when dropped uncommitted.
-pub struct Reserved<'a> {
-    store: &'a SessionStore,
-    owner: Option<u32>,
-    /// The growth added to the owner's bytes.
-    grown: u64,
-    /// The new state's size.
-    bytes: u64,
-    committed: bool,
-}
-
-impl Reserved<'_> {
-    /// The new state's size.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-}
-
-impl Drop for Reserved<'_> {
-    fn drop(&mut self) {
-        if self.committed {
-            return;
-        }
-        if let Some(uid) = self.owner {
-            let mut usage = lock(&self.store.usage);
-            if let Some(u) = usage.get_mut(&uid) {
-                u.bytes = u.bytes.saturating_sub(self.grown);
-            }
-        }
-    }
-}
-
 pub struct SessionStore {
     dir: PathBuf,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
@@ -197,58 +122,6 @@ pub struct SessionStore {
     usage: Mutex<HashMap<u32, Usage>>,
     limits: SessionLimits,
     dir_sync: DirSync,
-}
-
-/// Group commit of the sessions dir: every commit renames its own file into place, then
-/// needs the dir fsynced. Concurrent commits share one fsync: a commit returns once an fsync
-/// of the dir that began after its rename has succeeded, and while one runs, the commits
-/// renamed meanwhile wait for the next one, which one of them runs for all.
-#[derive(Default)]
-struct DirSync {
-    state: Mutex<SyncState>,
-    synced: std::sync::Condvar,
-}
-
-#[derive(Default)]
-struct SyncState {
-    /// Renames done so far (each commit's ticket).
-    renamed: u64,
-    /// Every rename up to this ticket is durable.
-    durable: u64,
-    /// An fsync of the dir is running.
-    running: bool,
-}
-
-impl DirSync {
-    /// Called right after a rename into `dir`; returns once that rename is durable (or the
-    /// fsync that was to make it so failed: then this commit fails, as before).
-    fn after_rename(&self, dir: &Path) -> std::io::Result<()> {
-        let mut s = lock(&self.state);
-        s.renamed += 1;
-        let mine = s.renamed;
-        loop {
-            if s.durable >= mine {
-                return Ok(());
-            }
-            if !s.running {
-                // Every ticket up to `upto` has finished its rename: this fsync covers them.
-                let upto = s.renamed;
-                s.running = true;
-                drop(s);
-                let r = std::fs::File::open(dir).and_then(|f| f.sync_all());
-                s = lock(&self.state);
-                s.running = false;
-                if r.is_ok() {
-                    s.durable = s.durable.max(upto);
-                }
-                self.synced.notify_all();
-                // A failed fsync fails its runner; the others try again themselves.
-                r?;
-                continue;
-            }
-            s = self.synced.wait(s).unwrap_or_else(|p| p.into_inner());
-        }
-    }
 }
 
 fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -261,57 +134,6 @@ fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The longest session id.
-pub const MAX_ID_LEN: usize = 64;
-
-/// What is wrong with a session id a client named. Messages show at most a prefix of it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum IdError {
-    #[error("a session id cannot be empty; use 1 to {MAX_ID_LEN} letters, digits, '-' or '_'")]
-    Empty,
-    #[error("session id {shown} is {len} bytes; a session id is at most {MAX_ID_LEN} bytes")]
-    TooLong { shown: String, len: usize },
-    #[error(
-        "session id {shown} holds {found:?} at byte {at}; use only letters, digits, '-' or '_'"
-    )]
-    BadChar {
-        shown: String,
-        found: char,
-        at: usize,
-    },
-}
-
-/// Checks a session id: 1 to [`MAX_ID_LEN`] ASCII letters, digits, '-' or '_'. Every id a
-/// client names (to create, read, mutate or destroy a session) passes here first, so no
-/// lookup, message, audit event or file name ever holds anything else.
-pub fn check_id(id: &str) -> Result<(), IdError> {
-    let shown = || crate::exec::args::shown(id);
-    if id.is_empty() {
-        return Err(IdError::Empty);
-    }
-    if id.len() > MAX_ID_LEN {
-        return Err(IdError::TooLong {
-            shown: shown(),
-            len: id.len(),
-        });
-    }
-    if let Some((at, found)) = id
-        .char_indices()
-        .find(|(_, c)| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '_'))
-    {
-        return Err(IdError::BadChar {
-            shown: shown(),
-            found,
-            at,
-        });
-    }
-    Ok(())
-}
-
-pub fn valid_id(id: &str) -> bool {
-    check_id(id).is_ok()
 }
 
 impl SessionStore {
@@ -740,9 +562,9 @@ impl SessionStore {
             owner: snap.owner,
         };
         // Compact: the file is the state's counted size plus a few fields.
-        let bytes = serde_json::to_vec(&file).map_err(|e| SessionError::Corrupt {
+        let bytes = serde_json::to_vec(&file).map_err(|cause| SessionError::Corrupt {
             path: self.path(&snap.id),
-            reason: e.to_string(),
+            cause,
         })?;
         let name = format!("{}.json", snap.id);
         fsutil::atomic_write_no_dir_sync(&self.dir, &name, &bytes, 0o600, "session.write")
@@ -771,292 +593,8 @@ fn read_file(path: &Path) -> Result<SessionFile, SessionError> {
         path: path.to_path_buf(),
         source,
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| SessionError::Corrupt {
+    serde_json::from_slice(&bytes).map_err(|cause| SessionError::Corrupt {
         path: path.to_path_buf(),
-        reason: e.to_string(),
+        cause,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn concurrent_commits_through_the_group_dir_sync_all_persist() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(SessionStore::open(dir.path()).unwrap());
-        for i in 0..16 {
-            store.create(&format!("s{i}"), Map::new(), 0).unwrap();
-        }
-        let mut guards = Vec::new();
-        for i in 0..16 {
-            guards.push(store.lock(&format!("s{i}")).await.unwrap());
-        }
-        // 16 threads commit 20 times each, all at once, through the group-committed dir sync.
-        std::thread::scope(|scope| {
-            for (i, g) in guards.iter().enumerate() {
-                let store = &store;
-                scope.spawn(move || {
-                    for n in 1..=20u64 {
-                        let mut st = Map::new();
-                        st.insert("n".into(), n.into());
-                        let snap = store.commit(g, st, &format!("job-{i}-{n}")).unwrap();
-                        assert_eq!(snap.version, n);
-                    }
-                });
-            }
-        });
-        let sync = lock(&store.dir_sync.state);
-        assert_eq!(sync.renamed, 16 + 16 * 20, "one ticket per write");
-        assert_eq!(sync.durable, sync.renamed, "every write made durable");
-        assert!(!sync.running);
-        drop(sync);
-        drop(guards);
-        let reopened = SessionStore::open(dir.path()).unwrap();
-        for i in 0..16 {
-            let snap = reopened.snapshot(&format!("s{i}")).unwrap();
-            assert_eq!(snap.version, 20);
-            assert_eq!(snap.state["n"], 20);
-            assert!(reopened
-                .committed(&format!("s{i}"), &format!("job-{i}-20"))
-                .unwrap());
-        }
-    }
-
-    #[tokio::test]
-    async fn commit_persists_and_destroy_tombstones() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SessionStore::open(dir.path()).unwrap();
-        store.create("s1", Map::new(), 0).unwrap();
-        let g = store.lock("s1").await.unwrap();
-        let mut st = Map::new();
-        st.insert("n".into(), 1.into());
-        let snap = store.commit(&g, st, "job1").unwrap();
-        assert_eq!(snap.version, 1);
-        assert!(store.committed("s1", "job1").unwrap());
-        drop(g);
-        let reopened = SessionStore::open(dir.path()).unwrap();
-        assert_eq!(reopened.snapshot("s1").unwrap().version, 1);
-        let g = reopened.lock("s1").await.unwrap();
-        reopened.destroy(g).unwrap();
-        assert!(matches!(
-            reopened.lock("s1").await,
-            Err(SessionError::Destroyed(_))
-        ));
-        let again = SessionStore::open(dir.path()).unwrap();
-        assert!(matches!(
-            again.create("s1", Map::new(), 0),
-            Err(SessionError::Destroyed(_))
-        ));
-    }
-
-    #[tokio::test]
-    async fn owner_persists_through_commit_destroy_and_restart() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SessionStore::open(dir.path()).unwrap();
-        store.create("mine", Map::new(), 1234).unwrap();
-        let g = store.lock("mine").await.unwrap();
-        assert_eq!(store.commit(&g, Map::new(), "j").unwrap().owner, Some(1234));
-        drop(g);
-        let reopened = SessionStore::open(dir.path()).unwrap();
-        assert_eq!(reopened.owner("mine").unwrap(), Some(1234));
-        let g = reopened.lock("mine").await.unwrap();
-        reopened.destroy(g).unwrap();
-        assert_eq!(reopened.owner("mine").unwrap(), Some(1234));
-        let again = SessionStore::open(dir.path()).unwrap();
-        assert_eq!(
-            again.owner("mine").unwrap(),
-            Some(1234),
-            "the tombstone keeps it"
-        );
-        assert!(matches!(
-            again.owner("never"),
-            Err(SessionError::NotFound(_))
-        ));
-    }
-
-    #[tokio::test]
-    async fn queued_mutator_fails_after_destroy() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(SessionStore::open(dir.path()).unwrap());
-        store.create("s", Map::new(), 0).unwrap();
-        let destroyer = store.lock("s").await.unwrap();
-        let s2 = store.clone();
-        let queued = tokio::spawn(async move { s2.lock("s").await.map(|_| ()) });
-        tokio::task::yield_now().await;
-        store.destroy(destroyer).unwrap();
-        assert!(matches!(
-            queued.await.unwrap(),
-            Err(SessionError::Destroyed(_))
-        ));
-    }
-
-    fn limits(sessions: usize, per_session: u64, per_principal: u64) -> SessionLimits {
-        SessionLimits {
-            sessions_per_principal: sessions,
-            session_state_bytes: per_session,
-            state_bytes_per_principal: per_principal,
-        }
-    }
-
-    fn state_of(len: usize) -> Map<String, Value> {
-        let mut st = Map::new();
-        // {"s":"xxx..."}: 8 bytes of JSON around the string.
-        st.insert("s".into(), "x".repeat(len - 8).into());
-        st
-    }
-
-    #[tokio::test]
-    async fn quotas_refuse_creates_and_commits_per_owner_and_count_again_after_reopen() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut store = SessionStore::open(dir.path()).unwrap();
-        store.set_limits(limits(2, 100, 150));
-        assert_eq!(state_bytes(&state_of(100)), 100);
-        // Past the per-session bound: refused, nothing on disk.
-        let e = store.create("big", state_of(101), 7).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                SessionError::Quota(QuotaError::SessionBytes {
-                    bytes: 101,
-                    limit: 100,
-                    ..
-                })
-            ),
-            "{e}"
-        );
-        assert!(!dir.path().join("sessions/big.json").exists());
-        store.create("a", state_of(100), 7).unwrap();
-        // Past the owner's bytes: refused; another owner is not affected.
-        let e = store.create("b", state_of(60), 7).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                SessionError::Quota(QuotaError::PrincipalBytes {
-                    uid: 7,
-                    held: 100,
-                    more: 60,
-                    limit: 150,
-                    ..
-                })
-            ),
-            "{e}"
-        );
-        assert!(
-            e.to_string()
-                .contains("max_state_bytes_per_principal (150)"),
-            "{e}"
-        );
-        store.create("other", state_of(100), 8).unwrap();
-        store.create("b", state_of(50), 7).unwrap();
-        // Past the owner's count.
-        let e = store.create("c", Map::new(), 7).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                SessionError::Quota(QuotaError::Sessions {
-                    uid: 7,
-                    held: 2,
-                    limit: 2
-                })
-            ),
-            "{e}"
-        );
-        assert!(
-            e.to_string().contains("max_sessions_per_principal (2)"),
-            "{e}"
-        );
-        assert_eq!(
-            store.usage(7),
-            Usage {
-                sessions: 2,
-                bytes: 150
-            }
-        );
-        // A commit that grows past the owner's bytes is refused and changes nothing.
-        let g = store.lock("b").await.unwrap();
-        let e = store.commit(&g, state_of(51), "j1").unwrap_err();
-        assert!(
-            matches!(e, SessionError::Quota(QuotaError::PrincipalBytes { .. })),
-            "{e}"
-        );
-        assert_eq!(store.load_locked(&g).unwrap().version, 0);
-        assert_eq!(store.usage(7).bytes, 150);
-        // A dropped reservation gives its room back; a shrinking commit frees room.
-        let r = store.reserve(&g, &state_of(50)).unwrap();
-        drop(r);
-        assert_eq!(store.usage(7).bytes, 150);
-        store.commit(&g, state_of(10), "j2").unwrap();
-        assert_eq!(store.usage(7).bytes, 110);
-        drop(g);
-        // Recounted from the files.
-        let mut again = SessionStore::open(dir.path()).unwrap();
-        again.set_limits(limits(2, 100, 150));
-        assert_eq!(
-            again.usage(7),
-            Usage {
-                sessions: 2,
-                bytes: 110
-            }
-        );
-        assert_eq!(
-            again.usage(8),
-            Usage {
-                sessions: 1,
-                bytes: 100
-            }
-        );
-        assert!(matches!(
-            again.create("c", Map::new(), 7),
-            Err(SessionError::Quota(QuotaError::Sessions { .. }))
-        ));
-        // A destroyed session counts toward neither bound; its tombstone stays on disk.
-        let g = again.lock("a").await.unwrap();
-        again.destroy(g).unwrap();
-        assert_eq!(
-            again.usage(7),
-            Usage {
-                sessions: 1,
-                bytes: 10
-            }
-        );
-        again.create("c", state_of(100), 7).unwrap();
-        assert!(matches!(
-            again.create("a", Map::new(), 7),
-            Err(SessionError::Destroyed(_))
-        ));
-        assert_eq!(again.owner("a").unwrap(), Some(7));
-        let reopened = SessionStore::open(dir.path()).unwrap();
-        assert_eq!(
-            reopened.usage(7),
-            Usage {
-                sessions: 2,
-                bytes: 110
-            }
-        );
-        assert!(matches!(
-            reopened.snapshot("a"),
-            Err(SessionError::Destroyed(_))
-        ));
-    }
-
-    #[tokio::test]
-    async fn memory_holds_no_state_and_reads_see_the_committed_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SessionStore::open(dir.path()).unwrap();
-        store.create("s", state_of(1000), 1).unwrap();
-        let g = store.lock("s").await.unwrap();
-        store.commit(&g, state_of(2000), "j").unwrap();
-        let m = g.meta();
-        assert_eq!((m.version, m.bytes, m.owner), (1, 2000, Some(1)));
-        drop(g);
-        let snap = store.snapshot("s").unwrap();
-        assert_eq!((snap.version, state_bytes(&snap.state)), (1, 2000));
-        let file = std::fs::read(dir.path().join("sessions/s.json")).unwrap();
-        assert!(
-            file.len() < 2000 + 200,
-            "the file is compact: {} bytes",
-            file.len()
-        );
-    }
 }

@@ -26,7 +26,7 @@ fn tool() -> Tool {
         description: String::new(),
         capability: Capability::Write,
         kind: ToolKind::External(crate::policy::ExternalTool {
-            command: vec!["/bin/true".into()],
+            command: crate::policy::Command::parse(["/bin/true"]),
             protocol: crate::policy::Protocol::Argv,
             timeout: std::time::Duration::from_secs(1),
             profile: std::sync::Arc::new(crate::policy::Profile {

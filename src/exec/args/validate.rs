@@ -7,12 +7,7 @@ use super::{ArgError, MAX_PATH_ARG, MAX_STRING_ARG};
 use crate::policy::redact::{Secrets, MAX_SECRET_ARG};
 use crate::policy::{Builtin, ParamType, Tool, ToolKind};
 
-/// A client's string as it may appear in a message: quoted, and cut (at a character
-/// boundary) when long, with its length, so that no error echoes megabytes back. A string a
-/// call's secrets could be in is shown by [`Secrets::shown`] instead.
-pub fn shown(s: &str) -> String {
-    Secrets::default().shown(s)
-}
+pub use crate::text::shown;
 
 /// Whether argument `name` of `tool` names a session (and must be a valid session id).
 fn names_session(tool: &Tool, name: &str) -> bool {
