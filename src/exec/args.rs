@@ -107,23 +107,43 @@ pub enum ArgError {
     },
 }
 
+/// Two outputs of one call that cannot both be published.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum OverlapError {
+    #[error("outputs {a:?} and {b:?} both name {}", shown(&path.to_string_lossy()))]
+    Same { a: String, b: String, path: PathBuf },
+    #[error(
+        "outputs {a:?} and {b:?} overlap: {} is inside {}",
+        shown(&inner.to_string_lossy()),
+        shown(&outer.to_string_lossy())
+    )]
+    Nested {
+        a: String,
+        b: String,
+        inner: PathBuf,
+        outer: PathBuf,
+    },
+}
+
 /// Rejects two outputs of one call that name the same path or one inside the other.
-pub fn check_overlap(outputs: &[(String, PathBuf)]) -> Result<(), String> {
+pub fn check_overlap(outputs: &[(String, PathBuf)]) -> Result<(), OverlapError> {
     for (i, (na, a)) in outputs.iter().enumerate() {
         for (nb, b) in &outputs[i + 1..] {
             if a == b {
-                return Err(format!(
-                    "outputs {na:?} and {nb:?} both name {}",
-                    shown(&a.to_string_lossy())
-                ));
+                return Err(OverlapError::Same {
+                    a: na.clone(),
+                    b: nb.clone(),
+                    path: a.clone(),
+                });
             }
             if a.starts_with(b) || b.starts_with(a) {
                 let (outer, inner) = if a.starts_with(b) { (b, a) } else { (a, b) };
-                return Err(format!(
-                    "outputs {na:?} and {nb:?} overlap: {} is inside {}",
-                    shown(&inner.to_string_lossy()),
-                    shown(&outer.to_string_lossy())
-                ));
+                return Err(OverlapError::Nested {
+                    a: na.clone(),
+                    b: nb.clone(),
+                    inner: inner.clone(),
+                    outer: outer.clone(),
+                });
             }
         }
     }

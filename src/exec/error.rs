@@ -98,7 +98,7 @@ pub enum CallError {
         source: PathError,
     },
     #[error("{0}")]
-    Overlap(String),
+    Overlap(super::args::OverlapError),
     #[error(transparent)]
     Session(#[from] SessionError),
     /// A session another principal owns (or owned, if destroyed).
@@ -128,7 +128,7 @@ pub enum CallError {
     },
     /// The tool ran and failed (exit status, signal, invalid response, over a limit).
     #[error("{0}")]
-    ToolFailed(String),
+    ToolFailed(super::protocol::ToolFailure),
     /// A `json` tool answered `isError: true`; its content is passed on.
     #[error("{tool} reported an error; nothing was published")]
     ToolReported { tool: String, content: Vec<Value> },

@@ -115,18 +115,20 @@ pub(super) fn interpret(
     match exit {
         Exit::Status(0) => {}
         Exit::Status(code) => {
-            return Err(CallError::ToolFailed(format!(
-                "{} exited with status {code}; nothing was published; \
-                 stderr: {stderr_tail}{hint}",
-                tool.name
-            )))
+            return Err(CallError::ToolFailed(ToolFailure::Exited {
+                tool: tool.name.clone(),
+                code,
+                stderr: stderr_tail,
+                hint,
+            }))
         }
         Exit::Signal(sig) => {
-            return Err(CallError::ToolFailed(format!(
-                "{} was killed by signal {sig}; nothing was published; \
-                 stderr: {stderr_tail}{hint}",
-                tool.name
-            )))
+            return Err(CallError::ToolFailed(ToolFailure::Killed {
+                tool: tool.name.clone(),
+                signal: sig,
+                stderr: stderr_tail,
+                hint,
+            }))
         }
     }
     let stdout = String::from_utf8_lossy(&o.stdout.bytes).into_owned();
@@ -147,27 +149,65 @@ pub(super) fn interpret(
         }
         Protocol::Json => {
             if o.stdout.truncated {
-                return Err(CallError::ToolFailed(format!(
-                    "{} wrote {} bytes to stdout, more than the cap of {}",
-                    tool.name,
-                    o.stdout.total,
-                    o.stdout.bytes.len()
-                )));
+                return Err(CallError::ToolFailed(ToolFailure::StdoutOverCap {
+                    tool: tool.name.clone(),
+                    total: o.stdout.total,
+                    cap: o.stdout.bytes.len(),
+                }));
             }
             parse_json_response(&tool.name, &stdout, secrets)
         }
     }
 }
 
+/// How a tool that ran failed: its fault, not the daemon's (`TOOL_FAILED`); nothing was
+/// published.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolFailure {
+    #[error("{tool} exited with status {code}; nothing was published; stderr: {stderr}{hint}")]
+    Exited {
+        tool: String,
+        code: i32,
+        /// The scrubbed tail of its stderr.
+        stderr: String,
+        /// What a write tool may write, when its stderr says a write was denied.
+        hint: String,
+    },
+    #[error("{tool} was killed by signal {signal}; nothing was published; stderr: {stderr}{hint}")]
+    Killed {
+        tool: String,
+        signal: i32,
+        stderr: String,
+        hint: String,
+    },
+    #[error("{tool} wrote {total} bytes to stdout, more than the cap of {cap}")]
+    StdoutOverCap {
+        tool: String,
+        total: u64,
+        cap: usize,
+    },
+    #[error("{tool} returned an invalid JSON response: {cause}; nothing was published and the session is unchanged")]
+    InvalidResponse {
+        tool: String,
+        cause: response::ResponseError,
+    },
+    #[error("{tool}: output `{param}` must be a regular file with one link (directory outputs are not supported): {fault}; nothing was published and the session is unchanged")]
+    BadOutput {
+        tool: String,
+        param: String,
+        fault: crate::publish::OutputFault,
+    },
+}
+
 /// Turns a `json`-protocol worker's stdout into a reply and an optional new state. The whole
 /// response is checked here, before anything is published: an invalid one is `TOOL_FAILED`,
 /// so nothing is published and the session stays at its version.
 fn parse_json_response(tool: &str, stdout: &str, secrets: &Secrets) -> Result<Response, CallError> {
-    let r = response::parse(stdout, secrets).map_err(|e| {
-        CallError::ToolFailed(format!(
-            "{tool} returned an invalid JSON response: {e}; nothing was published and the \
-             session is unchanged"
-        ))
+    let r = response::parse(stdout, secrets).map_err(|cause| {
+        CallError::ToolFailed(ToolFailure::InvalidResponse {
+            tool: tool.to_string(),
+            cause,
+        })
     })?;
     if r.is_error {
         return Err(CallError::ToolReported {

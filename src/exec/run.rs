@@ -519,12 +519,11 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
     // What the worker left is at fault, not publication: nothing was published.
     if let publish::PublishError::BadOutput { index, reason, .. } = &e {
         let param = outputs.get(*index).map_or("?", |(n, _)| n.as_str());
-        return CallError::ToolFailed(format!(
-            "{}: output `{param}` must be a regular file with one link (directory \
-             outputs are not supported): {reason}; nothing was published and the \
-             session is unchanged",
-            tool.name
-        ))
+        return CallError::ToolFailed(super::protocol::ToolFailure::BadOutput {
+            tool: tool.name.clone(),
+            param: param.to_string(),
+            fault: reason.clone(),
+        })
         .into();
     }
     // The commit event could not be recorded and every target was restored: AUDIT_FAILED.

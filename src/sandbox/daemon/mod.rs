@@ -112,7 +112,7 @@ pub enum SandboxError {
     },
     /// The launch request itself is unusable (checked before any fork).
     #[error("invalid launch: {0}")]
-    Invalid(String),
+    Invalid(InvalidLaunch),
     #[error(transparent)]
     Seccomp(#[from] SeccompError),
     #[error(transparent)]
@@ -124,8 +124,35 @@ pub enum SandboxError {
         what: &'static str,
         source: std::io::Error,
     },
-    #[error("{0}")]
-    Other(String),
+    /// `Sandbox::start` outside a tokio runtime.
+    #[error("the sandbox must be started inside a tokio runtime")]
+    NoRuntime,
+    /// `Sandbox::start` a second time in this process.
+    #[error("the sandbox is started once per process")]
+    StartedTwice,
+    #[error("cannot start the orphan reaper: PR_SET_CHILD_SUBREAPER: {0}")]
+    Subreaper(rustix::io::Errno),
+    #[error("cannot start the orphan reaper: {0}")]
+    Reaper(std::io::Error),
+    #[error("cannot start the spawner: {0}")]
+    Spawner(std::io::Error),
+    /// `finish` called on a worker already finished.
+    #[error("worker {pid} is already finished")]
+    AlreadyFinished { pid: u32 },
+    /// The wait for a worker ended with neither an exit nor an error.
+    #[error("worker {pid}: wait ended without a result")]
+    NoResult { pid: u32 },
+}
+
+/// Why a launch request is unusable, before any fork.
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidLaunch {
+    #[error("empty argv")]
+    EmptyArgv,
+    #[error("argv[0] {0:?} is not an absolute path")]
+    RelativeProgram(String),
+    #[error("unencodable spec: {0}")]
+    Unencodable(serde_json::Error),
 }
 
 /// How a worker ended.
@@ -234,24 +261,16 @@ impl Sandbox {
     /// so the first call does not pay for it). Call once per process, inside the runtime,
     /// before the first worker; a second call fails.
     pub fn start(exe: PathBuf) -> Result<Sandbox, SandboxError> {
-        let handle = tokio::runtime::Handle::try_current().map_err(|_| {
-            SandboxError::Other("the sandbox must be started inside a tokio runtime".into())
-        })?;
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| SandboxError::NoRuntime)?;
         if STARTED.swap(true, Ordering::SeqCst) {
-            return Err(SandboxError::Other(
-                "the sandbox is started once per process".into(),
-            ));
+            return Err(SandboxError::StartedTwice);
         }
-        rustix::process::set_child_subreaper(Some(rustix::process::getpid())).map_err(|e| {
-            SandboxError::Other(format!(
-                "cannot start the orphan reaper: PR_SET_CHILD_SUBREAPER: {e}"
-            ))
-        })?;
+        rustix::process::set_child_subreaper(Some(rustix::process::getpid()))
+            .map_err(SandboxError::Subreaper)?;
         let leaders = Arc::new(Leaders::default());
-        reaper::start_reaper(&handle, leaders.clone())
-            .map_err(|e| SandboxError::Other(format!("cannot start the orphan reaper: {e}")))?;
+        reaper::start_reaper(&handle, leaders.clone()).map_err(SandboxError::Reaper)?;
         let spawner = spawner_thread::SpawnerThread::start(exe, leaders.clone())
-            .map_err(|e| SandboxError::Other(format!("cannot start the spawner: {e}")))?;
+            .map_err(SandboxError::Spawner)?;
         Ok(Sandbox {
             leaders,
             spawner: Arc::new(spawner),
@@ -288,10 +307,10 @@ impl Worker {
             progress,
         } = launch;
         match argv.first() {
-            None => return Err(SandboxError::Invalid("empty argv".into())),
+            None => return Err(SandboxError::Invalid(InvalidLaunch::EmptyArgv)),
             Some(a) if !a.starts_with('/') => {
-                return Err(SandboxError::Invalid(format!(
-                    "argv[0] {a:?} is not an absolute path"
+                return Err(SandboxError::Invalid(InvalidLaunch::RelativeProgram(
+                    a.clone(),
                 )))
             }
             Some(_) => {}
@@ -340,7 +359,7 @@ impl Worker {
         };
         // Serialize before creating anything that would need cleaning up.
         let probe = serde_json::to_vec(&spec)
-            .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
+            .map_err(|e| SandboxError::Invalid(InvalidLaunch::Unencodable(e)))?;
         drop(probe);
 
         let (cgroup, cgroup_limits) = match &cgroup_parent {
@@ -401,7 +420,7 @@ impl Worker {
             None => (None, None),
         };
         let bytes = serde_json::to_vec(&spec)
-            .map_err(|e| SandboxError::Invalid(format!("unencodable spec: {e}")))?;
+            .map_err(|e| SandboxError::Invalid(InvalidLaunch::Unencodable(e)))?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
         let spawned = sandbox
             .spawner
@@ -567,9 +586,7 @@ impl Worker {
         let leader = self.leader;
         let pid = leader.as_u32();
         let Some(live) = self.live.take() else {
-            return Err(SandboxError::Other(format!(
-                "worker {pid} is already finished"
-            )));
+            return Err(SandboxError::AlreadyFinished { pid });
         };
         let Live {
             pidfd,
@@ -646,11 +663,7 @@ impl Worker {
         }
         let end = match end {
             Some(end) => end?,
-            None => {
-                return Err(SandboxError::Other(format!(
-                    "worker {pid}: wait ended without a result"
-                )))
-            }
+            None => return Err(SandboxError::NoResult { pid }),
         };
         Ok(Outcome {
             end,
