@@ -28,7 +28,7 @@ use serde_json::Value;
 use crate::policy::redact::Secrets;
 
 pub use event::{Event, EventKind};
-pub use time::{format_rfc3339, now_ms, parse_since};
+pub use time::{format_rfc3339, now_ms, parse_since, SinceError};
 /// The longest string an audit event keeps; longer ones are cut and marked.
 pub const MAX_STRING: usize = 1024;
 /// The largest serialized event; an event whose detail makes it larger keeps a marker instead.

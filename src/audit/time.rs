@@ -48,16 +48,19 @@ pub fn format_rfc3339(ms: u64) -> String {
     )
 }
 
+/// A `since` value that is neither a count of milliseconds nor an RFC 3339 UTC time.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("since {0:?}: give milliseconds since the epoch or an RFC 3339 UTC time such as 2026-12-03T04:05:06Z")]
+pub struct SinceError(pub String);
+
 /// A `since` value: milliseconds since the epoch, or an RFC 3339 UTC time
 /// (`2026-12-03T04:05:06Z`, fractional seconds optional, `Z` or `+00:00`).
-pub fn parse_since(s: &str) -> Result<u64, String> {
+pub fn parse_since(s: &str) -> Result<u64, SinceError> {
     let s = s.trim();
     if let Ok(ms) = s.parse::<u64>() {
         return Ok(ms);
     }
-    let bad = || {
-        format!("since {s:?}: give milliseconds since the epoch or an RFC 3339 UTC time such as 2026-12-03T04:05:06Z")
-    };
+    let bad = || SinceError(s.to_string());
     let rest = s
         .strip_suffix('Z')
         .or_else(|| s.strip_suffix("+00:00"))

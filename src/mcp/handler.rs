@@ -110,43 +110,41 @@ fn percent_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
+/// Why a resource URI names no readable view of the audit.
+#[derive(Debug, thiserror::Error)]
+pub enum FilterError {
+    #[error("no resource {}; resources/list names them", shown(.0))]
+    NoResource(String),
+    #[error("{}: malformed percent-encoding", shown(.0))]
+    Encoding(String),
+    #[error(transparent)]
+    Since(#[from] crate::audit::SinceError),
+    #[error("limit {} is not a count of events", shown(.0))]
+    Limit(String),
+    #[error("unknown filter {}; the template is {AUDIT_TEMPLATE}", shown(.0))]
+    Unknown(String),
+}
+
 /// The filter a resource URI asks for: [`AUDIT_URI`], optionally with a query of the
 /// template's variables. An unknown variable or a bad value is an error naming it.
-pub fn audit_filter(uri: &str) -> Result<crate::audit::Filter, String> {
+pub fn audit_filter(uri: &str) -> Result<crate::audit::Filter, FilterError> {
+    let no_resource = || FilterError::NoResource(uri.to_string());
     let query = match uri.strip_prefix(AUDIT_URI) {
         Some("") => return Ok(Default::default()),
-        Some(rest) => rest
-            .strip_prefix('?')
-            .ok_or_else(|| format!("no resource {}; resources/list names them", shown(uri)))?,
-        None => {
-            return Err(format!(
-                "no resource {}; resources/list names them",
-                shown(uri)
-            ))
-        }
+        Some(rest) => rest.strip_prefix('?').ok_or_else(no_resource)?,
+        None => return Err(no_resource()),
     };
     let mut f = crate::audit::Filter::default();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let v =
-            percent_decode(v).ok_or_else(|| format!("{}: malformed percent-encoding", shown(k)))?;
+        let v = percent_decode(v).ok_or_else(|| FilterError::Encoding(k.to_string()))?;
         match k {
             "job" => f.job = Some(v),
             "session" => f.session = Some(v),
             "tool" => f.tool = Some(v),
             "since" => f.since_ms = Some(crate::audit::parse_since(&v)?),
-            "limit" => {
-                f.limit = Some(
-                    v.parse()
-                        .map_err(|_| format!("limit {} is not a count of events", shown(&v)))?,
-                )
-            }
-            k => {
-                return Err(format!(
-                    "unknown filter {}; the template is {AUDIT_TEMPLATE}",
-                    shown(k)
-                ))
-            }
+            "limit" => f.limit = Some(v.parse().map_err(|_| FilterError::Limit(v))?),
+            k => return Err(FilterError::Unknown(k.to_string())),
         }
     }
     Ok(f)
@@ -164,7 +162,8 @@ pub fn audit_read_budget(ring_bytes: usize, queue_bytes: usize) -> usize {
 }
 
 /// An unknown resource is "not found"; a known one with a bad filter is invalid params.
-fn uri_error(uri: &str, message: String) -> McpError {
+fn uri_error(uri: &str, e: FilterError) -> McpError {
+    let message = e.to_string();
     if uri.starts_with(AUDIT_URI) {
         McpError::invalid_params(message, None)
     } else {

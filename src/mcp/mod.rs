@@ -117,24 +117,32 @@ impl Drop for Slot {
     }
 }
 
+/// The connection cap a new connection would exceed.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+enum Refused {
+    #[error("the daemon already serves its maximum of {0} connections (max_connections); try again later")]
+    Total(usize),
+    #[error("uid {uid} already holds its maximum of {max} connections (max_connections_per_uid)")]
+    PerUid { uid: u32, max: usize },
+}
+
 /// Admits a connection of `uid`, or says which cap it would exceed.
 fn admit(
     counts: &Arc<Mutex<Counts>>,
     uid: u32,
     max_total: usize,
     max_per_uid: usize,
-) -> Result<Slot, String> {
+) -> Result<Slot, Refused> {
     let mut c = counts.lock().unwrap_or_else(|p| p.into_inner());
     if c.total >= max_total {
-        return Err(format!(
-            "the daemon already serves its maximum of {max_total} connections (max_connections); try again later"
-        ));
+        return Err(Refused::Total(max_total));
     }
     let mine = c.per_uid.get(&uid).copied().unwrap_or(0);
     if mine >= max_per_uid {
-        return Err(format!(
-            "uid {uid} already holds its maximum of {max_per_uid} connections (max_connections_per_uid)"
-        ));
+        return Err(Refused::PerUid {
+            uid,
+            max: max_per_uid,
+        });
     }
     c.total += 1;
     *c.per_uid.entry(uid).or_default() += 1;
@@ -245,7 +253,7 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
                 let _ = stream.try_write(&framing::error_line(
                     &serde_json::Value::Null,
                     codes::LIMIT_REACHED,
-                    &why,
+                    &why.to_string(),
                 ));
                 continue;
             }

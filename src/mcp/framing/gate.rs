@@ -240,8 +240,8 @@ impl Ids {
             );
         }
         if method == "initialize" {
-            if let Err(msg) = bound_initialize(&mut v) {
-                return reply(&id, codes::INVALID_REQUEST, &msg);
+            if let Err(e) = bound_initialize(&mut v) {
+                return reply(&id, codes::INVALID_REQUEST, &e.to_string());
             }
             self.initialized = true;
         } else if !self.initialized
@@ -260,8 +260,8 @@ impl Ids {
             );
         }
         if method == "tools/call" {
-            if let Err(msg) = check_call_params(&v["params"]) {
-                return reply(&id, codes::INVALID_PARAMS, &msg);
+            if let Err(e) = check_call_params(&v["params"]) {
+                return reply(&id, codes::INVALID_PARAMS, &e.to_string());
             }
         }
         // A 2026-07-28 request names its client in every request's `_meta`: cut like the
@@ -369,26 +369,33 @@ fn checked(v: &Value) -> Result<Vec<u8>, serde_json::Error> {
     Ok(line)
 }
 
+/// What is wrong with a `tools/call`'s params, answered [`codes::INVALID_PARAMS`].
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+enum CallParamsError {
+    #[error("Invalid params: tools/call needs params {{\"name\": ..., \"arguments\": {{...}}}}")]
+    NotAnObject,
+    #[error("Invalid params: tools/call \"name\" must be a string")]
+    NameNotAString,
+    #[error("Invalid params: tools/call needs a \"name\" (tools/list names the tools)")]
+    NoName,
+    #[error("Invalid params: tools/call \"arguments\" must be an object")]
+    ArgumentsNotAnObject,
+}
+
 /// `tools/call` params rmcp would take for some other method (and answer [`codes::METHOD_NOT_FOUND`]): a
 /// `name` string and, if present, an `arguments` object.
-fn check_call_params(params: &Value) -> Result<(), String> {
+fn check_call_params(params: &Value) -> Result<(), CallParamsError> {
     let Some(p) = params.as_object() else {
-        return Err(
-            "Invalid params: tools/call needs params {\"name\": ..., \"arguments\": {...}}".into(),
-        );
+        return Err(CallParamsError::NotAnObject);
     };
     match p.get("name") {
         Some(Value::String(_)) => {}
-        Some(_) => return Err("Invalid params: tools/call \"name\" must be a string".into()),
-        None => {
-            return Err(
-                "Invalid params: tools/call needs a \"name\" (tools/list names the tools)".into(),
-            )
-        }
+        Some(_) => return Err(CallParamsError::NameNotAString),
+        None => return Err(CallParamsError::NoName),
     }
     match p.get("arguments") {
         None | Some(Value::Object(_)) => Ok(()),
-        Some(_) => Err("Invalid params: tools/call \"arguments\" must be an object".into()),
+        Some(_) => Err(CallParamsError::ArgumentsNotAnObject),
     }
 }
 
@@ -434,8 +441,15 @@ impl ClientName {
     }
 }
 
+/// `initialize` params over [`MAX_INIT_PARAMS`] bytes (after clientInfo's cut).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("Invalid Request: initialize params are {size} bytes, more than the {MAX_INIT_PARAMS}-byte limit")]
+struct InitParamsTooLarge {
+    size: usize,
+}
+
 /// Truncates clientInfo's strings and bounds the params rmcp keeps for the connection.
-fn bound_initialize(v: &mut Value) -> Result<(), String> {
+fn bound_initialize(v: &mut Value) -> Result<(), InitParamsTooLarge> {
     if let Some(info) = v
         .get_mut("params")
         .and_then(|p| p.get_mut("clientInfo"))
@@ -445,9 +459,7 @@ fn bound_initialize(v: &mut Value) -> Result<(), String> {
     }
     let size = serde_json::to_vec(&v["params"]).map_or(usize::MAX, |p| p.len());
     if size > MAX_INIT_PARAMS {
-        return Err(format!(
-            "Invalid Request: initialize params are {size} bytes, more than the {MAX_INIT_PARAMS}-byte limit"
-        ));
+        return Err(InitParamsTooLarge { size });
     }
     Ok(())
 }

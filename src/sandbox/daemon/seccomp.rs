@@ -287,12 +287,11 @@ pub(crate) fn build(profile: &Profile, shared_uid: bool) -> Result<Vec<BpfProgra
         SeccompAction::Errno(libc::ENOSYS as u32),
     )?);
 
-    let rules =
-        containment_rules(profile, shared_uid).map_err(|message| SeccompError::Compile {
-            profile: profile.name.clone(),
-            filter: "containment",
-            message,
-        })?;
+    let rules = containment_rules(profile, shared_uid).map_err(|e| SeccompError::Compile {
+        profile: profile.name.clone(),
+        filter: "containment",
+        message: e.to_string(),
+    })?;
     programs.push(compile(
         "containment",
         rules.map,
@@ -305,7 +304,7 @@ pub(crate) fn build(profile: &Profile, shared_uid: bool) -> Result<Vec<BpfProgra
 /// A rule of one or more conditions `(arg, mask, value)`: `(arg & mask) == value`, all of
 /// them, on the low 32 bits of the argument (every argument checked here is an `int`,
 /// `unsigned int` or `mode_t`, or, for `clone`, flags the kernel truncates to 32 bits).
-fn rule(conditions: &[(u8, u64, u64)]) -> Result<SeccompRule, String> {
+fn rule(conditions: &[(u8, u64, u64)]) -> Result<SeccompRule, seccompiler::BackendError> {
     let conditions = conditions
         .iter()
         .map(|&(arg, mask, value)| {
@@ -315,15 +314,17 @@ fn rule(conditions: &[(u8, u64, u64)]) -> Result<SeccompRule, String> {
                 SeccompCmpOp::MaskedEq(mask),
                 value,
             )
-            .map_err(|e| e.to_string())
         })
         .collect::<Result<Vec<_>, _>>()?;
-    SeccompRule::new(conditions).map_err(|e| e.to_string())
+    SeccompRule::new(conditions)
 }
 
 /// The containment filter's rules (EPERM), for every profile. Names absent on this
 /// architecture (`ipc`, `open`, `utime`, ...) are skipped: there is nothing to call.
-fn containment_rules(profile: &Profile, shared_uid: bool) -> Result<Rules, String> {
+fn containment_rules(
+    profile: &Profile,
+    shared_uid: bool,
+) -> Result<Rules, seccompiler::BackendError> {
     let mut rules = Rules::default();
     let always = |rules: &mut Rules, names: &[&str]| {
         for name in names {
@@ -367,12 +368,8 @@ fn containment_rules(profile: &Profile, shared_uid: bool) -> Result<Rules, Strin
             (false, false) => {
                 // domain != AF_UNIX: seccompiler has Ne only unmasked, which is what we need.
                 let not_unix =
-                    SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, unix)
-                        .map_err(|e| e.to_string())?;
-                rules.when(
-                    nr,
-                    SeccompRule::new(vec![not_unix]).map_err(|e| e.to_string())?,
-                );
+                    SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, unix)?;
+                rules.when(nr, SeccompRule::new(vec![not_unix])?);
             }
             (true, false) => {}
         }
