@@ -285,10 +285,15 @@ pub fn check_request(
 /// [`crate::publish::Job::staged_path`] returns once the job dir exists (a test pins the
 /// two together). Used to bound a call's command line before its job dir is created.
 pub fn predicted_staged_path(root: &Path, job_id: &str, i: usize, target: &Path) -> PathBuf {
-    root.join(format!("{}{job_id}", crate::publish::JOB_DIR_PREFIX))
-        .join("stage")
+    predicted_stage_dir(root, job_id)
         .join(i.to_string())
         .join(target.file_name().unwrap_or(std::ffi::OsStr::new("output")))
+}
+
+/// The staging dir job `job_id` will have (`Job::stage_dir`), before the job dir exists.
+pub fn predicted_stage_dir(root: &Path, job_id: &str) -> PathBuf {
+    root.join(format!("{}{job_id}", crate::publish::JOB_DIR_PREFIX))
+        .join("stage")
 }
 
 /// One call's arguments as the worker sees them.

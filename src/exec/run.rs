@@ -182,11 +182,7 @@ impl Executor {
             let target = outputs.get(i).map_or(std::path::Path::new(""), |(_, t)| t);
             args::predicted_staged_path(self.workspace.root(), &call.call, i, target)
         });
-        let predicted_stage = self
-            .workspace
-            .root()
-            .join(format!("{}{}", publish::JOB_DIR_PREFIX, call.call))
-            .join("stage");
+        let predicted_stage = args::predicted_stage_dir(self.workspace.root(), &call.call);
         worker_paths::hand_to_worker(
             &self.reach,
             &mut predicted,
