@@ -412,6 +412,32 @@ async fn crash_points_state_and_output_together() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn crash_points_a_new_directory_output() {
+    run_scenario(Scenario {
+        name: "a new directory output",
+        tool: "write_tree",
+        args: json!({"text": "new", "out": "new/site"}),
+        pre: &[("keep.txt", "untouched")],
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_points_a_directory_replaced_by_exchange() {
+    run_scenario(Scenario {
+        name: "a directory replaced by exchange",
+        tool: "write_tree",
+        args: json!({"text": "new", "out": "site"}),
+        pre: &[
+            ("site/old.html", "old"),
+            ("site/sub/a.txt", "old a"),
+            ("site/deeper/x/y", "old y"),
+        ],
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn offline_recover_rolls_back_and_is_idempotent() {
     let s = Scenario {
         name: "offline recover",

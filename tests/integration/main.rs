@@ -12,6 +12,7 @@ mod client_cli;
 mod containment;
 mod crash;
 mod daemon;
+mod dir_outputs;
 mod eras;
 mod features;
 mod policy_dirs;

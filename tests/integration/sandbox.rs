@@ -170,7 +170,7 @@ async fn non_regular_outputs_are_rejected_at_publish() {
         assert_eq!(code(&r), "TOOL_FAILED", "{what}: {r}");
         let t = text(&r);
         assert!(
-            t.contains("output `out` must be a regular file") && t.contains(found),
+            t.contains("a file output must be a regular file") && t.contains(found),
             "{what}: {t}"
         );
         assert!(t.contains("nothing was published"), "{what}: {t}");
