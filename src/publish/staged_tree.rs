@@ -11,7 +11,8 @@
 //!   the call and naming the entry: any other symlink, a hard link, a device, a FIFO, a
 //!   socket, a setuid or setgid bit, a name over NAME_MAX or a published path over PATH_MAX.
 //! * Sealed as single outputs are: the daemon's euid/egid, the mode less setuid, setgid,
-//!   sticky and group/other write (the top directory gets the declared or replaced mode).
+//!   sticky and group/other write, plus owner read (and owner rwx for a directory); the top
+//!   directory gets the declared or replaced mode.
 //! * Each regular file's data and each directory is fsynced (`publish.fsync_output`).
 
 use std::ffi::OsStr;
@@ -266,7 +267,12 @@ fn check_entry(
         return Ok(None);
     };
     let mode = st.st_mode & 0o7777;
-    let sealed = mode & 0o755;
+    // The owner (the daemon, once sealed) can always read a file and list a directory: the
+    // check reads every file, and the tree is removed when it is replaced.
+    let sealed = match file_type(&st) {
+        FileType::Directory => (mode & 0o755) | 0o700,
+        _ => (mode & 0o755) | 0o400,
+    };
     match file_type(&st) {
         FileType::Directory => {
             if mode & 0o6000 != 0 {

@@ -667,10 +667,7 @@ async fn a_reader_sees_the_old_tree_or_the_new_one_never_a_mix() {
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let seen = reader.join().unwrap();
     assert_ne!(old, new);
-    assert!(
-        seen.contains(&old),
-        "the reader never saw the old tree"
-    );
+    assert!(seen.contains(&old), "the reader never saw the old tree");
     for m in &seen {
         assert!(*m == old || *m == new, "a mixed tree: {m:?}");
     }
@@ -760,4 +757,113 @@ path = "output"
     }
     // The last call (a tree) replaced whatever was at d.
     assert_eq!(tree_names(&d.workspace.join("d")), vec!["y".to_string()]);
+}
+
+/// Runs `tar` with `args` in `dir` (building the test's archives outside the sandbox).
+fn tar_in(dir: &Path, args: &[&str]) {
+    let st = std::process::Command::new("tar")
+        .current_dir(dir)
+        .args(args)
+        .status()
+        .unwrap();
+    assert!(st.success(), "tar {args:?}");
+}
+
+/// The shipped `extract_archive`: plain, gzip and xz archives extracted into a directory
+/// output (new, then replaced whole); a member named with `..` (refused by tar) and members
+/// that are absolute or escaping symlinks (refused by the tree check) fail the call with
+/// nothing published; an absolute member name lands inside (tar strips the `/`).
+#[tokio::test]
+async fn the_shipped_extract_archive_tool_extracts_and_refuses_escaping_members() {
+    require_program("tar", "tar");
+    require_program("/usr/bin/xz", "xz-utils");
+    require_program("/usr/bin/gzip", "gzip");
+    let mut d = Daemon::new();
+    let src = d.dir.path().join("src");
+    std::fs::create_dir_all(src.join("docs/sub")).unwrap();
+    std::fs::write(src.join("docs/a.txt"), "a").unwrap();
+    std::fs::write(src.join("docs/sub/b.txt"), "b").unwrap();
+    std::os::unix::fs::symlink("sub/b.txt", src.join("docs/link")).unwrap();
+    let ws = d.workspace.display().to_string();
+    tar_in(&src, &["-cf", &format!("{ws}/plain.tar"), "docs"]);
+    tar_in(&src, &["-czf", &format!("{ws}/gz.tar.gz"), "docs"]);
+    tar_in(&src, &["-cJf", &format!("{ws}/xz.tar.xz"), "docs"]);
+    // Hostile archives.
+    let evil = d.dir.path().join("evil");
+    std::fs::create_dir_all(evil.join("x")).unwrap();
+    std::fs::write(evil.join("x/f"), "f").unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", evil.join("abs-link")).unwrap();
+    tar_in(&evil, &["-cf", &format!("{ws}/abs-link.tar"), "abs-link"]);
+    std::fs::remove_file(evil.join("abs-link")).unwrap();
+    std::os::unix::fs::symlink("../..", evil.join("x/up")).unwrap();
+    tar_in(&evil, &["-cf", &format!("{ws}/up-link.tar"), "x/up"]);
+    tar_in(
+        &evil.join("x"),
+        &["-cPf", &format!("{ws}/dotdot.tar"), "../x/f"],
+    );
+    tar_in(
+        &evil,
+        &[
+            "-cPf",
+            &format!("{ws}/abs-name.tar"),
+            &format!("{}/x/f", evil.display()),
+        ],
+    );
+    d.start();
+    let c = d.client().await;
+    session(&c, "x").await;
+    let mut v = 0;
+    for archive in ["plain.tar", "gz.tar.gz", "xz.tar.xz"] {
+        let r = call(
+            &c,
+            "extract_archive",
+            json!({"session": "x", "archive": archive, "out": "unpacked"}),
+        )
+        .await;
+        assert!(!is_error(&r), "{archive}: {r}");
+        v += 1;
+        assert_eq!(
+            tree_names(&d.workspace.join("unpacked")),
+            [
+                "docs",
+                "docs/a.txt",
+                "docs/link",
+                "docs/sub",
+                "docs/sub/b.txt"
+            ],
+            "{archive}"
+        );
+        assert_eq!(d.read("unpacked/docs/link").as_deref(), Some("b"));
+        assert_eq!(r["structuredContent"]["outputs"][0]["files"], 2);
+    }
+    let before = snapshot(&d.workspace);
+    for (archive, says) in [
+        (
+            "abs-link.tar",
+            "entry \"abs-link\": it is a symlink to the absolute path",
+        ),
+        ("up-link.tar", "entry \"x/up\": it is a symlink to"),
+        ("dotdot.tar", "exited with status"),
+    ] {
+        let r = call(
+            &c,
+            "extract_archive",
+            json!({"session": "x", "archive": archive, "out": "unpacked"}),
+        )
+        .await;
+        assert_eq!(code(&r), "TOOL_FAILED", "{archive}: {r}");
+        assert!(text(&r).contains(says), "{archive}: {r}");
+        assert_eq!(snapshot(&d.workspace), before, "{archive}");
+        assert!(d.job_dirs().is_empty());
+    }
+    let r = call(
+        &c,
+        "extract_archive",
+        json!({"session": "x", "archive": "abs-name.tar", "out": "abs"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    let inside = format!("abs{}/x/f", evil.display());
+    assert_eq!(d.read(&inside).as_deref(), Some("f"));
+    assert_eq!(version(&c, "x").await, v + 1);
 }

@@ -508,3 +508,20 @@ fn tree_outputs_error_at_every_point_roll_back_or_complete() {
         }
     }
 }
+
+/// An entry the worker left unreadable is published readable by its owner (the daemon), and
+/// a directory enterable by it; nothing else is added.
+#[test]
+fn entries_stay_readable_by_their_owner() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = open(&tmp);
+    let job = Job::create(&ws, dir_spec("own", &["out"])).unwrap();
+    let s = job.staged_path(0);
+    fs::create_dir(s.join("d")).unwrap();
+    fs::write(s.join("d/f"), "f").unwrap();
+    fs::set_permissions(s.join("d/f"), fs::Permissions::from_mode(0o000)).unwrap();
+    fs::set_permissions(s.join("d"), fs::Permissions::from_mode(0o510)).unwrap();
+    job.publish_and_commit(|| Ok(())).unwrap();
+    assert_eq!(mode(&tmp.path().join("out/d")), 0o710);
+    assert_eq!(mode(&tmp.path().join("out/d/f")), 0o400);
+}
