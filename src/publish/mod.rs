@@ -25,6 +25,11 @@
 //!     unreadable dirs a worker left) per entry, without fsync.
 //!   - Rollback (in-process or in recovery): `rollback_exchange` / `rollback_unlink` per
 //!     target holding its new file, `rollback_rmdir` per created dir, then the cleanup points.
+//!   - A directory output (`OutputKind::Directory`) adds `mkdir_staged_dir` (and
+//!     `chown_stage`) after its slot in `Job::create`; its validation passes `seal_output`
+//!     per entry whose owner or mode changes and `fsync_output` per file and per directory
+//!     (`staged_tree`); it is renamed like a file (`exchange` / `rename_noreplace`), and a
+//!     new tree is rolled back by `rollback_rename` into its slot, not unlinked.
 //! * A job dir is never a completed export: a dropped `Job` (neither published nor
 //!   discarded) stays on disk until [`recover`] runs at the next start. [`recover`] must run
 //!   before the daemon serves calls, with the workspace to itself.

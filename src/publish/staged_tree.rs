@@ -136,7 +136,7 @@ pub(super) fn check_tree(
         ))));
     }
     let id = FileId::of(&st);
-    let top_mode = top_mode & 0o755;
+    let top_mode = (top_mode & 0o755) | 0o700;
     seal_entry(slot, name, &st, top_mode, abs)?;
     let mut walk = Walk::open(slot, name, abs)?.ok_or(Refused::Fault(OutputFault::Missing))?;
     let opened = rustix::fs::fstat(walk.top()?).map_err(|e| io("stat staged output", abs, e))?;

@@ -867,3 +867,24 @@ async fn the_shipped_extract_archive_tool_extracts_and_refuses_escaping_members(
     assert_eq!(d.read(&inside).as_deref(), Some("f"));
     assert_eq!(version(&c, "x").await, v + 1);
 }
+
+/// `airlock policy explain` says which output is a directory and how it is published.
+#[test]
+fn policy_explain_shows_a_directory_output() {
+    let out = std::process::Command::new(BIN)
+        .args(["policy", "explain", "extract_archive", "--policies"])
+        .arg(repo().join("policies"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("param out: workspace path, a directory output")
+            && s.contains("published by one rename"),
+        "{s}"
+    );
+    assert!(
+        s.contains("param archive: workspace path, readable by the worker"),
+        "{s}"
+    );
+}
