@@ -46,7 +46,10 @@ fn daemon_identity(dir: &Path, as_user: Option<&str>) -> Result<(DaemonIdentity,
                 return Err(Exit::Error);
             }
             Err(e) => {
-                eprintln!("airlock: --as {name}: cannot look the user up: {e}");
+                eprintln!(
+                    "airlock: --as {name}: cannot look the user up: {}",
+                    crate::report::chain(&e)
+                );
                 return Err(Exit::Error);
             }
         }

@@ -61,7 +61,7 @@ pub enum ArgError {
     MissingSession,
     #[error("missing required argument {name:?}")]
     Missing { name: String },
-    #[error("argument {name:?}: {source}")]
+    #[error("argument {name:?}")]
     SessionId { name: String, source: IdError },
     #[error("argument {name:?} is {len} bytes; {what} may be at most {limit} bytes")]
     TooLong {

@@ -91,13 +91,13 @@ impl std::fmt::Display for ErrorCode {
 pub enum CallError {
     #[error(transparent)]
     Argument(#[from] ArgError),
-    #[error("argument {name:?}: {source}")]
+    #[error("argument {name:?}")]
     Path {
         name: String,
         #[source]
         source: PathError,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Overlap(super::args::OverlapError),
     #[error(transparent)]
     Session(#[from] SessionError),
@@ -127,20 +127,20 @@ pub enum CallError {
         after: std::time::Duration,
     },
     /// The tool ran and failed (exit status, signal, invalid response, over a limit).
-    #[error("{0}")]
+    #[error(transparent)]
     ToolFailed(super::protocol::ToolFailure),
     /// A `json` tool answered `isError: true`; its content is passed on.
     #[error("{tool} reported an error; nothing was published")]
     ToolReported { tool: String, content: Vec<Value> },
     /// The job dir could not be created: nothing was touched.
-    #[error("cannot create the job dir: {0}")]
+    #[error("cannot create the job dir")]
     Job(#[source] PublishError),
     /// The worker left more in staging than its profile allows, or staging could not be
     /// measured.
     #[error(transparent)]
     Staging(PublishError),
     /// Publication or the commit failed; `restored` says whether every target is back.
-    #[error("{source}; {}", if *.restored { "every target was restored and the state is unchanged" } else { "the targets are restored by recovery at the next start" })]
+    #[error("publishing the outputs failed ({})", if *.restored { "every target was restored and the state is unchanged" } else { "the targets are restored by recovery at the next start" })]
     Publish {
         #[source]
         source: PublishError,
@@ -187,22 +187,11 @@ impl CallError {
         }
     }
 
-    /// The fault reply: the code, then the message with its causes, every secret of the
-    /// call scrubbed.
+    /// The fault reply: the code, then the message with each of its causes once
+    /// ([`crate::report::chain`]), every secret of the call scrubbed.
     pub fn reply(&self, secrets: &Secrets) -> ToolReply {
         let code = self.code().as_str();
-        let mut message = self.to_string();
-        // Causes a message does not already quote.
-        let mut cause = std::error::Error::source(self);
-        while let Some(c) = cause {
-            let text = c.to_string();
-            if !message.contains(&text) {
-                message.push_str(": ");
-                message.push_str(&text);
-            }
-            cause = c.source();
-        }
-        let message = secrets.scrub_str(&message);
+        let message = secrets.scrub_str(&crate::report::chain(self).to_string());
         let mut reply = ToolReply {
             is_error: true,
             content: vec![json!({"type": "text", "text": format!("{code}: {message}")})],

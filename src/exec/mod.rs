@@ -163,7 +163,10 @@ pub struct Executor {
 /// it fails with the same error.
 fn prepare_filters(filters: &Filters, policy: &Policy, shared_uid: bool) {
     if let Err(e) = filters.prepare(policy.profiles.values(), shared_uid) {
-        tracing::error!("cannot compile the seccomp filters: {e}");
+        tracing::error!(
+            "cannot compile the seccomp filters: {}",
+            crate::report::chain(&e)
+        );
     }
     tracing::debug!(
         profiles = filters.len(),

@@ -368,7 +368,7 @@ impl Executor {
         }
         if let Some(job) = job {
             if let Err(e) = job.record_worker(worker.pid()) {
-                tracing::warn!(call = %cx.call.call, "cannot journal the worker pid: {e}");
+                tracing::warn!(call = %cx.call.call, "cannot journal the worker pid: {}", crate::report::chain(&e));
             }
         }
         let enforcement = worker.enforcement();
@@ -569,9 +569,14 @@ async fn discard(job: Job) {
     match done {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::error!(
-            "cannot remove job dir {}: {e}; startup recovery will (or quarantine it)",
-            dir.display()
+            "cannot remove job dir {}: {}; startup recovery will (or quarantine it)",
+            dir.display(),
+            crate::report::chain(&e)
         ),
-        Err(e) => tracing::error!("removing job dir {} failed: {e}", dir.display()),
+        Err(e) => tracing::error!(
+            "removing job dir {} failed: {}",
+            dir.display(),
+            crate::report::chain(&e)
+        ),
     }
 }

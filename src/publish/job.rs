@@ -210,7 +210,7 @@ impl Job {
             }),
             Err(e) => {
                 if let Err(c) = remove_tree(root.as_fd(), OsStr::new(&name), &dir) {
-                    tracing::warn!(job = %spec.id, error = %c, "could not remove a half-made job dir; startup recovery will");
+                    tracing::warn!(job = %spec.id, error = %crate::report::chain(&c), "could not remove a half-made job dir; startup recovery will");
                 }
                 Err(e)
             }
@@ -284,11 +284,11 @@ impl Job {
         // `publishing_outputs` journal left behind would make recovery ask the session again,
         // after later commits of it no longer record this job.
         if let Err(e) = self.remove_dir(true) {
-            tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not remove the job dir; startup recovery will");
+            tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not remove the job dir; startup recovery will");
             let left = matches!(stat_at(self.fd.as_fd(), OsStr::new(JOURNAL)), Ok(Some(_)));
             if left {
                 if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {
-                    tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not journal it");
+                    tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not journal it");
                 }
             }
         }
@@ -359,14 +359,12 @@ impl Job {
         )?;
         if u.entries > max_entries {
             return Err(PublishError::StagingLimit {
-                what: format!("more than {max_entries} files and directories"),
-                key: "staging_files",
+                limit: super::StagingLimit::Files { max: max_entries },
             });
         }
         if u.bytes > max_bytes {
             return Err(PublishError::StagingLimit {
-                what: format!("more than {max_bytes} bytes of files"),
-                key: "staging_size",
+                limit: super::StagingLimit::Bytes { max: max_bytes },
             });
         }
         Ok(u)
@@ -658,7 +656,7 @@ impl Job {
             // job dir: keep the dir for startup recovery (which keeps it aside if need be).
             Ok(Rolled { unreached, .. }) if !unreached.is_empty() => {
                 let u = &unreached[0];
-                tracing::error!(job = %self.spec.id, error = %error, target = %u.target.display(), reason = %u.reason, "rollback cannot reach a target; job dir kept for startup recovery");
+                tracing::error!(job = %self.spec.id, error = %crate::report::chain(&error), target = %u.target.display(), reason = %u.reason, "rollback cannot reach a target; job dir kept for startup recovery");
                 PublishError::RollbackFailed {
                     job: self.spec.id.clone(),
                     error: Box::new(error),
@@ -669,14 +667,14 @@ impl Job {
                 }
             }
             Ok(Rolled { restored: n, .. }) => {
-                tracing::info!(job = %self.spec.id, restored = n, error = %error, "publication failed; targets restored");
+                tracing::info!(job = %self.spec.id, restored = n, error = %crate::report::chain(&error), "publication failed; targets restored");
                 if let Err(e) = self.remove_dir(false) {
-                    tracing::warn!(job = %self.spec.id, error = %e, "could not remove the job dir; startup recovery will");
+                    tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "could not remove the job dir; startup recovery will");
                 }
                 error
             }
             Err(rollback) => {
-                tracing::error!(job = %self.spec.id, error = %error, rollback = %rollback, "rollback failed; job dir kept for startup recovery");
+                tracing::error!(job = %self.spec.id, error = %crate::report::chain(&error), rollback = %crate::report::chain(&rollback), "rollback failed; job dir kept for startup recovery");
                 PublishError::RollbackFailed {
                     job: self.spec.id.clone(),
                     error: Box::new(error),

@@ -213,7 +213,7 @@ pub enum JournalError {
 #[derive(Debug, thiserror::Error)]
 pub enum Damage {
     /// Opening, stating or reading it failed (EACCES, ELOOP for a symlink, EIO, ...).
-    #[error("cannot read it: {0}")]
+    #[error("cannot read it")]
     Unreadable(#[source] std::io::Error),
     /// It is a directory, a symlink's target kind, a fifo, ...
     #[error("it is {kind}, not a regular file")]
@@ -222,7 +222,7 @@ pub enum Damage {
     #[error("it is larger than {max} bytes, more than any journal")]
     TooLarge { max: u64 },
     /// Not JSON, truncated, or missing fields of this version.
-    #[error("it is not a journal (truncated or garbled): {0}")]
+    #[error("it is not a journal (truncated or garbled)")]
     Unparsable(#[source] serde_json::Error),
     /// A version this airlock does not read (written by another release).
     #[error("its version is {found}; this airlock reads version {VERSION} only")]

@@ -48,7 +48,7 @@ pub use job::Job;
 pub use job::Unreached;
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};
-pub use recover::{recover, recover_with, Kept};
+pub use recover::{recover, recover_with, Kept, MoveAside, RecoveryFault};
 pub use rejection::{Change, OutputFault, Rejection, SpecError, TargetError};
 pub use sys::FileId;
 pub use tree::Usage;
@@ -89,7 +89,7 @@ pub type CallbackError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path}")]
     Io {
         op: &'static str,
         path: PathBuf,
@@ -104,7 +104,7 @@ pub enum PublishError {
         reason: OutputFault,
     },
     /// The caller's commit (the session store's write) failed; its error is kept.
-    #[error("commit failed: {0}")]
+    #[error("commit failed")]
     Commit(#[source] CallbackError),
     /// The job spec cannot become a job dir (bad id, targets not normalized or overlapping).
     #[error("invalid job: {reason}")]
@@ -115,7 +115,9 @@ pub enum PublishError {
     /// Publication failed and so did the rollback: the targets may be mixed until startup
     /// recovery runs; the job dir and its journal are kept for it.
     #[error(
-        "job {job}: {error}; rollback failed too ({rollback}); the job dir is kept for recovery"
+        "job {job}: {}; rollback failed too ({}); the job dir is kept for recovery",
+        crate::report::chain(&**.error),
+        crate::report::chain(&**.rollback)
     )]
     RollbackFailed {
         job: String,
@@ -123,16 +125,20 @@ pub enum PublishError {
         rollback: Box<PublishError>,
     },
     /// The worker left more in its staging dir than its profile allows.
-    #[error("the worker left {what} in its staging dir, over the profile's [limits] {key}; nothing was published")]
-    StagingLimit { what: String, key: &'static str },
-    /// Startup recovery cannot decide what to do with a job dir.
-    #[error("recovery of job {job}: {reason}")]
-    Recovery { job: String, reason: String },
+    #[error("the worker left {limit} in its staging dir, over the profile's [limits] {}; nothing was published", .limit.key())]
+    StagingLimit { limit: StagingLimit },
+    /// Startup recovery cannot bring a job dir to a boundary.
+    #[error("recovery of job {job}")]
+    Recovery {
+        job: String,
+        #[source]
+        reason: RecoveryFault,
+    },
     /// Startup recovery cannot tell whether a job committed: the session store's error.
     #[error(
-        "recovery of job {job}: cannot tell whether session {session} committed: {source}. \
-         Repair or restore that session's file in the state dir and start again (recovery \
-         then completes or rolls back this job by itself); nothing was changed"
+        "recovery of job {job}: nothing was changed: cannot tell whether session {session} \
+         committed (repair or restore that session's file in the state dir and start again; \
+         recovery then completes or rolls back this job by itself)"
     )]
     Undecided {
         job: String,
@@ -140,6 +146,27 @@ pub enum PublishError {
         #[source]
         source: CallbackError,
     },
+}
+
+/// The limit of the profile's a worker's staging dir went over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StagingLimit {
+    /// `staging_files`: entries of any kind beneath `stage/`.
+    #[error("more than {max} files and directories")]
+    Files { max: u64 },
+    /// `staging_size`: apparent size of the regular files.
+    #[error("more than {max} bytes of files")]
+    Bytes { max: u64 },
+}
+
+impl StagingLimit {
+    /// The `[limits]` key of the profile that sets it.
+    pub fn key(&self) -> &'static str {
+        match self {
+            StagingLimit::Files { .. } => "staging_files",
+            StagingLimit::Bytes { .. } => "staging_size",
+        }
+    }
 }
 
 /// What a job publishes.

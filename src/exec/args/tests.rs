@@ -147,9 +147,8 @@ fn session_ids_are_checked_wherever_named() {
         ("a/../b", "holds '/' at byte 1"),
         ("caf\u{e9}", "holds '\u{e9}' at byte 3"),
     ] {
-        let e = validate(&t, &obj(serde_json::json!({"session": id, "out": "a"})))
-            .unwrap_err()
-            .to_string();
+        let e = validate(&t, &obj(serde_json::json!({"session": id, "out": "a"}))).unwrap_err();
+        let e = crate::report::chain(&e).to_string();
         assert!(e.starts_with("argument \"session\": "), "{e}");
         assert!(e.contains(needle), "{e:?} does not say {needle:?}");
         assert!(
