@@ -186,7 +186,7 @@ pub enum ToolFailure {
         total: u64,
         cap: usize,
     },
-    #[error("{tool} returned an invalid JSON response: {cause}; nothing was published and the session is unchanged")]
+    #[error("{tool} returned an invalid JSON response: {}; nothing was published and the session is unchanged", crate::report::chain(.cause))]
     InvalidResponse {
         tool: String,
         cause: response::ResponseError,
