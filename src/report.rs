@@ -134,6 +134,34 @@ mod tests {
         assert_eq!(shown.matches(&errno).count(), 1, "{shown}");
     }
 
+    /// A recovery that can neither remove nor move a job dir aside shows the removal's errno
+    /// and the move's, each once.
+    #[test]
+    fn a_recovery_fault_shows_both_failures_once() {
+        use crate::publish::{MoveAside, PublishError, RecoveryFault};
+        let e = PublishError::Recovery {
+            job: "j1".into(),
+            reason: RecoveryFault::Unremovable {
+                dir: "/ws/.airlock-job-j1".into(),
+                removal: Box::new(PublishError::Io {
+                    op: "unlink",
+                    path: "/ws/.airlock-job-j1/stage/x".into(),
+                    source: std::io::Error::from_raw_os_error(libc::EROFS),
+                }),
+                aside: MoveAside::NoFreeName,
+            },
+        };
+        let erofs = std::io::Error::from_raw_os_error(libc::EROFS).to_string();
+        assert_eq!(
+            chain(&e).to_string(),
+            format!(
+                "recovery of job j1: cannot remove /ws/.airlock-job-j1 (unlink \
+                 /ws/.airlock-job-j1/stage/x: {erofs}) nor move it aside; remove it by hand and \
+                 start again: find a free quarantine name (100 taken)"
+            )
+        );
+    }
+
     #[test]
     fn an_error_without_causes_is_its_message() {
         let e = std::io::Error::from_raw_os_error(libc::ENOENT);
