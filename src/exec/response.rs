@@ -49,6 +49,11 @@ pub enum ResponseError {
 pub fn parse(stdout: &str, secrets: &Secrets) -> Result<Response, ResponseError> {
     let v: Value =
         serde_json::from_str(stdout.trim()).map_err(|e| ResponseError::NotJson(e.to_string()))?;
+    check(v, secrets)
+}
+
+/// Checks a response already read as JSON (a `python` tool's, from its runner's reply).
+pub fn check(v: Value, secrets: &Secrets) -> Result<Response, ResponseError> {
     let Value::Object(obj) = v else {
         return Err(ResponseError::NotObject(kind(&v)));
     };
