@@ -50,6 +50,11 @@ def _raised(e):
 def _call(request):
     entry = sys.argv[1]
     for p in reversed(sys.argv[2:]):
+        if not os.path.isabs(p):
+            # Relative to the working directory: the worker cannot search a directory above
+            # it. importlib makes every sys.path entry absolute, so the directory is held
+            # open and named through /proc/self/fd, which needs no search right above it.
+            p = "/proc/self/fd/%d" % os.open(p, os.O_RDONLY | os.O_DIRECTORY)
         sys.path.insert(0, p)
     module_name, _, attr = entry.partition(":")
     fn = importlib.import_module(module_name)
