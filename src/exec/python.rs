@@ -105,7 +105,7 @@ pub(super) fn interpret(
         }),
         (Some("raised"), Some(Value::Object(e))) => {
             let text = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_string();
-            let exception_type = text("type");
+            let exception_type = secrets.scrub_str(&text("type"));
             if exception_type.is_empty() {
                 return Err(invalid(response::ResponseError::UnknownKey(
                     "raised without a type".into(),

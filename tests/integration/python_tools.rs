@@ -46,6 +46,14 @@ def tally(source, out):
     return [len(data), data.count("\n")]
 
 
+def nothing():
+    return None
+
+
+def refuse(word):
+    return {"isError": True, "content": [{"type": "text", "text": "refused " + word}]}
+
+
 def no_session(**kwargs):
     return "kwargs: " + ",".join(sorted(kwargs))
 
@@ -129,6 +137,8 @@ fn daemon(profile: &str) -> Daemon {
         "pytools.fns:tally",
         &format!("[params.source]\ntype = \"string\"\npath = \"input\"\n{out}"),
     );
+    tool("py_nothing", "read", "pytools.fns:nothing", "");
+    tool("py_refuse", "write", "pytools.fns:refuse", word);
     tool("py_no_session", "write", "pytools.fns:no_session", word);
     tool("py_explode", "write", "pytools.fns:explode", word);
     tool("py_custom", "read", "pytools.fns:custom", "");
@@ -194,6 +204,16 @@ async fn exercise(d: &Daemon, ctx: &str) {
             .is_some_and(|a| a.iter().any(|b| b["text"] == want_text.as_str())),
         "{ctx}: {r}"
     );
+
+    // None: a result with nothing in it. A response saying isError: the tool's own fault,
+    // its blocks kept, nothing committed.
+    let r = call(&c, "py_nothing", json!({})).await;
+    assert!(!is_error(&r), "{ctx}: {r}");
+    assert_eq!(r["content"], json!([]), "{ctx}: {r}");
+    let r = call(&c, "py_refuse", json!({"session": "p", "word": "w"})).await;
+    assert_eq!(code(&r), "TOOL_FAILED", "{ctx}: {r}");
+    assert!(text(&r).contains("refused w"), "{ctx}: {r}");
+    assert_eq!(version(&c, "p").await, 2, "{ctx}");
 
     // Path parameters: the input read, the output published; a write tool's structured
     // result sits beside its commit; a function without a session parameter works and
@@ -473,6 +493,36 @@ async fn python_tool_load_errors_name_file_line_and_column() {
             "{all}"
         );
     }
+    // `policy explain` of the shipped python tool shows what it runs.
+    std::fs::remove_file(d.policies.join("tools/bad.toml")).expect("rm");
+    let out = std::process::Command::new(BIN)
+        .args(["policy", "explain", "--policies"])
+        .arg(&d.policies)
+        .arg("word_count")
+        .output()
+        .expect("policy explain");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for want in [
+        "entry:    airlock_examples.wordcount:word_count".to_string(),
+        "python:   /usr/bin/python3 -I -B".to_string(),
+        format!(
+            "python_path: {} (first on sys.path; read-only to the worker)",
+            d.policies
+                .join("python")
+                .canonicalize()
+                .expect("python dir")
+                .display()
+        ),
+        "protocol: python".to_string(),
+    ] {
+        assert!(text.contains(&want), "{want}: {text}");
+    }
+    std::fs::write(
+        d.policies.join("tools/bad.toml"),
+        "name = \"bad\"\ncapability = \"read\"\nprotocol = \"python\"\nentry = \"m:f\"\npython = \"python3\"\n",
+    )
+    .expect("write");
     // And the daemon refuses to start on it, saying where.
     let mut d = d;
     assert!(
