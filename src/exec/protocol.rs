@@ -195,6 +195,11 @@ pub enum ToolFailure {
         tool: String,
         cause: response::ResponseError,
     },
+    #[error("{tool}'s python runner gave an invalid reply: {cause}; nothing was published and the session is unchanged")]
+    InvalidRunnerReply {
+        tool: String,
+        cause: super::python::ReplyError,
+    },
     /// A `python` tool's function (or the import of its module) raised.
     #[error("{tool} raised {exception_type}: {message}; nothing was published and the session is unchanged")]
     Raised {

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use super::protocol::{Response, ToolFailure};
 use super::{response, worker_paths, CallError, ToolReply};
@@ -60,26 +60,24 @@ pub(super) fn interpret(
     secrets: &Secrets,
 ) -> Result<Response, CallError> {
     let invalid = |cause| {
-        CallError::ToolFailed(ToolFailure::InvalidResponse {
+        CallError::ToolFailed(ToolFailure::InvalidRunnerReply {
             tool: tool.to_string(),
             cause,
         })
     };
     let v: Value = serde_json::from_str(stdout.trim())
-        .map_err(|e| invalid(response::ResponseError::NotJson(e.to_string())))?;
+        .map_err(|e| invalid(ReplyError::NotJson(e.to_string())))?;
     let Value::Object(mut obj) = v else {
-        return Err(invalid(response::ResponseError::NotObject(
-            super::args::kind(&v),
-        )));
+        return Err(invalid(ReplyError::Shape));
     };
-    let one = if obj.len() == 1 {
-        obj.keys().next().cloned()
-    } else {
-        None
+    let key = match obj.keys().next() {
+        Some(k) if obj.len() == 1 => k.clone(),
+        _ => return Err(invalid(ReplyError::Shape)),
     };
-    match (one.as_deref(), one.as_deref().and_then(|k| obj.remove(k))) {
-        (Some("response"), Some(r)) => {
-            let r = response::check(r, secrets).map_err(invalid)?;
+    let value = obj.remove(&key).unwrap_or(Value::Null);
+    match (key.as_str(), value) {
+        ("response", r) => {
+            let r = response::check(r, secrets).map_err(|e| invalid(ReplyError::Response(e)))?;
             if r.is_error {
                 return Err(CallError::ToolReported {
                     tool: tool.to_string(),
@@ -95,7 +93,7 @@ pub(super) fn interpret(
                 state: r.state,
             })
         }
-        (Some("result"), Some(value)) => Ok(Response {
+        ("result", value) => Ok(Response {
             reply: ToolReply {
                 is_error: false,
                 content: Vec::new(),
@@ -103,13 +101,11 @@ pub(super) fn interpret(
             },
             state: None,
         }),
-        (Some("raised"), Some(Value::Object(e))) => {
+        ("raised", Value::Object(e)) => {
             let text = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_string();
             let exception_type = secrets.scrub_str(&text("type"));
             if exception_type.is_empty() {
-                return Err(invalid(response::ResponseError::UnknownKey(
-                    "raised without a type".into(),
-                )));
+                return Err(invalid(ReplyError::Shape));
             }
             let (message, cut) = secrets.head(&text("message"), MESSAGE_SHOWN, false);
             let message = if cut > 0 {
@@ -123,17 +119,27 @@ pub(super) fn interpret(
                 message,
             }))
         }
-        (Some("fault"), Some(Value::String(fault))) => {
-            Err(CallError::ToolFailed(ToolFailure::Unsendable {
-                tool: tool.to_string(),
-                fault: secrets.head(&fault, MESSAGE_SHOWN, false).0,
-            }))
-        }
-        _ => Err(invalid(response::ResponseError::UnknownKey(
-            "(the python runner answers one of \"response\", \"result\", \"raised\", \"fault\")"
-                .into(),
-        ))),
+        ("fault", Value::String(fault)) => Err(CallError::ToolFailed(ToolFailure::Unsendable {
+            tool: tool.to_string(),
+            fault: secrets.head(&fault, MESSAGE_SHOWN, false).0,
+        })),
+        _ => Err(invalid(ReplyError::Shape)),
     }
+}
+
+/// What is wrong with the runner's reply (something in the worker wrote to the runner's
+/// reply descriptor, or the function's response dict is invalid).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplyError {
+    #[error("not one JSON value: {0}")]
+    NotJson(String),
+    #[error(
+        "not one object with exactly one of \"response\" (an object), \"result\", \"raised\" \
+         (an object with a \"type\") or \"fault\" (a string)"
+    )]
+    Shape,
+    #[error("the function's response: {0}")]
+    Response(response::ResponseError),
 }
 
 /// The exception type a `TOOL_FAILED` of a python tool names, for the audit's `error`.
@@ -146,14 +152,10 @@ pub fn exception_type(e: &CallError) -> Option<&str> {
     }
 }
 
-/// `Map` of a structured result a write call adds its session fields to.
+/// The value a python function returned as its structured result (`{"result": value}`),
+/// which a write call keeps beside its commit's fields.
 pub(super) fn structured_result(reply: &ToolReply) -> Option<Value> {
-    reply
-        .structured
-        .as_ref()
-        .and_then(Value::as_object)
-        .and_then(|m: &Map<String, Value>| m.get("result"))
-        .cloned()
+    reply.structured.as_ref()?.get("result").cloned()
 }
 
 #[cfg(test)]
@@ -200,7 +202,7 @@ mod tests {
             let e = run(bad).unwrap_err();
             assert_eq!(e.code(), ErrorCode::ToolFailed, "{bad}");
             assert!(
-                e.to_string().contains("invalid JSON response"),
+                e.to_string().contains("gave an invalid reply"),
                 "{bad}: {e}"
             );
         }

@@ -46,6 +46,19 @@ def tally(source, out):
     return [len(data), data.count("\n")]
 
 
+def scribble(out):
+    with open(out, "w") as f:
+        f.write("must not be published\n")
+    progress = os.environ.get("AIRLOCK_PROGRESS_FD")
+    for fd in range(3, 10):
+        if str(fd) != progress:
+            try:
+                os.write(fd, b'{"result": "forged"}')
+            except OSError:
+                pass
+    return "after scribbling"
+
+
 def nothing():
     return None
 
@@ -137,6 +150,7 @@ fn daemon(profile: &str) -> Daemon {
         "pytools.fns:tally",
         &format!("[params.source]\ntype = \"string\"\npath = \"input\"\n{out}"),
     );
+    tool("py_scribble", "write", "pytools.fns:scribble", out);
     tool("py_nothing", "read", "pytools.fns:nothing", "");
     tool("py_refuse", "write", "pytools.fns:refuse", word);
     tool("py_no_session", "write", "pytools.fns:no_session", word);
@@ -204,6 +218,19 @@ async fn exercise(d: &Daemon, ctx: &str) {
             .is_some_and(|a| a.iter().any(|b| b["text"] == want_text.as_str())),
         "{ctx}: {r}"
     );
+
+    // A function that writes on the runner's own reply descriptor: the reply is no longer
+    // one JSON value, the call fails, its output is not published, the state is kept.
+    let r = call(
+        &c,
+        "py_scribble",
+        json!({"session": "p", "out": "forged.txt"}),
+    )
+    .await;
+    assert_eq!(code(&r), "TOOL_FAILED", "{ctx}: {r}");
+    assert!(text(&r).contains("gave an invalid reply"), "{ctx}: {r}");
+    assert!(d.read("forged.txt").is_none(), "{ctx}");
+    assert_eq!(version(&c, "p").await, 2, "{ctx}");
 
     // None: a result with nothing in it. A response saying isError: the tool's own fault,
     // its blocks kept, nothing committed.
