@@ -340,6 +340,10 @@ pub enum Failure {
         phase: Phase,
         #[serde(skip_serializing_if = "std::ops::Not::not")]
         cancel_too_late: bool,
+        /// A `python` tool's exception class (`ValueError`, `mypkg.BadInput`), when its
+        /// function or the import of its module raised.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        exception_type: Option<String>,
     },
     /// Recovery kept a job dir aside: the call neither committed nor rolled back.
     Recovered(Recovery),
@@ -417,6 +421,7 @@ pub(crate) mod tests {
                 message: Some(text.into()),
                 phase: Phase::Running,
                 cancel_too_late: false,
+                exception_type: Some(text.into()),
             }),
             Event::Done(Done {
                 ran,
@@ -541,6 +546,7 @@ pub(crate) mod tests {
                 message: None,
                 phase: Phase::Queued,
                 cancel_too_late: true,
+                exception_type: None,
             })
             .detail(),
             json!({"duration_ms": 7, "code": "TIMEOUT", "message": null, "phase": "queued",

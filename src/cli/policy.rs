@@ -259,15 +259,33 @@ pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
         println!("  runs inside the daemon: no worker, no sandbox");
         return Exit::Ok;
     };
-    println!(
-        "  command:  {}",
-        ext.command
-            .written()
-            .iter()
-            .map(|a| shell_quoted(a))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    match &ext.python {
+        Some(p) => {
+            println!("  entry:    {}", p.entry);
+            println!(
+                "  python:   {} -I -B, running airlock's runner (src/exec/python_runner.py)",
+                p.interpreter.display()
+            );
+            if p.path.is_empty() {
+                println!("  python_path: (none)");
+            }
+            for d in &p.path {
+                println!(
+                    "  python_path: {} (first on sys.path; read-only to the worker)",
+                    d.display()
+                );
+            }
+        }
+        None => println!(
+            "  command:  {}",
+            ext.command
+                .written()
+                .iter()
+                .map(|a| shell_quoted(a))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+    }
     println!("  protocol: {}", ext.protocol.as_str());
     println!(
         "  timeout:  {:?} (then SIGTERM to the group, the grace, SIGKILL)",
@@ -305,7 +323,10 @@ fn no_output_note(t: &policy::Tool) -> Option<String> {
              it can change nothing in the workspace{} (declare a parameter with \
              path = \"output\" for each file it writes)",
             t.name,
-            if ext.protocol == policy::Protocol::Json {
+            if matches!(
+                ext.protocol,
+                policy::Protocol::Json | policy::Protocol::Python
+            ) {
                 ", only its session's state"
             } else {
                 ""

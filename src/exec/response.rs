@@ -122,6 +122,11 @@ pub enum Base64Fault {
 /// [`Secrets::shown`] does: scrubbed of the call's `secrets` before it is cut.
 pub fn parse(stdout: &str, secrets: &Secrets) -> Result<Response, ResponseError> {
     let v: Value = serde_json::from_str(stdout.trim()).map_err(ResponseError::NotJson)?;
+    check(v, secrets)
+}
+
+/// Checks a response already read as JSON (a `python` tool's, from its runner's reply).
+pub fn check(v: Value, secrets: &Secrets) -> Result<Response, ResponseError> {
     let Value::Object(obj) = v else {
         return Err(ResponseError::NotObject(kind(&v)));
     };

@@ -328,11 +328,17 @@ impl Executor {
         reply
             .content
             .retain(|b| !(b["type"] == "text" && b["text"] == ""));
-        reply.structured = Some(json!({
+        let result = super::python::structured_result(&reply);
+        let mut structured = json!({
             "session": session,
             "version": version,
             "outputs": outputs.iter().map(|(n, p)| json!({"param": n, "path": p})).collect::<Vec<_>>(),
-        }));
+        });
+        // A python function's structured result stays beside the commit's fields.
+        if let Some(result) = result {
+            structured["result"] = result;
+        }
+        reply.structured = Some(structured);
         Ok(reply)
     }
 
@@ -345,13 +351,21 @@ impl Executor {
         s: Sandboxed,
         job: Option<&mut Job>,
     ) -> Result<Worker, Stop> {
+        let mut argv = args::substitute(&ext.command, &bound.subst);
+        let mut readable = s.readable;
+        // A python tool's module directories: on the runner's command line, and readable
+        // (never writable) by the worker.
+        if let Some(p) = &ext.python {
+            argv.extend(super::python::sys_path(&self.reach, p, &s.cwd));
+            readable.extend(p.path.iter().cloned());
+        }
         let launch = Launch {
-            argv: args::substitute(&ext.command, &bound.subst),
+            argv,
             env: bound.env.clone(),
             cwd: s.cwd,
             stdin: s.stdin,
             writable: s.writable,
-            readable: s.readable,
+            readable,
             profile: ext.profile.clone(),
             cgroup_parent: cx.policy.daemon.cgroup.clone(),
             job_id: cx.call.call.clone(),

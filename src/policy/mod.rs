@@ -197,6 +197,13 @@ impl Tool {
             ),
             (None, Capability::Read) => return None,
         };
+        let mut schema = schema;
+        // A python function's structured result sits beside the commit's fields.
+        if matches!(&self.kind, ToolKind::External(e) if e.python.is_some()) {
+            schema["properties"]["result"] = json!({
+                "description": "What the tool's Python function returned, when that was neither a string nor a response"
+            });
+        }
         schema.as_object().cloned()
     }
 

@@ -15,6 +15,7 @@ mod daemon;
 mod eras;
 mod features;
 mod policy_dirs;
+mod python_tools;
 mod race;
 mod reload;
 mod robust_args;

@@ -28,6 +28,7 @@ fn tool() -> Tool {
         kind: ToolKind::External(crate::policy::ExternalTool {
             command: crate::policy::Command::parse(["/bin/true"]),
             protocol: crate::policy::Protocol::Argv,
+            python: None,
             timeout: std::time::Duration::from_secs(1),
             profile: std::sync::Arc::new(crate::policy::Profile {
                 name: "test".into(),
