@@ -243,6 +243,12 @@ pub struct Output {
     pub sha256: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub not_hashed: Option<String>,
+    /// An in-out target: whether publication changed it (a new file at the target) ...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changed: Option<bool>,
+    /// ... or deleted it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deleted: Option<bool>,
 }
 
 /// What startup recovery did with one job.
@@ -502,6 +508,8 @@ pub(crate) mod tests {
                     ino: 3,
                     sha256: None,
                     not_hashed: Some("big".into()),
+                    changed: None,
+                    deleted: None,
                 }],
                 ran: Ran {
                     duration_ms: 9,

@@ -143,10 +143,10 @@ pub(super) fn check(dir: &Path, as_user: Option<&str>) -> Exit {
                 p.path.map(|r| {
                     format!(
                         "{n}({})",
-                        if r == policy::PathRole::Input {
-                            "in"
-                        } else {
-                            "out"
+                        match r {
+                            policy::PathRole::Input => "in",
+                            policy::PathRole::Output => "out",
+                            policy::PathRole::InOut => "inout",
                         }
                     )
                 })
@@ -274,6 +274,7 @@ pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
         match p.path {
             Some(policy::PathRole::Input) => println!("  param {n}: workspace path, readable by the worker"),
             Some(policy::PathRole::Output) => println!("  param {n}: workspace path, written to a private staging dir, published on success"),
+            Some(policy::PathRole::InOut) => println!("  param {n}: workspace path, a private copy edited in staging: published if changed, the target deleted if removed, CONFLICT if changed meanwhile"),
             None if p.secret => println!(
                 "  param {n}: {} value, secret (redacted in audit events, logs and errors)",
                 p.ty.as_str()
@@ -295,7 +296,7 @@ fn no_output_note(t: &policy::Tool) -> Option<String> {
     let outputs = t
         .params
         .values()
-        .any(|p| p.path == Some(policy::PathRole::Output));
+        .any(|p| p.path.is_some_and(policy::PathRole::writes));
     (writes && !outputs).then(|| {
         format!(
             "warning: tool {}: declares no output: its inputs are read-only to the worker; \

@@ -235,7 +235,7 @@ fn write_denied_hint(tool: &Tool, stderr_tail: &str) -> String {
     let outputs: Vec<&str> = tool
         .params
         .iter()
-        .filter(|(_, p)| p.path == Some(PathRole::Output))
+        .filter(|(_, p)| p.path.is_some_and(PathRole::writes))
         .map(|(n, _)| n.as_str())
         .collect();
     let denied = [

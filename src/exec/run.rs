@@ -152,7 +152,7 @@ impl Executor {
         let paths = self.resolve_paths(tool, values)?;
         let outputs: Vec<(String, PathBuf)> = paths
             .iter()
-            .filter(|(_, role, _)| *role == PathRole::Output)
+            .filter(|(_, role, _)| role.writes())
             .map(|(n, _, p)| (n.clone(), p.clone()))
             .collect();
         args::check_overlap(&outputs).map_err(CallError::Overlap)?;
@@ -211,8 +211,14 @@ impl Executor {
                 .map(|(n, _)| tool.params.get(n).and_then(|p| p.mode))
                 .collect(),
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
+            inout: outputs
+                .iter()
+                .map(|(n, _)| tool.params.get(n).and_then(|p| p.path) == Some(PathRole::InOut))
+                .collect(),
         };
-        let mut job = Job::create(&self.workspace, spec).map_err(CallError::Job)?;
+        // Off the async threads: an in-out target is copied into staging here.
+        let mut job = tokio::task::block_in_place(|| Job::create(&self.workspace, spec))
+            .map_err(CallError::Job)?;
         job.hash_up_to(cx.policy.daemon.audit_hash_limit);
         let root = self.workspace.root().to_path_buf();
         let mut bound = args::bind(values, &paths, &root, Some(session), |i| job.staged_path(i));
@@ -298,8 +304,10 @@ impl Executor {
         // Off the async threads: publication fsyncs, and its cleanup removes whatever the
         // worker left in staging.
         let mut committed = None;
+        let mut edits = Vec::new();
         let published = tokio::task::block_in_place(|| {
             job.publish_and_commit_with(|published| {
+                edits = published.iter().map(|o| o.edit).collect();
                 let commit = Commit::Published {
                     version: before.version + 1,
                     outputs: published.iter().map(|o| output(o, hash_limit)).collect(),
@@ -331,7 +339,14 @@ impl Executor {
         reply.structured = Some(json!({
             "session": session,
             "version": version,
-            "outputs": outputs.iter().map(|(n, p)| json!({"param": n, "path": p})).collect::<Vec<_>>(),
+            "outputs": outputs.iter().zip(edits.iter().chain(std::iter::repeat(&None))).map(|((n, p), edit)| {
+                let mut o = json!({"param": n, "path": p});
+                if let Some(e) = edit {
+                    o["changed"] = (*e == publish::Edit::Changed).into();
+                    o["deleted"] = (*e == publish::Edit::Deleted).into();
+                }
+                o
+            }).collect::<Vec<_>>(),
         }));
         Ok(reply)
     }
@@ -522,6 +537,10 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
         })
         .into();
     }
+    // Someone else changed an in-out target: every target was restored.
+    if let publish::PublishError::Conflict { .. } = &e {
+        return CallError::Conflict(e).into();
+    }
     // The commit event could not be recorded and every target was restored: AUDIT_FAILED.
     let e = match e {
         publish::PublishError::Commit(source) => match source.downcast::<CommitFailed>() {
@@ -550,9 +569,11 @@ fn output(o: &publish::Published, hash_limit: u64) -> Output {
         dev: o.id.dev,
         ino: o.id.ino,
         sha256: o.sha256.clone(),
-        not_hashed: o.sha256.is_none().then(|| {
+        not_hashed: (o.sha256.is_none() && o.edit != Some(publish::Edit::Deleted)).then(|| {
             format!("larger than audit_hash_limit ({hash_limit} bytes): size and identity only")
         }),
+        changed: o.edit.map(|e| e == publish::Edit::Changed),
+        deleted: o.edit.map(|e| e == publish::Edit::Deleted),
     }
 }
 

@@ -383,6 +383,27 @@ pub enum PathRole {
     Input,
     /// Rewritten to a staged file; published into the workspace on success.
     Output,
+    /// Rewritten to a staged private copy of the current target (nothing there when the
+    /// target does not exist): a changed copy is published, an unchanged one publishes
+    /// nothing, a copy the worker removed deletes the target. Anyone else's change to the
+    /// target meanwhile is a conflict.
+    #[serde(rename = "inout")]
+    InOut,
+}
+
+impl PathRole {
+    /// Whether the worker writes this path (through staging): an output or an in-out.
+    pub fn writes(self) -> bool {
+        matches!(self, PathRole::Output | PathRole::InOut)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PathRole::Input => "input",
+            PathRole::Output => "output",
+            PathRole::InOut => "inout",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 
+use super::copy::{self, Conflict, Origin};
 use super::journal::{Journal, Phase, TargetRecord, JOURNAL, VERSION};
 use super::sys::{
     describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, stat_at,
@@ -16,8 +17,8 @@ use super::sys::{
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
 use super::{
-    Change, JobSpec, OutputFault, PublishError, Published, SpecError, Workspace, JOB_DIR_PREFIX,
-    MAX_ID_LEN, STAGE,
+    Change, Edit, JobSpec, OutputFault, PublishError, Published, SpecError, Workspace,
+    JOB_DIR_PREFIX, MAX_ID_LEN, STAGE,
 };
 
 pub struct Job {
@@ -105,6 +106,57 @@ fn seal(fd: BorrowedFd<'_>, st: &rustix::fs::Stat, mode: u32) -> Result<(), Errn
     )
 }
 
+/// Gives in-out target `target` (`target_abs` for messages) to the worker: a private copy of
+/// it in its staging slot under its own name, owned by the worker (`owner`) or the daemon,
+/// mode 0600 plus the original's execute bits. Returns the target's snapshot, taken before
+/// the copy, and the copy's, taken once it is the worker's; `(None, None)` when the target
+/// does not exist (the worker finds nothing at the staged path).
+fn seed_copy(
+    root: BorrowedFd<'_>,
+    target_abs: &Path,
+    target: &Path,
+    slot: BorrowedFd<'_>,
+    base: &OsStr,
+    staged_abs: &Path,
+    owner: Option<(u32, u32)>,
+) -> Result<(Option<Origin>, Option<Origin>), PublishError> {
+    let changed = |reason: Change| PublishError::TargetChanged {
+        path: target_abs.to_path_buf(),
+        reason,
+    };
+    // O_PATH first: learn the type without opening a FIFO or a device for reading.
+    let pfd = match open_beneath(root, target, OFlags::PATH) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok((None, None)),
+        Err(e) => return Err(changed(Change::parent(target, e))),
+    };
+    let st = rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat in-out target", target_abs, e))?;
+    if file_type(&st) != FileType::RegularFile {
+        return Err(changed(Change::NowA(describe(file_type(&st)))));
+    }
+    let origin = Origin::of(&st);
+    let src = open_beneath(root, target, OFlags::RDONLY | OFlags::NONBLOCK)
+        .map_err(|e| io("open in-out target", target_abs, e))?;
+    let now =
+        rustix::fs::fstat(src.as_fd()).map_err(|e| io("stat in-out target", target_abs, e))?;
+    if FileId::of(&now) != origin.id {
+        return Err(changed(Change::ReplacedDuringRename));
+    }
+    let mode = (st.st_mode & 0o111) | 0o600;
+    let dst = copy::copy_file(src.as_fd(), slot, base, mode, staged_abs)?;
+    if let Some((uid, gid)) = owner {
+        mutate("publish.chown_stage", staged_abs, || {
+            rustix::fs::fchown(
+                dst.as_fd(),
+                Some(rustix::process::Uid::from_raw(uid)),
+                Some(rustix::process::Gid::from_raw(gid)),
+            )
+        })?;
+    }
+    let cst = rustix::fs::fstat(dst.as_fd()).map_err(|e| io("stat in-out copy", staged_abs, e))?;
+    Ok((Some(origin), Some(Origin::of(&cst))))
+}
+
 impl Job {
     /// Creates `.airlock-job-<id>/` (0700, or 0711 for a worker with its own uid) with its
     /// staging dir (the worker's, when it has its own uid). No journal and no fsync: until
@@ -176,12 +228,32 @@ impl Job {
                 })?;
                 give(stage_fd.as_fd(), slot.as_str(), &slot_path)?;
                 let base = target.file_name().unwrap_or(OsStr::new("output"));
+                let inout = spec.inout.get(i).copied().unwrap_or(false);
+                let (origin, copy) = if inout {
+                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
+                        .map_err(|e| io("open staging dir", &slot_path, e))?;
+                    seed_copy(
+                        root.as_fd(),
+                        &ws.root().join(target),
+                        target,
+                        slot_fd.as_fd(),
+                        base,
+                        &slot_path.join(base),
+                        spec.stage_owner,
+                    )?
+                } else {
+                    (None, None)
+                };
                 targets.push(TargetRecord {
                     target: target.clone(),
                     staged: Path::new(STAGE).join(&slot).join(base),
                     backup: None,
                     old: None,
                     new: None,
+                    inout,
+                    origin,
+                    copy,
+                    delete: false,
                 });
             }
             let journal = Journal {
@@ -398,9 +470,10 @@ impl Job {
         let mut synced_dirs = self.make_parents()?;
         // 5. Rename each staged file into place.
         for i in 0..self.journal.targets.len() {
-            let (parent_fd, slot_fd) = self.rename_one(i)?;
-            synced_dirs.push(parent_fd);
-            synced_dirs.push(slot_fd);
+            if let Some((parent_fd, slot_fd)) = self.rename_one(i)? {
+                synced_dirs.push(parent_fd);
+                synced_dirs.push(slot_fd);
+            }
         }
         // 6. Make the renames (and the mkdirs) durable before the commit point: a session
         //    that records this job must imply every target holds its new file. From here,
@@ -411,7 +484,7 @@ impl Job {
         Ok(())
     }
 
-    fn validate_outputs(&mut self) -> Result<Vec<FileId>, PublishError> {
+    fn validate_outputs(&mut self) -> Result<Vec<Decision>, PublishError> {
         let mut ids = Vec::with_capacity(self.journal.targets.len());
         let mut published = Vec::with_capacity(self.journal.targets.len());
         for (i, rec) in self.journal.targets.iter().enumerate() {
@@ -430,11 +503,33 @@ impl Job {
             })?;
             let name = rec.staged.file_name().unwrap_or(OsStr::new("output"));
             // O_PATH first: learn the type without opening a FIFO or a device for reading.
-            let pfd = open_beneath(slot_fd.as_fd(), name, OFlags::PATH).map_err(|e| match e {
-                Errno::NOENT => bad(OutputFault::Missing),
-                Errno::LOOP => bad(OutputFault::Symlink),
-                e => io("open staged output", &staged, e),
-            })?;
+            let pfd = match open_beneath(slot_fd.as_fd(), name, OFlags::PATH) {
+                Ok(fd) => fd,
+                // An in-out copy the worker removed: the target is deleted (or, if there
+                // was none, stays absent).
+                Err(Errno::NOENT) if rec.inout => {
+                    let (decision, edit) = match rec.origin {
+                        Some(_) => (Decision::Delete, Edit::Deleted),
+                        None => (Decision::Keep, Edit::Unchanged),
+                    };
+                    published.push(Published {
+                        target: rec.target.clone(),
+                        size: 0,
+                        sha256: None,
+                        id: rec.origin.map_or(FileId::NONE, |o| o.id),
+                        edit: Some(edit),
+                    });
+                    ids.push(decision);
+                    continue;
+                }
+                Err(e) => {
+                    return Err(match e {
+                        Errno::NOENT => bad(OutputFault::Missing),
+                        Errno::LOOP => bad(OutputFault::Symlink),
+                        e => io("open staged output", &staged, e),
+                    })
+                }
+            };
             let st =
                 rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
             let ft = file_type(&st);
@@ -444,6 +539,9 @@ impl Job {
             if nlink(&st) != 1 {
                 return Err(bad(OutputFault::Links(nlink(&st))));
             }
+            // An in-out copy the worker never touched (same file, same ctime: nothing can
+            // set a ctime back). Read before sealing, which changes it.
+            let untouched = rec.inout && rec.copy == Some(Origin::of(&st));
             // Owner and mode are the daemon's to set, before the file can be read or moved:
             // no setuid/setgid/sticky bit, no group or other write, the worker's uid gone.
             let mode = match self.spec.modes.get(i).copied().flatten() {
@@ -460,23 +558,56 @@ impl Job {
             if FileId::of(&st2) != FileId::of(&st) {
                 return Err(bad(OutputFault::Replaced));
             }
-            sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
             let size = st2.st_size as u64;
+            // A copy rewritten with the same bytes is unchanged too, if the target still is
+            // what was copied (otherwise publication finds the conflict).
+            let unchanged = rec.inout
+                && (untouched
+                    || rec.origin.is_some_and(|o| {
+                        o.size == size && self.holds_same(&rec.target, o, fd.as_fd())
+                    }));
+            if !unchanged {
+                sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
+            }
             let sha256 = if size <= self.hash_limit {
                 Some(hash(fd.as_fd()).map_err(|e| io("read staged output", &staged, e))?)
             } else {
                 None
             };
+            let (id, edit, decision) = match (unchanged, rec.origin) {
+                (true, Some(o)) => (o.id, Some(Edit::Unchanged), Decision::Keep),
+                _ => (
+                    FileId::of(&st),
+                    rec.inout.then_some(Edit::Changed),
+                    Decision::Publish(FileId::of(&st)),
+                ),
+            };
             published.push(Published {
                 target: rec.target.clone(),
                 size,
                 sha256,
-                id: FileId::of(&st),
+                id,
+                edit,
             });
-            ids.push(FileId::of(&st));
+            ids.push(decision);
         }
         self.published = published;
         Ok(ids)
+    }
+
+    /// Whether `target` still is the file snapshot `origin` describes and holds the same
+    /// bytes as `staged` (of the same size). Any doubt is "no".
+    fn holds_same(&self, target: &Path, origin: Origin, staged: BorrowedFd<'_>) -> bool {
+        let Ok(fd) = open_beneath(self.root.as_fd(), target, OFlags::RDONLY | OFlags::NONBLOCK)
+        else {
+            return false;
+        };
+        match rustix::fs::fstat(fd.as_fd()) {
+            Ok(st) if Origin::of(&st) == origin => {
+                copy::same_content(fd.as_fd(), staged).unwrap_or(false)
+            }
+            _ => false,
+        }
     }
 
     /// The permission bits a published output keeps from the regular file at `target` it
@@ -494,15 +625,32 @@ impl Job {
 
     /// Records the new identities and what each target holds now; returns the parent dirs
     /// publication must create, in creation order.
-    fn plan(&mut self, news: &[FileId]) -> Result<Vec<PathBuf>, PublishError> {
+    fn plan(&mut self, decisions: &[Decision]) -> Result<Vec<PathBuf>, PublishError> {
         let mut created: Vec<PathBuf> = Vec::new();
         let root = self.root.as_fd();
-        for (rec, new) in self.journal.targets.iter_mut().zip(news) {
+        for (rec, decision) in self.journal.targets.iter_mut().zip(decisions) {
             let target_abs = self.root_path.join(&rec.target);
             let changed = |reason: Change| PublishError::TargetChanged {
                 path: target_abs.clone(),
                 reason,
             };
+            let new = match decision {
+                Decision::Keep => continue,
+                Decision::Delete => {
+                    // The target must still be the file that was copied; it moves to the
+                    // (empty) staged name, which is its backup until the commit.
+                    let now = current(root, &rec.target);
+                    check_origin(rec, now.as_ref(), &target_abs)?;
+                    rec.old = rec.origin.map(|o| o.id);
+                    rec.backup = Some(rec.staged.clone());
+                    rec.delete = true;
+                    continue;
+                }
+                Decision::Publish(id) => id,
+            };
+            if rec.inout {
+                check_origin(rec, current(root, &rec.target).as_ref(), &target_abs)?;
+            }
             let (parent, name) =
                 split_target(&rec.target).ok_or_else(|| changed(Change::TargetHasNoName))?;
             let mut missing = false;
@@ -578,8 +726,12 @@ impl Job {
     /// Renames staged output `i` into place: RENAME_EXCHANGE over an existing target (the old
     /// file lands under the staged name: the backup), RENAME_NOREPLACE for a new one. Returns
     /// the target's parent fd and the staging slot fd, both to be fsynced.
-    fn rename_one(&self, i: usize) -> Result<(OwnedFd, OwnedFd), PublishError> {
+    fn rename_one(&self, i: usize) -> Result<Option<(OwnedFd, OwnedFd)>, PublishError> {
         let rec = &self.journal.targets[i];
+        if rec.new.is_none() && !rec.delete {
+            // An in-out target left as it was: nothing to publish.
+            return Ok(None);
+        }
         let target_abs = self.root_path.join(&rec.target);
         let changed = |reason: Change| PublishError::TargetChanged {
             path: target_abs.clone(),
@@ -593,6 +745,53 @@ impl Job {
         let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot)
             .map_err(|e| io("open staging dir", &self.dir.join(&slot), e))?;
         let now = stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))?;
+        // An in-out target must still be what its copy was taken from, just before the
+        // rename; and the file the rename took away (the backup) must still be that file
+        // after it (a write through a descriptor opened earlier changes its mtime; the
+        // rename itself changes only its ctime).
+        check_origin(rec, now.as_ref().map(Origin::of).as_ref(), &target_abs)?;
+        let moved_unchanged = |slot_fd: BorrowedFd<'_>| -> Result<(), PublishError> {
+            let (Some(origin), true) = (rec.origin, rec.inout) else {
+                return Ok(());
+            };
+            let moved = stat_at(slot_fd, name)
+                .map_err(|e| io("stat backup", &self.dir.join(&rec.staged), e))?;
+            match moved.as_ref().map(Origin::of) {
+                Some(m) if origin.differs(&m).is_none_or(|c| c == Conflict::Touched) => Ok(()),
+                Some(m) => Err(PublishError::Conflict {
+                    path: target_abs.clone(),
+                    what: origin.differs(&m).unwrap_or(Conflict::Replaced),
+                }),
+                None => Err(PublishError::Conflict {
+                    path: target_abs.clone(),
+                    what: Conflict::Removed,
+                }),
+            }
+        };
+        if rec.delete {
+            match mutate("publish.delete_inout", &target_abs, || {
+                rustix::fs::renameat_with(
+                    pfd.as_fd(),
+                    name,
+                    slot_fd.as_fd(),
+                    name,
+                    RenameFlags::NOREPLACE,
+                )
+            }) {
+                Ok(()) => {}
+                Err(PublishError::Io { source, .. })
+                    if source.raw_os_error() == Some(libc::ENOENT) =>
+                {
+                    return Err(PublishError::Conflict {
+                        path: target_abs.clone(),
+                        what: Conflict::Removed,
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+            moved_unchanged(slot_fd.as_fd())?;
+            return Ok(Some((pfd, slot_fd)));
+        }
         match rec.old {
             Some(old) => {
                 match &now {
@@ -614,8 +813,15 @@ impl Job {
                 let backup = stat_at(slot_fd.as_fd(), name)
                     .map_err(|e| io("stat backup", &self.dir.join(&rec.staged), e))?;
                 if backup.as_ref().map(FileId::of) != Some(old) {
+                    if rec.inout {
+                        return Err(PublishError::Conflict {
+                            path: target_abs.clone(),
+                            what: Conflict::Replaced,
+                        });
+                    }
                     return Err(changed(Change::ReplacedDuringRename));
                 }
+                moved_unchanged(slot_fd.as_fd())?;
             }
             None => {
                 if let Some(st) = &now {
@@ -640,7 +846,7 @@ impl Job {
                 }
             }
         }
-        Ok((pfd, slot_fd))
+        Ok(Some((pfd, slot_fd)))
     }
 
     /// Restores every target after a failure before the commit point, then removes the job
@@ -687,6 +893,49 @@ impl Job {
     }
 }
 
+/// What publication does with one target, decided from what the worker left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    /// Put this staged file at the target.
+    Publish(FileId),
+    /// An in-out target whose copy the worker removed: delete the target.
+    Delete,
+    /// An in-out target whose copy is as it was: leave the target alone.
+    Keep,
+}
+
+/// The snapshot of what `target` holds now, if anything; a symlink, or a parent that cannot
+/// be reached beneath the root, reads as nothing (an in-out target then conflicts).
+fn current(root: BorrowedFd<'_>, target: &Path) -> Option<Origin> {
+    let fd = open_beneath(root, target, OFlags::PATH).ok()?;
+    rustix::fs::fstat(fd.as_fd()).ok().map(|st| Origin::of(&st))
+}
+
+/// An in-out target must still be what its copy was taken from (nothing, if it had none):
+/// anything else is a [`PublishError::Conflict`]. Outputs pass.
+fn check_origin(
+    rec: &TargetRecord,
+    now: Option<&Origin>,
+    target_abs: &Path,
+) -> Result<(), PublishError> {
+    if !rec.inout {
+        return Ok(());
+    }
+    let what = match (rec.origin, now) {
+        (None, None) => return Ok(()),
+        (None, Some(_)) => Conflict::Created,
+        (Some(_), None) => Conflict::Removed,
+        (Some(o), Some(n)) => match o.differs(n) {
+            None => return Ok(()),
+            Some(c) => c,
+        },
+    };
+    Err(PublishError::Conflict {
+        path: target_abs.to_path_buf(),
+        what,
+    })
+}
+
 /// SHA-256 (hex) of what `fd` holds, read from its start (a sealed staged output: the worker
 /// can no longer write it).
 fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
@@ -728,6 +977,10 @@ pub(super) fn rollback(
         return Ok(out);
     }
     for rec in journal.targets.iter().rev() {
+        if rec.delete {
+            restore_deleted(root, root_path, job_fd, job_dir, rec, &mut out)?;
+            continue;
+        }
         let Some(new) = rec.new else { continue };
         let target_abs = root_path.join(&rec.target);
         let Some((parent, name)) = split_target(&rec.target) else {
@@ -812,6 +1065,76 @@ pub(super) fn rollback(
     Ok(out)
 }
 
+/// Rollback of a deleted in-out target: if its backup holds the old file (identity `old`)
+/// and the target is free, the file goes back with `RENAME_NOREPLACE`. A backup that does not
+/// hold it was never moved (nothing to do); a target someone created meanwhile, or one that
+/// cannot be reached safely, is left as it is and reported, so the backup is kept.
+fn restore_deleted(
+    root: BorrowedFd<'_>,
+    root_path: &Path,
+    job_fd: BorrowedFd<'_>,
+    job_dir: &Path,
+    rec: &TargetRecord,
+    out: &mut Rolled,
+) -> Result<(), PublishError> {
+    let Some(old) = rec.old else { return Ok(()) };
+    let target_abs = root_path.join(&rec.target);
+    let backup = rec.backup.as_ref().unwrap_or(&rec.staged);
+    let (Some((parent, name)), Some((bdir, bname))) =
+        (split_target(&rec.target), split_target(backup))
+    else {
+        return Ok(());
+    };
+    let bfd = match open_dir_beneath(job_fd, bdir) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(io("open backup dir", &job_dir.join(bdir), e)),
+    };
+    let moved =
+        stat_at(bfd.as_fd(), bname).map_err(|e| io("stat backup", &job_dir.join(backup), e))?;
+    if moved.as_ref().map(FileId::of) != Some(old) {
+        return Ok(());
+    }
+    let pfd = match open_dir_beneath(root, parent) {
+        Ok(fd) => fd,
+        Err(e @ (Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) => {
+            out.unreached.push(Unreached {
+                target: target_abs,
+                reason: Change::parent(parent, e),
+            });
+            return Ok(());
+        }
+        Err(e) => return Err(io("open target dir", &root_path.join(parent), e)),
+    };
+    match mutate("publish.rollback_restore", &target_abs, || {
+        rustix::fs::renameat_with(
+            bfd.as_fd(),
+            bname,
+            pfd.as_fd(),
+            name,
+            RenameFlags::NOREPLACE,
+        )
+    }) {
+        Ok(()) => {}
+        Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {
+            let now = stat_at(pfd.as_fd(), name)
+                .ok()
+                .flatten()
+                .map_or("a file", |st| describe(file_type(&st)));
+            out.unreached.push(Unreached {
+                target: target_abs,
+                reason: Change::Appeared(now),
+            });
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    }
+    fsync_dir(pfd.as_fd(), &target_abs)?;
+    fsync_dir(bfd.as_fd(), &job_dir.join(backup))?;
+    out.restored += 1;
+    Ok(())
+}
+
 /// Whether target `rec`'s staged path still holds its new file (identity `new`): then it was
 /// never renamed to the target, which cannot hold it.
 fn still_staged(job_fd: BorrowedFd<'_>, rec: &TargetRecord, new: FileId) -> bool {
@@ -853,6 +1176,7 @@ pub(super) fn unreachable_targets(
 ) -> Vec<Unreached> {
     let mut out = Vec::new();
     for rec in &journal.targets {
+        // A deleted target's parent is checked when its rollback runs (`restore_deleted`).
         let Some(new) = rec.new else { continue };
         let Some((parent, _)) = split_target(&rec.target) else {
             continue;

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FileType, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
+use super::copy::Origin;
 use super::sys::{self, file_type, mutate, FileId};
 use super::PublishError;
 
@@ -64,6 +65,19 @@ pub struct TargetRecord {
     pub old: Option<FileId>,
     /// Identity of the staged file that publication puts at the target.
     pub new: Option<FileId>,
+    /// An in-out target: the worker edited a copy of it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inout: bool,
+    /// In-out: what the target was when its copy was taken (`None`: there was none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Origin>,
+    /// In-out: the copy as the worker got it (to tell an untouched copy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy: Option<Origin>,
+    /// In-out whose copy the worker removed: publication moves the target (identity `old`)
+    /// to `backup`, deleting it; rollback moves it back.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delete: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -29,6 +29,7 @@
 //!   discarded) stays on disk until [`recover`] runs at the next start. [`recover`] must run
 //!   before the daemon serves calls, with the workspace to itself.
 
+mod copy;
 mod job;
 mod journal;
 mod recover;
@@ -44,6 +45,7 @@ mod testsim;
 
 use std::path::PathBuf;
 
+pub use copy::Conflict;
 pub use job::Job;
 pub use job::Unreached;
 pub use journal::Phase;
@@ -112,6 +114,10 @@ pub enum PublishError {
     /// A target (or one of its parents) changed between resolution and publication.
     #[error("target {path} changed: {reason}")]
     TargetChanged { path: PathBuf, reason: Change },
+    /// An in-out target was changed by someone else between the copy the worker edited and
+    /// its publication: publishing would lose that change, so nothing is published.
+    #[error("{path} was changed by someone else while the tool edited its copy ({what}); nothing was published")]
+    Conflict { path: PathBuf, what: Conflict },
     /// Publication failed and so did the rollback: the targets may be mixed until startup
     /// recovery runs; the job dir and its journal are kept for it.
     #[error(
@@ -158,6 +164,22 @@ pub struct JobSpec {
     /// The worker's own uid and gid, when it has one: the staging dirs become its, and the job
     /// dir lets it through (0711) to reach them.
     pub stage_owner: Option<(u32, u32)>,
+    /// Which targets are in-out (same order; missing: an output): the worker gets a private
+    /// copy of the current target at the staged path (nothing when there is none), and the
+    /// target changes only if the copy did, or is deleted if the copy was removed.
+    pub inout: Vec<bool>,
+}
+
+/// What publication did to an in-out target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Edit {
+    /// The worker changed its copy: the copy replaced the target (or created it).
+    Changed,
+    /// The copy is as it was (or there was none and still is none): nothing was published.
+    Unchanged,
+    /// The worker removed its copy: the target was deleted.
+    Deleted,
 }
 
 /// Outputs up to this size are hashed unless the caller says otherwise.
@@ -171,8 +193,11 @@ pub struct Published {
     pub size: u64,
     /// SHA-256 (hex) of the content; `None` above the hash limit (size and identity only).
     pub sha256: Option<String>,
-    /// The file's identity (device, inode): the file the target now names.
+    /// The file's identity (device, inode): the file the target now names (for a deleted
+    /// in-out target, the file it named).
     pub id: FileId,
+    /// For an in-out target, what publication did to it; `None` for an output.
+    pub edit: Option<Edit>,
 }
 
 /// How startup recovery settled a job's targets.

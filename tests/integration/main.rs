@@ -14,6 +14,7 @@ mod crash;
 mod daemon;
 mod eras;
 mod features;
+mod inout;
 mod policy_dirs;
 mod race;
 mod reload;

@@ -364,6 +364,7 @@ fn predicted_staged_paths_are_the_real_ones() {
             targets: targets.clone(),
             modes: Vec::new(),
             stage_owner: None,
+            inout: Vec::new(),
         },
     )
     .unwrap();

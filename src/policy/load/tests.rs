@@ -329,7 +329,7 @@ fn value_errors_read_as_the_loader_reports_them() {
     let out = Some(PathRole::Output);
     assert_eq!(
         parse_output_mode("0644", None).unwrap_err().to_string(),
-        "mode is only for path = \"output\" parameters"
+        "mode is only for path = \"output\" and path = \"inout\" parameters"
     );
     assert_eq!(
         parse_output_mode("x", out).unwrap_err().to_string(),

@@ -96,12 +96,15 @@ pub(super) fn load_tool(
                 ),
             );
         }
-        if rp.path == Some(PathRole::Output) && raw.capability == Capability::Read {
+        if rp.path.is_some_and(PathRole::writes) && raw.capability == Capability::Read {
             cx.at(
                 path,
                 &text,
                 p.span(),
-                format!("output parameter {pname:?} needs capability = \"write\""),
+                format!(
+                    "{} parameter {pname:?} needs capability = \"write\"",
+                    rp.path.map_or("output", PathRole::as_str)
+                ),
             );
         }
         let default = match &rp.default {
@@ -331,7 +334,7 @@ pub(super) fn load_tool(
 
 /// An output's `mode = "0755"`: octal, on an output parameter only, carrying no privilege.
 pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, ModeError> {
-    if role != Some(PathRole::Output) {
+    if !role.is_some_and(PathRole::writes) {
         return Err(ModeError::NotAnOutput);
     }
     let text = || s.to_string();
@@ -351,7 +354,7 @@ pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, ModeErr
 /// Why an output's `mode` is refused; `text` is what was written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ModeError {
-    #[error("mode is only for path = \"output\" parameters")]
+    #[error("mode is only for path = \"output\" and path = \"inout\" parameters")]
     NotAnOutput,
     #[error("mode {text:?} is not an octal mode such as \"0644\"")]
     NotOctal { text: String },

@@ -65,6 +65,7 @@ fn spec(id: &str, targets: &[&str]) -> JobSpec {
         targets: targets.iter().map(PathBuf::from).collect(),
         modes: Vec::new(),
         stage_owner: None,
+        inout: Vec::new(),
     }
 }
 
