@@ -14,6 +14,7 @@ mod crash;
 mod daemon;
 mod eras;
 mod features;
+mod file_tools;
 mod inout;
 mod policy_dirs;
 mod race;
