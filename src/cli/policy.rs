@@ -273,6 +273,7 @@ pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
     for (n, p) in &tool.params {
         match p.path {
             Some(policy::PathRole::Input) => println!("  param {n}: workspace path, readable by the worker"),
+            Some(policy::PathRole::Output) if p.kind == policy::OutputKind::Directory => println!("  param {n}: workspace path, a directory output: an empty directory in a private staging dir, its whole tree checked (regular files, directories, symlinks staying inside it) and published by one rename on success"),
             Some(policy::PathRole::Output) => println!("  param {n}: workspace path, written to a private staging dir, published on success"),
             Some(policy::PathRole::InOut) => println!("  param {n}: workspace path, a private copy edited in staging: published if changed, the target deleted if removed, CONFLICT if changed meanwhile"),
             None if p.secret => println!(

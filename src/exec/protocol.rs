@@ -191,7 +191,7 @@ pub enum ToolFailure {
         tool: String,
         cause: response::ResponseError,
     },
-    #[error("{tool}: output `{param}` must be a regular file with one link (directory outputs are not supported): {fault}; nothing was published and the session is unchanged")]
+    #[error("{tool}: output `{param}` is refused ({}): {fault}; nothing was published and the session is unchanged", fault.expected())]
     BadOutput {
         tool: String,
         param: String,

@@ -34,7 +34,7 @@ struct Waited {
 /// A write call past its queue: what it holds while its worker runs and it publishes.
 struct Queued {
     guard: SessionGuard,
-    _targets: Vec<tokio::sync::OwnedMutexGuard<()>>,
+    _targets: Vec<super::locks::TargetGuard>,
     _slot: slots::Slot,
     /// The state cloned under the lock.
     before: Snapshot,
@@ -157,7 +157,8 @@ impl Executor {
             .collect();
         args::check_overlap(&outputs).map_err(CallError::Overlap)?;
 
-        // 2. Lock: the session, then the output targets in sorted order.
+        // 2. Lock: the session, then the output targets (and their ancestors, shared) in one
+        // sorted order.
         let guard = self.lock_session(session, cx.cancel).await?;
         // Checked again under the lock: the id may have been created since step 1.
         cx.caller.check(session, guard.meta().owner)?;
@@ -209,6 +210,10 @@ impl Executor {
             modes: outputs
                 .iter()
                 .map(|(n, _)| tool.params.get(n).and_then(|p| p.mode))
+                .collect(),
+            kinds: outputs
+                .iter()
+                .map(|(n, _)| tool.params.get(n).map(|p| p.kind).unwrap_or_default())
                 .collect(),
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
             inout: outputs
@@ -304,10 +309,10 @@ impl Executor {
         // Off the async threads: publication fsyncs, and its cleanup removes whatever the
         // worker left in staging.
         let mut committed = None;
-        let mut edits = Vec::new();
+        let mut received = Vec::new();
         let published = tokio::task::block_in_place(|| {
             job.publish_and_commit_with(|published| {
-                edits = published.iter().map(|o| o.edit).collect();
+                received = published.to_vec();
                 let commit = Commit::Published {
                     version: before.version + 1,
                     outputs: published.iter().map(|o| output(o, hash_limit)).collect(),
@@ -339,14 +344,7 @@ impl Executor {
         reply.structured = Some(json!({
             "session": session,
             "version": version,
-            "outputs": outputs.iter().zip(edits.iter().chain(std::iter::repeat(&None))).map(|((n, p), edit)| {
-                let mut o = json!({"param": n, "path": p});
-                if let Some(e) = edit {
-                    o["changed"] = (*e == publish::Edit::Changed).into();
-                    o["deleted"] = (*e == publish::Edit::Deleted).into();
-                }
-                o
-            }).collect::<Vec<_>>(),
+            "outputs": outputs.iter().zip(&received).map(|((n, p), o)| structured_output(n, p, o)).collect::<Vec<_>>(),
         }));
         Ok(reply)
     }
@@ -484,7 +482,10 @@ impl Executor {
                 name: name.clone(),
                 source,
             };
-            let rel = self.workspace.resolve(raw, role).map_err(rejected)?;
+            let rel = self
+                .workspace
+                .resolve_as(raw, role, p.kind)
+                .map_err(rejected)?;
             // Landlock grants an input with everything beneath it: no input may cover other
             // calls' job dirs or another filesystem.
             if role == PathRole::Input {
@@ -560,11 +561,34 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
     .into()
 }
 
+/// One output in the result's `structuredContent`: its parameter and path; for a directory
+/// also its kind, files, total bytes and manifest SHA-256, as the `commit` event has them.
+fn structured_output(param: &str, path: &std::path::Path, o: &publish::Published) -> Value {
+    let mut out = match o.kind {
+        publish::OutputKind::File => json!({"param": param, "path": path}),
+        kind => json!({
+            "param": param,
+            "path": path,
+            "kind": kind.as_str(),
+            "files": o.files,
+            "bytes": o.size,
+            "manifest_sha256": o.sha256,
+        }),
+    };
+    if let Some(e) = o.edit {
+        out["changed"] = (e == publish::Edit::Changed).into();
+        out["deleted"] = (e == publish::Edit::Deleted).into();
+    }
+    out
+}
+
 /// One published output in the `commit` event: its path, size and SHA-256, or, above the
 /// hash limit, its size and identity only (and a note saying so).
 fn output(o: &publish::Published, hash_limit: u64) -> Output {
     Output {
         path: o.target.clone(),
+        kind: o.kind,
+        files: o.files,
         size: o.size,
         dev: o.id.dev,
         ino: o.id.ino,

@@ -406,6 +406,34 @@ impl PathRole {
     }
 }
 
+/// What an output parameter publishes: `kind = "file"` (the default) or `kind =
+/// "directory"`. An enum, not a flag: in-place edits and deletions are further kinds.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputKind {
+    /// One regular file with one link.
+    #[default]
+    File,
+    /// A directory tree of regular files, directories and symlinks staying inside it,
+    /// published by one rename.
+    Directory,
+}
+
+impl OutputKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutputKind::File => "file",
+            OutputKind::Directory => "directory",
+        }
+    }
+
+    pub fn is_file(&self) -> bool {
+        *self == OutputKind::File
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Param {
     pub ty: ParamType,
@@ -416,6 +444,8 @@ pub struct Param {
     /// For an output: the mode the daemon gives the published file (default 0o644). Never
     /// setuid, setgid, sticky, group- or other-writable: the loader refuses those.
     pub mode: Option<u32>,
+    /// For an output: what it publishes (`kind = "directory"`; default a file).
+    pub kind: OutputKind,
     /// `secret = true`: the value is redacted in audit events, log lines and error messages
     /// (the worker still receives it). The loader refuses its placeholder in `command`.
     pub secret: bool,
@@ -436,6 +466,7 @@ impl Param {
             default: None,
             path: None,
             mode: None,
+            kind: OutputKind::File,
             secret: false,
             env: None,
         }

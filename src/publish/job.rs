@@ -9,7 +9,8 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 
 use super::copy::{self, Conflict, Origin};
-use super::journal::{Journal, Phase, TargetRecord, JOURNAL, VERSION};
+use super::journal::{Journal, Phase, TargetRecord, JOURNAL};
+use super::staged_tree::{check_tree, Refused};
 use super::sys::{
     describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, stat_at,
     sync_point, FileId,
@@ -17,7 +18,7 @@ use super::sys::{
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
 use super::{
-    Change, Edit, JobSpec, OutputFault, PublishError, Published, SpecError, Workspace,
+    Change, Edit, JobSpec, OutputFault, OutputKind, PublishError, Published, SpecError, Workspace,
     JOB_DIR_PREFIX, MAX_ID_LEN, STAGE,
 };
 
@@ -228,6 +229,28 @@ impl Job {
                 })?;
                 give(stage_fd.as_fd(), slot.as_str(), &slot_path)?;
                 let base = target.file_name().unwrap_or(OsStr::new("output"));
+                let kind = spec.kinds.get(i).copied().unwrap_or_default();
+                if kind == OutputKind::Directory {
+                    // The worker fills an empty directory the daemon made (and gives it).
+                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
+                        .map_err(|e| io("open staging dir", &slot_path, e))?;
+                    let staged = slot_path.join(base);
+                    mutate("publish.mkdir_staged_dir", &staged, || {
+                        rustix::fs::mkdirat(slot_fd.as_fd(), base, Mode::from_raw_mode(0o700))
+                    })?;
+                    match spec.stage_owner {
+                        None => {}
+                        Some((uid, gid)) => mutate("publish.chown_stage", &staged, || {
+                            rustix::fs::chownat(
+                                slot_fd.as_fd(),
+                                base,
+                                Some(rustix::process::Uid::from_raw(uid)),
+                                Some(rustix::process::Gid::from_raw(gid)),
+                                AtFlags::SYMLINK_NOFOLLOW,
+                            )
+                        })?,
+                    }
+                }
                 let inout = spec.inout.get(i).copied().unwrap_or(false);
                 let (origin, copy) = if inout {
                     let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
@@ -245,6 +268,7 @@ impl Job {
                     (None, None)
                 };
                 targets.push(TargetRecord {
+                    kind,
                     target: target.clone(),
                     staged: Path::new(STAGE).join(&slot).join(base),
                     backup: None,
@@ -257,7 +281,7 @@ impl Job {
                 });
             }
             let journal = Journal {
-                version: VERSION,
+                version: Journal::version_for(&targets),
                 job: spec.id.clone(),
                 session: spec.session.clone(),
                 tool: spec.tool.clone(),
@@ -502,6 +526,37 @@ impl Job {
                 e => io("open staging dir", &self.dir.join(&slot), e),
             })?;
             let name = rec.staged.file_name().unwrap_or(OsStr::new("output"));
+            if rec.kind == OutputKind::Directory {
+                let mode = match self.spec.modes.get(i).copied().flatten() {
+                    Some(m) => m,
+                    None => self.replaced_mode(&rec.target, rec.kind),
+                };
+                let published_len =
+                    self.root_path.as_os_str().len() + 1 + rec.target.as_os_str().len();
+                let tree = check_tree(
+                    slot_fd.as_fd(),
+                    name,
+                    &staged,
+                    published_len,
+                    mode,
+                    self.hash_limit,
+                )
+                .map_err(|r| match r {
+                    Refused::Fault(reason) => bad(reason),
+                    Refused::Failed(e) => e,
+                })?;
+                published.push(Published {
+                    target: rec.target.clone(),
+                    kind: rec.kind,
+                    size: tree.bytes,
+                    files: Some(tree.files),
+                    sha256: tree.manifest,
+                    id: tree.id,
+                    edit: None,
+                });
+                ids.push(Decision::Publish(tree.id));
+                continue;
+            }
             // O_PATH first: learn the type without opening a FIFO or a device for reading.
             let pfd = match open_beneath(slot_fd.as_fd(), name, OFlags::PATH) {
                 Ok(fd) => fd,
@@ -514,7 +569,9 @@ impl Job {
                     };
                     published.push(Published {
                         target: rec.target.clone(),
+                        kind: rec.kind,
                         size: 0,
+                        files: None,
                         sha256: None,
                         id: rec.origin.map_or(FileId::NONE, |o| o.id),
                         edit: Some(edit),
@@ -546,7 +603,7 @@ impl Job {
             // no setuid/setgid/sticky bit, no group or other write, the worker's uid gone.
             let mode = match self.spec.modes.get(i).copied().flatten() {
                 Some(m) => m,
-                None => self.replaced_mode(&rec.target),
+                None => self.replaced_mode(&rec.target, rec.kind),
             };
             mutate("publish.seal_output", &staged, || {
                 seal(pfd.as_fd(), &st, mode)
@@ -584,7 +641,9 @@ impl Job {
             };
             published.push(Published {
                 target: rec.target.clone(),
+                kind: rec.kind,
                 size,
+                files: None,
                 sha256,
                 id,
                 edit,
@@ -610,15 +669,20 @@ impl Job {
         }
     }
 
-    /// The permission bits a published output keeps from the regular file at `target` it
-    /// replaces, less setuid/setgid/sticky and group/other write; 0644 for a new target (or
-    /// one that is not a regular file, which publication then refuses as changed).
-    fn replaced_mode(&self, target: &Path) -> u32 {
+    /// The permission bits a published output keeps from the regular file (or directory, for
+    /// a directory output) at `target` it replaces, less setuid/setgid/sticky and group/other
+    /// write; 0644 (a directory: 0755) for a new target (or one of another type, which
+    /// publication then refuses as changed).
+    fn replaced_mode(&self, target: &Path, kind: OutputKind) -> u32 {
+        let default = match kind {
+            OutputKind::File => crate::policy::DEFAULT_OUTPUT_MODE,
+            OutputKind::Directory => 0o755,
+        };
         open_beneath(self.root.as_fd(), target, OFlags::PATH)
             .and_then(|fd| rustix::fs::fstat(fd.as_fd()))
             .ok()
-            .filter(|st| file_type(st) == FileType::RegularFile)
-            .map_or(crate::policy::DEFAULT_OUTPUT_MODE, |st| {
+            .filter(|st| file_type(st) == kind_type(kind))
+            .map_or(default, |st| {
                 st.st_mode & 0o7777 & !crate::policy::FORBIDDEN_OUTPUT_BITS
             })
     }
@@ -680,7 +744,7 @@ impl Job {
                     .map_err(|e| changed(Change::parent(parent, e)))?;
                 match stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))? {
                     None => None,
-                    Some(st) if file_type(&st) == FileType::RegularFile => Some(FileId::of(&st)),
+                    Some(st) if file_type(&st) == kind_type(rec.kind) => Some(FileId::of(&st)),
                     Some(st) => return Err(changed(Change::NowA(describe(file_type(&st))))),
                 }
             };
@@ -936,9 +1000,17 @@ fn check_origin(
     })
 }
 
+/// The file type a target of kind `kind` is.
+fn kind_type(kind: OutputKind) -> FileType {
+    match kind {
+        OutputKind::File => FileType::RegularFile,
+        OutputKind::Directory => FileType::Directory,
+    }
+}
+
 /// SHA-256 (hex) of what `fd` holds, read from its start (a sealed staged output: the worker
 /// can no longer write it).
-fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
+pub(super) fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
     let mut buf = vec![0u8; 256 * 1024];
@@ -1029,6 +1101,28 @@ pub(super) fn rollback(
                     )
                 })?;
                 fsync_dir(bfd.as_fd(), &backup_abs)?;
+            }
+            None if rec.kind == OutputKind::Directory => {
+                // A new tree goes back where it was staged, whole (its slot is still there:
+                // the job dir is removed only once the targets are settled).
+                let staged_abs = job_dir.join(&rec.staged);
+                let (sdir, sname) = split_target(&rec.staged).ok_or_else(|| PublishError::Io {
+                    op: "locate staged dir",
+                    path: staged_abs.clone(),
+                    source: std::io::Error::other("journal names no staged dir"),
+                })?;
+                let sfd = open_dir_beneath(job_fd, sdir)
+                    .map_err(|e| io("open staging dir", &job_dir.join(sdir), e))?;
+                mutate("publish.rollback_rename", &target_abs, || {
+                    rustix::fs::renameat_with(
+                        pfd.as_fd(),
+                        name,
+                        sfd.as_fd(),
+                        sname,
+                        RenameFlags::NOREPLACE,
+                    )
+                })?;
+                fsync_dir(sfd.as_fd(), &staged_abs)?;
             }
             None => {
                 mutate("publish.rollback_unlink", &target_abs, || {

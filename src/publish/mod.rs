@@ -34,6 +34,7 @@ mod job;
 mod journal;
 mod recover;
 mod rejection;
+mod staged_tree;
 mod sys;
 mod tree;
 mod workspace;
@@ -45,6 +46,7 @@ mod testsim;
 
 use std::path::PathBuf;
 
+pub use crate::policy::OutputKind;
 pub use copy::Conflict;
 pub use job::Job;
 pub use job::Unreached;
@@ -52,6 +54,7 @@ pub use journal::Phase;
 pub use journal::{Damage, JournalError};
 pub use recover::{recover, recover_with, Kept};
 pub use rejection::{Change, OutputFault, Rejection, SpecError, TargetError};
+pub use staged_tree::{EntryFault, MANIFEST_FORMAT};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;
@@ -161,6 +164,10 @@ pub struct JobSpec {
     /// sets owner and mode itself: whatever the worker did, or the replaced file had, no
     /// published file carries setuid/setgid/sticky or group/other write.
     pub modes: Vec<Option<u32>>,
+    /// What each target is (same order; missing: a file). A directory output's staged path
+    /// is an empty directory the worker fills; its whole tree is checked, sealed and
+    /// published by one rename.
+    pub kinds: Vec<OutputKind>,
     /// The worker's own uid and gid, when it has one: the staging dirs become its, and the job
     /// dir lets it through (0711) to reach them.
     pub stage_owner: Option<(u32, u32)>,
@@ -190,8 +197,13 @@ pub const DEFAULT_HASH_LIMIT: u64 = 64 << 20;
 pub struct Published {
     /// Relative to the workspace root.
     pub target: PathBuf,
+    pub kind: OutputKind,
+    /// A file's size; a directory's total bytes of regular files.
     pub size: u64,
-    /// SHA-256 (hex) of the content; `None` above the hash limit (size and identity only).
+    /// A directory's number of regular files (`None` for a file).
+    pub files: Option<u64>,
+    /// SHA-256 (hex) of the content (a directory: of its canonical manifest,
+    /// [`MANIFEST_FORMAT`]); `None` above the hash limit (size and identity only).
     pub sha256: Option<String>,
     /// The file's identity (device, inode): the file the target now names (for a deleted
     /// in-out target, the file it named).

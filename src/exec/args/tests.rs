@@ -363,6 +363,7 @@ fn predicted_staged_paths_are_the_real_ones() {
             tool: "t".into(),
             targets: targets.clone(),
             modes: Vec::new(),
+            kinds: Vec::new(),
             stage_owner: None,
             inout: Vec::new(),
         },

@@ -356,3 +356,44 @@ fn unknown_grant_subjects_are_named_with_what_the_list_takes() {
     assert!(e.contains("no user named \"no-such-user-here\" on this system (users = [...] takes account names, or \"@daemon\" for the daemon's own user; uids = [...] takes numbers)"), "{e}");
     assert!(e.contains("no group named \"no-such-group-here\" on this system (groups = [...] takes group names, or \"@daemon\" for the daemon's own group; gids = [...] takes numbers)"), "{e}");
 }
+
+#[test]
+fn output_kinds_load_and_anything_else_is_refused_with_file_and_line() {
+    let tool = |path: &str, kind: &str| {
+        format!(
+            "name = \"extra\"\ncapability = \"write\"\ncommand = [\"/bin/t\", \"{{out}}\"]\n\n[params.out]\ntype = \"string\"\n{path}\n{kind}\n"
+        )
+    };
+    let p = with_tool(&tool("path = \"output\"", "kind = \"directory\"")).expect("valid");
+    assert_eq!(
+        p.tools["extra"].params["out"].kind,
+        crate::policy::OutputKind::Directory
+    );
+    let p = with_tool(&tool("path = \"output\"", "")).expect("valid");
+    assert_eq!(
+        p.tools["extra"].params["out"].kind,
+        crate::policy::OutputKind::File
+    );
+    let e = with_tool(&tool("path = \"output\"", "kind = \"tree\""))
+        .expect_err("an unknown kind")
+        .to_string();
+    assert!(
+        e.contains(
+            "extra.toml:8:8: parameter \"out\": kind \"tree\" is not \"file\" or \"directory\""
+        ),
+        "{e}"
+    );
+    let e = with_tool(&tool("path = \"input\"", "kind = \"directory\""))
+        .expect_err("kind on an input")
+        .to_string();
+    assert!(
+        e.contains(
+            "extra.toml:8:8: parameter \"out\": kind is only for path = \"output\" parameters"
+        ),
+        "{e}"
+    );
+    let e = with_tool(&tool("", "kind = \"directory\""))
+        .expect_err("kind on a value")
+        .to_string();
+    assert!(e.contains("kind is only for path = \"output\""), "{e}");
+}

@@ -36,6 +36,7 @@ struct RawParam {
     default: Option<toml::Value>,
     path: Option<PathRole>,
     mode: Option<Spanned<String>>,
+    kind: Option<Spanned<String>>,
     secret: Option<Spanned<bool>>,
     env: Option<Spanned<String>>,
 }
@@ -127,6 +128,16 @@ pub(super) fn load_tool(
                 }
             },
         };
+        let kind = match &rp.kind {
+            None => OutputKind::File,
+            Some(k) => match parse_output_kind(k.get_ref(), rp.path) {
+                Ok(v) => v,
+                Err(msg) => {
+                    cx.at(path, &text, k.span(), format!("parameter {pname:?}: {msg}"));
+                    OutputKind::File
+                }
+            },
+        };
         let secret = rp.secret.as_ref().is_some_and(|s| *s.get_ref());
         if let (true, Some(s)) = (secret, &rp.secret) {
             // Only a string's value can be found and scrubbed in a message; a path is
@@ -176,6 +187,7 @@ pub(super) fn load_tool(
                 default,
                 path: rp.path,
                 mode,
+                kind,
                 secret,
                 env,
             },
@@ -330,6 +342,29 @@ pub(super) fn load_tool(
         source: Some(path.to_path_buf()),
     };
     Some((tool, raw.name.span(), text))
+}
+
+/// An output's `kind = "directory"` (or `"file"`, the default): on an output parameter only.
+pub fn parse_output_kind(s: &str, role: Option<PathRole>) -> Result<OutputKind, KindError> {
+    if role != Some(PathRole::Output) {
+        return Err(KindError::NotAnOutput);
+    }
+    match s {
+        "file" => Ok(OutputKind::File),
+        "directory" => Ok(OutputKind::Directory),
+        _ => Err(KindError::Unknown {
+            text: s.to_string(),
+        }),
+    }
+}
+
+/// Why an output's `kind` is refused; `text` is what was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KindError {
+    #[error("kind is only for path = \"output\" parameters")]
+    NotAnOutput,
+    #[error("kind {text:?} is not \"file\" or \"directory\"")]
+    Unknown { text: String },
 }
 
 /// An output's `mode = "0755"`: octal, on an output parameter only, carrying no privilege.

@@ -64,6 +64,7 @@ fn spec(id: &str, targets: &[&str]) -> JobSpec {
         tool: "render".into(),
         targets: targets.iter().map(PathBuf::from).collect(),
         modes: Vec::new(),
+        kinds: Vec::new(),
         stage_owner: None,
         inout: Vec::new(),
     }
@@ -81,3 +82,4 @@ mod crash;
 mod job;
 mod paths;
 mod staging;
+mod trees;
