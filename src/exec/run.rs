@@ -216,6 +216,11 @@ impl Executor {
                 .map(|(n, _)| tool.params.get(n).map(|p| p.kind).unwrap_or_default())
                 .collect(),
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
+            staging_limits: Some((
+                ext.profile.limits.staging_files,
+                ext.profile.limits.staging_bytes,
+            )),
+            hash_limit: Some(cx.policy.daemon.audit_hash_limit),
             inout: outputs
                 .iter()
                 .map(|(n, _)| tool.params.get(n).and_then(|p| p.path) == Some(PathRole::InOut))

@@ -39,6 +39,8 @@ pub struct Job {
     hash_limit: u64,
     /// What each target receives, once validated (same order as the targets).
     published: Vec<Published>,
+    /// For an in-out directory, what it was when its copy was taken (same order).
+    trees: Vec<Option<copy::TreeOrigin>>,
 }
 
 impl std::fmt::Debug for Job {
@@ -158,6 +160,52 @@ fn seed_copy(
     Ok((Some(origin), Some(Origin::of(&cst))))
 }
 
+/// Gives in-out directory `target` to the worker: a private copy of the tree in its slot
+/// ([`copy::copy_tree`]), bounded by the spec's staging limits. `None` when the target does
+/// not exist (the worker finds nothing at the staged path). A tree that cannot be copied is
+/// [`PublishError::InOutTree`].
+#[allow(clippy::too_many_arguments)]
+fn seed_tree(
+    root: BorrowedFd<'_>,
+    target_abs: &Path,
+    target: &Path,
+    slot: BorrowedFd<'_>,
+    base: &OsStr,
+    staged_abs: &Path,
+    spec: &JobSpec,
+    declared_mode: Option<u32>,
+) -> Result<Option<copy::TreeOrigin>, PublishError> {
+    let src = match open_dir_beneath(root, target) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(None),
+        Err(e) => {
+            return Err(PublishError::TargetChanged {
+                path: target_abs.to_path_buf(),
+                reason: Change::parent(target, e),
+            })
+        }
+    };
+    let st =
+        rustix::fs::fstat(src.as_fd()).map_err(|e| io("stat in-out directory", target_abs, e))?;
+    let (max_entries, max_bytes) = spec.staging_limits.unwrap_or((u64::MAX, u64::MAX));
+    let how = copy::TreeCopy {
+        owner: spec.stage_owner,
+        max_entries,
+        max_bytes,
+        hash_limit: spec.hash_limit.unwrap_or(super::DEFAULT_HASH_LIMIT),
+        top_mode: declared_mode
+            .unwrap_or(st.st_mode & 0o7777 & !crate::policy::FORBIDDEN_OUTPUT_BITS),
+    };
+    match copy::copy_tree(src.as_fd(), target_abs, slot, base, staged_abs, &how) {
+        Ok(t) => Ok(Some(t)),
+        Err(Ok(refusal)) => Err(PublishError::InOutTree {
+            path: target_abs.to_path_buf(),
+            refusal,
+        }),
+        Err(Err(e)) => Err(e),
+    }
+}
+
 impl Job {
     /// Creates `.airlock-job-<id>/` (0700, or 0711 for a worker with its own uid) with its
     /// staging dir (the worker's, when it has its own uid). No journal and no fsync: until
@@ -221,6 +269,7 @@ impl Job {
             // dir (0711) lets the worker through, nobody else in.
             give(fd.as_fd(), STAGE, &stage)?;
             let mut targets = Vec::with_capacity(spec.targets.len());
+            let mut trees = Vec::with_capacity(spec.targets.len());
             for (i, target) in spec.targets.iter().enumerate() {
                 let slot = i.to_string();
                 let slot_path = stage.join(&slot);
@@ -230,7 +279,8 @@ impl Job {
                 give(stage_fd.as_fd(), slot.as_str(), &slot_path)?;
                 let base = target.file_name().unwrap_or(OsStr::new("output"));
                 let kind = spec.kinds.get(i).copied().unwrap_or_default();
-                if kind == OutputKind::Directory {
+                let inout = spec.inout.get(i).copied().unwrap_or(false);
+                if kind == OutputKind::Directory && !inout {
                     // The worker fills an empty directory the daemon made (and gives it).
                     let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
                         .map_err(|e| io("open staging dir", &slot_path, e))?;
@@ -251,8 +301,25 @@ impl Job {
                         })?,
                     }
                 }
-                let inout = spec.inout.get(i).copied().unwrap_or(false);
-                let (origin, copy) = if inout {
+                let mut tree = None;
+                let (origin, copy) = if inout && kind == OutputKind::Directory {
+                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
+                        .map_err(|e| io("open staging dir", &slot_path, e))?;
+                    let top_mode = spec.modes.get(i).copied().flatten();
+                    let t = seed_tree(
+                        root.as_fd(),
+                        &ws.root().join(target),
+                        target,
+                        slot_fd.as_fd(),
+                        base,
+                        &slot_path.join(base),
+                        &spec,
+                        top_mode,
+                    )?;
+                    let origin = t.as_ref().and_then(|t| t.entries.first()).map(|(_, o)| *o);
+                    tree = t;
+                    (origin, None)
+                } else if inout {
                     let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
                         .map_err(|e| io("open staging dir", &slot_path, e))?;
                     seed_copy(
@@ -279,6 +346,7 @@ impl Job {
                     copy,
                     delete: false,
                 });
+                trees.push(tree);
             }
             let journal = Journal {
                 version: Journal::version_for(&targets),
@@ -290,10 +358,11 @@ impl Job {
                 targets,
                 created_dirs: Vec::new(),
             };
-            Ok((fd, journal))
+            Ok((fd, journal, trees))
         })();
         match made {
-            Ok((fd, journal)) => Ok(Job {
+            Ok((fd, journal, trees)) => Ok(Job {
+                trees,
                 spec,
                 dir,
                 name,
@@ -526,6 +595,29 @@ impl Job {
                 e => io("open staging dir", &self.dir.join(&slot), e),
             })?;
             let name = rec.staged.file_name().unwrap_or(OsStr::new("output"));
+            // An in-out copy the worker removed: the target is deleted (or, if there was
+            // none, stays absent).
+            if rec.inout
+                && stat_at(slot_fd.as_fd(), name)
+                    .map_err(|e| io("stat staged output", &staged, e))?
+                    .is_none()
+            {
+                let (decision, edit) = match rec.origin {
+                    Some(_) => (Decision::Delete, Edit::Deleted),
+                    None => (Decision::Keep, Edit::Unchanged),
+                };
+                published.push(Published {
+                    target: rec.target.clone(),
+                    kind: rec.kind,
+                    size: 0,
+                    files: None,
+                    sha256: None,
+                    id: rec.origin.map_or(FileId::NONE, |o| o.id),
+                    edit: Some(edit),
+                });
+                ids.push(decision);
+                continue;
+            }
             if rec.kind == OutputKind::Directory {
                 let mode = match self.spec.modes.get(i).copied().flatten() {
                     Some(m) => m,
@@ -545,48 +637,37 @@ impl Job {
                     Refused::Fault(reason) => bad(reason),
                     Refused::Failed(e) => e,
                 })?;
+                // An in-out copy whose manifest is the one it was given with is unchanged.
+                let seeded = self.trees.get(i).and_then(Option::as_ref);
+                let unchanged = rec.inout
+                    && tree.manifest.is_some()
+                    && seeded.is_some_and(|t| t.manifest == tree.manifest);
+                let (id, edit, decision) = match (unchanged, rec.origin) {
+                    (true, Some(o)) => (o.id, Some(Edit::Unchanged), Decision::Keep),
+                    _ => (
+                        tree.id,
+                        rec.inout.then_some(Edit::Changed),
+                        Decision::Publish(tree.id),
+                    ),
+                };
                 published.push(Published {
                     target: rec.target.clone(),
                     kind: rec.kind,
                     size: tree.bytes,
                     files: Some(tree.files),
                     sha256: tree.manifest,
-                    id: tree.id,
-                    edit: None,
+                    id,
+                    edit,
                 });
-                ids.push(Decision::Publish(tree.id));
+                ids.push(decision);
                 continue;
             }
             // O_PATH first: learn the type without opening a FIFO or a device for reading.
-            let pfd = match open_beneath(slot_fd.as_fd(), name, OFlags::PATH) {
-                Ok(fd) => fd,
-                // An in-out copy the worker removed: the target is deleted (or, if there
-                // was none, stays absent).
-                Err(Errno::NOENT) if rec.inout => {
-                    let (decision, edit) = match rec.origin {
-                        Some(_) => (Decision::Delete, Edit::Deleted),
-                        None => (Decision::Keep, Edit::Unchanged),
-                    };
-                    published.push(Published {
-                        target: rec.target.clone(),
-                        kind: rec.kind,
-                        size: 0,
-                        files: None,
-                        sha256: None,
-                        id: rec.origin.map_or(FileId::NONE, |o| o.id),
-                        edit: Some(edit),
-                    });
-                    ids.push(decision);
-                    continue;
-                }
-                Err(e) => {
-                    return Err(match e {
-                        Errno::NOENT => bad(OutputFault::Missing),
-                        Errno::LOOP => bad(OutputFault::Symlink),
-                        e => io("open staged output", &staged, e),
-                    })
-                }
-            };
+            let pfd = open_beneath(slot_fd.as_fd(), name, OFlags::PATH).map_err(|e| match e {
+                Errno::NOENT => bad(OutputFault::Missing),
+                Errno::LOOP => bad(OutputFault::Symlink),
+                e => io("open staged output", &staged, e),
+            })?;
             let st =
                 rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
             let ft = file_type(&st);
@@ -692,7 +773,8 @@ impl Job {
     fn plan(&mut self, decisions: &[Decision]) -> Result<Vec<PathBuf>, PublishError> {
         let mut created: Vec<PathBuf> = Vec::new();
         let root = self.root.as_fd();
-        for (rec, decision) in self.journal.targets.iter_mut().zip(decisions) {
+        for (i, (rec, decision)) in self.journal.targets.iter_mut().zip(decisions).enumerate() {
+            let tree = self.trees.get(i).and_then(Option::as_ref);
             let target_abs = self.root_path.join(&rec.target);
             let changed = |reason: Change| PublishError::TargetChanged {
                 path: target_abs.clone(),
@@ -704,7 +786,7 @@ impl Job {
                     // The target must still be the file that was copied; it moves to the
                     // (empty) staged name, which is its backup until the commit.
                     let now = current(root, &rec.target);
-                    check_origin(rec, now.as_ref(), &target_abs)?;
+                    check_origin(rec, now.as_ref(), &target_abs, tree, root)?;
                     rec.old = rec.origin.map(|o| o.id);
                     rec.backup = Some(rec.staged.clone());
                     rec.delete = true;
@@ -713,7 +795,13 @@ impl Job {
                 Decision::Publish(id) => id,
             };
             if rec.inout {
-                check_origin(rec, current(root, &rec.target).as_ref(), &target_abs)?;
+                check_origin(
+                    rec,
+                    current(root, &rec.target).as_ref(),
+                    &target_abs,
+                    tree,
+                    root,
+                )?;
             }
             let (parent, name) =
                 split_target(&rec.target).ok_or_else(|| changed(Change::TargetHasNoName))?;
@@ -813,13 +901,31 @@ impl Job {
         // rename; and the file the rename took away (the backup) must still be that file
         // after it (a write through a descriptor opened earlier changes its mtime; the
         // rename itself changes only its ctime).
-        check_origin(rec, now.as_ref().map(Origin::of).as_ref(), &target_abs)?;
+        let tree = self.trees.get(i).and_then(Option::as_ref);
+        check_origin(
+            rec,
+            now.as_ref().map(Origin::of).as_ref(),
+            &target_abs,
+            tree,
+            self.root.as_fd(),
+        )?;
         let moved_unchanged = |slot_fd: BorrowedFd<'_>| -> Result<(), PublishError> {
             let (Some(origin), true) = (rec.origin, rec.inout) else {
                 return Ok(());
             };
-            let moved = stat_at(slot_fd, name)
-                .map_err(|e| io("stat backup", &self.dir.join(&rec.staged), e))?;
+            let backup = self.dir.join(&rec.staged);
+            let moved = stat_at(slot_fd, name).map_err(|e| io("stat backup", &backup, e))?;
+            if let (Some(tree), Some(_)) = (tree, &moved) {
+                let fd =
+                    open_dir_beneath(slot_fd, name).map_err(|e| io("open backup", &backup, e))?;
+                return match copy::tree_differs(fd.as_fd(), &backup, tree, true)? {
+                    None => Ok(()),
+                    Some(what) => Err(PublishError::Conflict {
+                        path: target_abs.clone(),
+                        what,
+                    }),
+                };
+            }
             match moved.as_ref().map(Origin::of) {
                 Some(m) if origin.differs(&m).is_none_or(|c| c == Conflict::Touched) => Ok(()),
                 Some(m) => Err(PublishError::Conflict {
@@ -977,10 +1083,14 @@ fn current(root: BorrowedFd<'_>, target: &Path) -> Option<Origin> {
 
 /// An in-out target must still be what its copy was taken from (nothing, if it had none):
 /// anything else is a [`PublishError::Conflict`]. Outputs pass.
+/// For an in-out directory (`tree`, its snapshot), every entry beneath the top is compared
+/// too, walking the target beneath `root`.
 fn check_origin(
     rec: &TargetRecord,
     now: Option<&Origin>,
     target_abs: &Path,
+    tree: Option<&copy::TreeOrigin>,
+    root: BorrowedFd<'_>,
 ) -> Result<(), PublishError> {
     if !rec.inout {
         return Ok(());
@@ -990,7 +1100,15 @@ fn check_origin(
         (None, Some(_)) => Conflict::Created,
         (Some(_), None) => Conflict::Removed,
         (Some(o), Some(n)) => match o.differs(n) {
-            None => return Ok(()),
+            None => {
+                let Some(tree) = tree else { return Ok(()) };
+                let fd = open_dir_beneath(root, &rec.target)
+                    .map_err(|e| io("open in-out directory", target_abs, e))?;
+                match copy::tree_differs(fd.as_fd(), target_abs, tree, false)? {
+                    None => return Ok(()),
+                    Some(c) => c,
+                }
+            }
             Some(c) => c,
         },
     };

@@ -47,7 +47,7 @@ mod testsim;
 use std::path::PathBuf;
 
 pub use crate::policy::OutputKind;
-pub use copy::Conflict;
+pub use copy::{Conflict, TreeRefusal};
 pub use job::Job;
 pub use job::Unreached;
 pub use journal::Phase;
@@ -121,6 +121,12 @@ pub enum PublishError {
     /// its publication: publishing would lose that change, so nothing is published.
     #[error("{path} was changed by someone else while the tool edited its copy ({what}); nothing was published")]
     Conflict { path: PathBuf, what: Conflict },
+    /// An in-out directory cannot be given to the worker as a copy: nothing ran.
+    #[error("in-out directory {path} cannot be copied for the tool: {refusal}")]
+    InOutTree {
+        path: PathBuf,
+        refusal: copy::TreeRefusal,
+    },
     /// Publication failed and so did the rollback: the targets may be mixed until startup
     /// recovery runs; the job dir and its journal are kept for it.
     #[error(
@@ -171,6 +177,12 @@ pub struct JobSpec {
     /// The worker's own uid and gid, when it has one: the staging dirs become its, and the job
     /// dir lets it through (0711) to reach them.
     pub stage_owner: Option<(u32, u32)>,
+    /// The profile's staging limits (entries, bytes), which bound the copy of an in-out
+    /// directory before the worker runs; `None`: unbounded.
+    pub staging_limits: Option<(u64, u64)>,
+    /// Outputs up to this size are hashed (`None`: [`DEFAULT_HASH_LIMIT`]); an in-out
+    /// directory's copy is hashed with the same bound.
+    pub hash_limit: Option<u64>,
     /// Which targets are in-out (same order; missing: an output): the worker gets a private
     /// copy of the current target at the staged path (nothing when there is none), and the
     /// target changes only if the copy did, or is deleted if the copy was removed.

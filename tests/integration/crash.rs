@@ -434,6 +434,21 @@ async fn crash_points_inout_file_deleted() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn crash_points_inout_directory_changed() {
+    run_scenario(Scenario {
+        name: "in-out directory changed",
+        tool: "edit_tree",
+        args: json!({"dir": "docs", "action": "edit"}),
+        pre: &[
+            ("docs/sub/a.txt", "alpha"),
+            ("docs/b.txt", "beta"),
+            ("keep.txt", "untouched"),
+        ],
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn offline_recover_rolls_back_and_is_idempotent() {
     let s = Scenario {
         name: "offline recover",

@@ -259,21 +259,18 @@ async fn inout_edits_deletions_and_no_ops_strict_profile_unprivileged() {
 
 /// The failpoint index of `name` in an `edit_inout` call with `action` on `docs/a.txt`, from a
 /// reference run.
-async fn point_index(action: &str, name: &str) -> u64 {
+async fn point_index(tool: &str, args: &Value, name: &str) -> u64 {
     let mut d = Daemon::new();
-    d.write("docs/a.txt", "alpha\n");
+    prepare(&d);
     let log = d.dir.path().join("points.log");
     d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
     d.start();
     let c = d.client().await;
     session(&c, "r").await;
     std::fs::write(&log, "").unwrap();
-    let r = call(
-        &c,
-        "edit_inout",
-        json!({"session": "r", "path": "docs/a.txt", "action": action}),
-    )
-    .await;
+    let mut a = args.clone();
+    a["session"] = "r".into();
+    let r = call(&c, tool, a).await;
     assert!(!is_error(&r), "{r}");
     let text = std::fs::read_to_string(&log).unwrap();
     let line = text
@@ -288,9 +285,32 @@ async fn point_index(action: &str, name: &str) -> u64 {
 /// Someone else edits the target while the call is paused at `point`: the call fails with
 /// CONFLICT, that edit survives, the session keeps its version, nothing is left behind.
 async fn outside_edit_is_a_conflict(action: &str, point: &str, edit: impl FnOnce(&Path)) {
-    let index = point_index(action, point).await;
-    let mut d = Daemon::new();
+    let a = json!({"path": "docs/a.txt", "action": action});
+    let d = conflict_at("edit_inout", a, point, |ws| edit(&ws.join("docs/a.txt"))).await;
+    d.read("docs/a.txt")
+        .map(|s| {
+            assert!(
+                s.contains("outside"),
+                "{action} at {point}: the outside edit was lost: {s:?}"
+            )
+        })
+        .unwrap_or_else(|| panic!("{action} at {point}: the target is gone"));
+}
+
+/// The workspace every conflict test starts from: `docs/a.txt`, and the tree `tree/`.
+fn prepare(d: &Daemon) {
     d.write("docs/a.txt", "alpha\n");
+    d.write("tree/sub/deep/c.txt", "gamma");
+    d.write("tree/b.txt", "beta");
+}
+
+/// Runs `tool` with `args`, paused at failpoint `point` while `edit` changes the workspace:
+/// the call must be a CONFLICT naming `args["path"]` or `args["dir"]`, the session unmoved,
+/// nothing left behind.
+async fn conflict_at(tool: &str, args: Value, point: &str, edit: impl FnOnce(&Path)) -> Daemon {
+    let index = point_index(tool, &args, point).await;
+    let mut d = Daemon::new();
+    prepare(&d);
     let log = d.dir.path().join("points.log");
     d.env = vec![
         ("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string()),
@@ -301,8 +321,10 @@ async fn outside_edit_is_a_conflict(action: &str, point: &str, edit: impl FnOnce
     let c = std::sync::Arc::new(d.client().await);
     session(&c, "s").await;
     let c2 = c.clone();
-    let a = json!({"session": "s", "path": "docs/a.txt", "action": action});
-    let running = tokio::spawn(async move { call(&c2, "edit_inout", a).await });
+    let mut a = args.clone();
+    a["session"] = "s".into();
+    let tool2 = tool.to_string();
+    let running = tokio::spawn(async move { call(&c2, &tool2, a).await });
     let want = format!("{index} {point}");
     wait_until("the daemon pauses at the failpoint", || {
         std::fs::read_to_string(&log)
@@ -311,11 +333,16 @@ async fn outside_edit_is_a_conflict(action: &str, point: &str, edit: impl FnOnce
             .any(|l| l == want)
     })
     .await;
-    edit(&d.workspace.join("docs/a.txt"));
+    edit(&d.workspace);
     let r = running.await.unwrap();
-    let ctx = format!("{action} at {point}");
+    let ctx = format!("{tool} {args} at {point}");
+    let target = args
+        .get("path")
+        .or(args.get("dir"))
+        .and_then(Value::as_str)
+        .unwrap();
     assert_eq!(code(&r), "CONFLICT", "{ctx}: {r}");
-    assert!(text(&r).contains("docs/a.txt"), "{ctx}: {r}");
+    assert!(text(&r).contains(target), "{ctx}: {r}");
     assert_eq!(version(&c, "s").await, 0, "{ctx}: the session moved");
     let events = audit(&c).await;
     assert!(
@@ -325,14 +352,7 @@ async fn outside_edit_is_a_conflict(action: &str, point: &str, edit: impl FnOnce
         "{ctx}: {events:?}"
     );
     assert!(d.job_dirs().is_empty(), "{ctx}: {:?}", d.job_dirs());
-    d.read("docs/a.txt")
-        .map(|s| {
-            assert!(
-                s.contains("outside"),
-                "{ctx}: the outside edit was lost: {s:?}"
-            )
-        })
-        .unwrap_or_else(|| panic!("{ctx}: the target is gone"));
+    d
 }
 
 #[tokio::test]
@@ -362,4 +382,191 @@ async fn an_outside_edit_during_the_call_is_a_conflict_not_a_lost_write() {
         })
         .await;
     }
+}
+
+/// A daemon with the tree `docs/` (`sub/a.txt`, `b.txt`, a relative symlink `l -> b.txt`).
+async fn tree_daemon(
+    profile: &str,
+    who: As,
+) -> (Daemon, rmcp::service::RunningService<rmcp::RoleClient, ()>) {
+    require_root_for("runs the daemon as root and as nobody");
+    let mut d = Daemon::new();
+    let src = std::fs::read_to_string(repo().join("tests/tools/edit_tree.toml")).unwrap();
+    d.add_tool(
+        "edit_tree",
+        &src.replace(
+            "capability = \"write\"",
+            &format!("capability = \"write\"\nprofile = \"{profile}\""),
+        ),
+    );
+    d.write("docs/sub/a.txt", "alpha");
+    d.write("docs/b.txt", "beta");
+    std::os::unix::fs::symlink("b.txt", d.workspace.join("docs/l")).unwrap();
+    if let As::Nobody = who {
+        give_to_nobody(&d);
+        d.user = Some((65534, 65534));
+    }
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    (d, c)
+}
+
+async fn directory_edits(profile: &str, who: As) {
+    let (mut d, c) = tree_daemon(profile, who).await;
+    let ctx = format!("{profile} {who:?}");
+    let call_tree = |action: &'static str, dir: &'static str| {
+        let c = &c;
+        async move {
+            call(
+                c,
+                "edit_tree",
+                json!({"session": "s", "dir": dir, "action": action}),
+            )
+            .await
+        }
+    };
+
+    // Untouched, or a file rewritten with its own bytes: nothing published.
+    let top = ino(&d, "docs");
+    for action in ["keep", "same"] {
+        let r = call_tree(action, "docs").await;
+        assert!(!is_error(&r), "{ctx} {action}: {r}");
+        assert_eq!(outputs(&r)[0]["changed"], false, "{ctx} {action}: {r}");
+        assert_eq!(
+            ino(&d, "docs"),
+            top,
+            "{ctx} {action}: the tree was republished"
+        );
+    }
+
+    // Changed: the whole tree is replaced by one rename; the old tree is gone.
+    let r = call_tree("edit", "docs").await;
+    assert!(!is_error(&r), "{ctx}: {r}");
+    assert_eq!(outputs(&r)[0]["changed"], true, "{ctx}: {r}");
+    assert_eq!(outputs(&r)[0]["kind"], "directory", "{ctx}: {r}");
+    assert_ne!(ino(&d, "docs"), top, "{ctx}");
+    let names = tree_names(&d.workspace.join("docs"));
+    assert_eq!(
+        names,
+        ["l", "new.txt", "sub", "sub/a.txt"],
+        "{ctx}: {names:?}"
+    );
+    assert_eq!(d.read("docs/sub/a.txt").as_deref(), Some("changed"));
+    assert_eq!(d.read("docs/new.txt").as_deref(), Some("added"));
+    assert_eq!(
+        std::fs::read_link(d.workspace.join("docs/l")).unwrap(),
+        Path::new("b.txt")
+    );
+    let owner = std::fs::metadata(&d.state).unwrap().uid();
+    walk_tree(&d.workspace.join("docs"), |rel, _, m| {
+        assert_eq!(m.uid(), owner, "{ctx}: {rel} not sealed");
+        if !m.file_type().is_symlink() {
+            assert_eq!(m.mode() & 0o7022, 0, "{ctx}: {rel} mode {:o}", m.mode());
+        }
+    });
+
+    // Removed: the target is deleted; a new one is created from nothing.
+    let r = call_tree("rm", "docs").await;
+    assert!(!is_error(&r), "{ctx}: {r}");
+    assert_eq!(outputs(&r)[0]["deleted"], true, "{ctx}: {r}");
+    assert!(!d.workspace.join("docs").exists(), "{ctx}");
+    let r = call_tree("create", "fresh/tree").await;
+    assert!(!is_error(&r), "{ctx}: {r}");
+    assert_eq!(
+        d.read("fresh/tree/x/y.txt").as_deref(),
+        Some("made"),
+        "{ctx}"
+    );
+
+    // A tree that cannot be copied for the tool: refused before it runs, nothing created.
+    std::fs::create_dir_all(d.workspace.join("odd")).unwrap();
+    std::os::unix::fs::symlink("../../etc", d.workspace.join("odd/out")).unwrap();
+    let v = version(&c, "s").await;
+    let r = call_tree("keep", "odd").await;
+    assert_eq!(code(&r), "PATH_REJECTED", "{ctx}: {r}");
+    assert!(text(&r).contains("leads out"), "{ctx}: {r}");
+    let fifo = d.workspace.join("fifo-tree");
+    std::fs::create_dir_all(&fifo).unwrap();
+    assert!(std::process::Command::new("mkfifo")
+        .arg(fifo.join("p"))
+        .status()
+        .unwrap()
+        .success());
+    let r = call_tree("keep", "fifo-tree").await;
+    assert_eq!(code(&r), "PATH_REJECTED", "{ctx}: {r}");
+    assert!(text(&r).contains("FIFO"), "{ctx}: {r}");
+    assert_eq!(version(&c, "s").await, v, "{ctx}");
+    assert_clean(&d);
+
+    drop(c);
+    d.stop();
+    d.start();
+    let c = d.client().await;
+    assert_eq!(version(&c, "s").await, v, "{ctx}");
+    assert_clean(&d);
+}
+
+#[tokio::test]
+async fn inout_directories_default_profile_as_root() {
+    directory_edits("default", As::Root).await;
+}
+
+#[tokio::test]
+async fn inout_directories_strict_profile_as_root() {
+    directory_edits("strict", As::Root).await;
+}
+
+#[tokio::test]
+async fn inout_directories_default_profile_unprivileged() {
+    directory_edits("default", As::Nobody).await;
+}
+
+#[tokio::test]
+async fn inout_directories_strict_profile_unprivileged() {
+    directory_edits("strict", As::Nobody).await;
+}
+
+#[tokio::test]
+async fn an_outside_edit_deep_in_an_inout_directory_is_a_conflict() {
+    // A file changed three levels down, before the check and between the check and the
+    // rename; a file added; and, for a removal of the tree, a file changed.
+    for (action, point) in [
+        ("edit", "publish.journal_write"),
+        ("edit", "publish.exchange"),
+        ("rm", "publish.delete_inout"),
+    ] {
+        let d = conflict_at(
+            "edit_tree",
+            json!({"dir": "tree", "action": action}),
+            point,
+            |ws| {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(ws.join("tree/sub/deep/c.txt"))
+                    .unwrap();
+                f.write_all(b" outside").unwrap();
+            },
+        )
+        .await;
+        assert_eq!(
+            d.read("tree/sub/deep/c.txt").as_deref(),
+            Some("gamma outside"),
+            "{action} {point}"
+        );
+        assert_eq!(
+            d.read("tree/b.txt").as_deref(),
+            Some("beta"),
+            "{action} {point}"
+        );
+    }
+    let d = conflict_at(
+        "edit_tree",
+        json!({"dir": "tree", "action": "edit"}),
+        "publish.journal_write",
+        |ws| std::fs::write(ws.join("tree/sub/theirs.txt"), "theirs").unwrap(),
+    )
+    .await;
+    assert_eq!(d.read("tree/sub/theirs.txt").as_deref(), Some("theirs"));
 }

@@ -365,6 +365,8 @@ fn predicted_staged_paths_are_the_real_ones() {
             modes: Vec::new(),
             kinds: Vec::new(),
             stage_owner: None,
+            staging_limits: None,
+            hash_limit: None,
             inout: Vec::new(),
         },
     )

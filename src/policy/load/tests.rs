@@ -388,7 +388,7 @@ fn output_kinds_load_and_anything_else_is_refused_with_file_and_line() {
         .to_string();
     assert!(
         e.contains(
-            "extra.toml:8:8: parameter \"out\": kind is only for path = \"output\" parameters"
+            "extra.toml:8:8: parameter \"out\": kind is only for path = \"output\" and path = \"inout\" parameters"
         ),
         "{e}"
     );

@@ -346,7 +346,7 @@ pub(super) fn load_tool(
 
 /// An output's `kind = "directory"` (or `"file"`, the default): on an output parameter only.
 pub fn parse_output_kind(s: &str, role: Option<PathRole>) -> Result<OutputKind, KindError> {
-    if role != Some(PathRole::Output) {
+    if !role.is_some_and(PathRole::writes) {
         return Err(KindError::NotAnOutput);
     }
     match s {
@@ -361,7 +361,7 @@ pub fn parse_output_kind(s: &str, role: Option<PathRole>) -> Result<OutputKind, 
 /// Why an output's `kind` is refused; `text` is what was written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KindError {
-    #[error("kind is only for path = \"output\" parameters")]
+    #[error("kind is only for path = \"output\" and path = \"inout\" parameters")]
     NotAnOutput,
     #[error("kind {text:?} is not \"file\" or \"directory\"")]
     Unknown { text: String },
