@@ -14,7 +14,8 @@ type Client = rmcp::service::RunningService<rmcp::RoleClient, ()>;
 async fn daemon(profile: &str, unprivileged: bool) -> (Daemon, Client) {
     require_program("/usr/bin/python3", "python3");
     let mut d = Daemon::new();
-    for tool in ["write_file", "edit_file", "move_file"] {
+    require_program("/usr/bin/patch", "patch");
+    for tool in ["write_file", "edit_file", "move_file", "apply_patch"] {
         let src =
             std::fs::read_to_string(repo().join(format!("policies/tools/{tool}.toml"))).unwrap();
         d.add_tool(
@@ -173,6 +174,25 @@ async fn file_tools(profile: &str, unprivileged: bool) {
         &["new.txt"],
     )
     .await;
+    if unprivileged {
+        // GNU patch sets each file's mode, and a worker sharing the daemon's uid may change
+        // no mode (seccomp): it fails cleanly, nothing changed.
+        d.write("proj/src/lib.txt", "one\ntwo\nthree\n");
+        let patch =
+            "--- a/src/lib.txt\n+++ b/src/lib.txt\n@@ -1,3 +1,3 @@\n one\n-two\n+TWO\n three\n";
+        refused(
+            &d,
+            &c,
+            "apply_patch",
+            json!({"session": "s", "dir": "proj", "patch": patch}),
+            "Failed to set the permissions",
+            &["proj/src/lib.txt"],
+        )
+        .await;
+    } else {
+        apply_patch_all_or_nothing(&d, &c).await;
+    }
+
     // The same path twice is refused before anything runs.
     let r = call(
         &c,
@@ -202,4 +222,54 @@ async fn file_tools_are_all_or_nothing_default_profile_unprivileged() {
 #[tokio::test]
 async fn file_tools_are_all_or_nothing_strict_profile_unprivileged() {
     file_tools("strict", true).await;
+}
+
+/// apply_patch with a worker uid of its own: a two-file diff in one commit, a half-applying
+/// one refused whole, one reaching out of the tree writing nothing outside.
+async fn apply_patch_all_or_nothing(d: &Daemon, c: &Client) {
+    // apply_patch: a git-style diff changing one file and adding another, in one commit.
+    d.write("proj/src/lib.txt", "one\ntwo\nthree\n");
+    d.write("proj/README", "readme\n");
+    let patch = "diff --git a/src/lib.txt b/src/lib.txt\n--- a/src/lib.txt\n+++ b/src/lib.txt\n@@ -1,3 +1,3 @@\n one\n-two\n+TWO\n three\n--- /dev/null\n+++ b/docs/new.md\n@@ -0,0 +1 @@\n+# new\n";
+    let r = call(
+        &c,
+        "apply_patch",
+        json!({"session": "s", "dir": "proj", "patch": patch}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(
+        d.read("proj/src/lib.txt").as_deref(),
+        Some("one\nTWO\nthree\n")
+    );
+    assert_eq!(d.read("proj/docs/new.md").as_deref(), Some("# new\n"));
+    assert_eq!(d.read("proj/README").as_deref(), Some("readme\n"));
+    assert!(text(&r).contains("patching file"), "{r}");
+    // One hunk of two does not apply: nothing at all changes (the first file stays, no
+    // .rej or .orig appears), the tree is the very same directory.
+    let top = ino(d, "proj");
+    let names = tree_names(&d.workspace.join("proj"));
+    let half = "--- a/README\n+++ b/README\n@@ -1 +1 @@\n-readme\n+README\n--- a/src/lib.txt\n+++ b/src/lib.txt\n@@ -1,3 +1,3 @@\n one\n-two\n+deux\n three\n";
+    refused(
+        &d,
+        &c,
+        "apply_patch",
+        json!({"session": "s", "dir": "proj", "patch": half}),
+        "the patch does not apply",
+        &["proj/README", "proj/src/lib.txt"],
+    )
+    .await;
+    assert_eq!(ino(d, "proj"), top);
+    assert_eq!(tree_names(&d.workspace.join("proj")), names);
+    // A patch reaching out of the tree writes nothing outside it.
+    let out = "--- a/../../escaped.txt\n+++ b/../../escaped.txt\n@@ -0,0 +1 @@\n+x\n";
+    let _ = call(
+        &c,
+        "apply_patch",
+        json!({"session": "s", "dir": "proj", "patch": out}),
+    )
+    .await;
+    assert!(!d.workspace.join("escaped.txt").exists());
+    assert!(!d.dir.path().join("escaped.txt").exists());
+    assert_eq!(tree_names(&d.workspace.join("proj")), names);
 }
