@@ -237,12 +237,27 @@ pub struct Ran {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Output {
     pub path: std::path::PathBuf,
+    /// `"directory"` for a directory output (absent for a file).
+    #[serde(skip_serializing_if = "crate::policy::OutputKind::is_file")]
+    pub kind: crate::policy::OutputKind,
+    /// A file's size; a directory's total bytes of regular files.
     pub size: u64,
+    /// A directory's number of regular files.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub files: Option<u64>,
     pub dev: u64,
     pub ino: u64,
+    /// A file's SHA-256; a directory's: the SHA-256 of its canonical manifest (README,
+    /// "Directory outputs").
     pub sha256: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub not_hashed: Option<String>,
+    /// An in-out target: whether publication changed it (a new file at the target) ...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changed: Option<bool>,
+    /// ... or deleted it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deleted: Option<bool>,
 }
 
 /// What startup recovery did with one job.
@@ -502,11 +517,15 @@ pub(crate) mod tests {
                 version: 2,
                 outputs: vec![Output {
                     path: "a".into(),
+                    kind: crate::policy::OutputKind::File,
+                    files: None,
                     size: 1,
                     dev: 2,
                     ino: 3,
                     sha256: None,
                     not_hashed: Some("big".into()),
+                    changed: None,
+                    deleted: None,
                 }],
                 ran: Ran {
                     duration_ms: 9,

@@ -146,10 +146,10 @@ pub(super) fn check(dir: &Path, as_user: Option<&str>) -> Exit {
                 p.path.map(|r| {
                     format!(
                         "{n}({})",
-                        if r == policy::PathRole::Input {
-                            "in"
-                        } else {
-                            "out"
+                        match r {
+                            policy::PathRole::Input => "in",
+                            policy::PathRole::Output => "out",
+                            policy::PathRole::InOut => "inout",
                         }
                     )
                 })
@@ -294,7 +294,9 @@ pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
     for (n, p) in &tool.params {
         match p.path {
             Some(policy::PathRole::Input) => println!("  param {n}: workspace path, readable by the worker"),
+            Some(policy::PathRole::Output) if p.kind == policy::OutputKind::Directory => println!("  param {n}: workspace path, a directory output: an empty directory in a private staging dir, its whole tree checked (regular files, directories, symlinks staying inside it) and published by one rename on success"),
             Some(policy::PathRole::Output) => println!("  param {n}: workspace path, written to a private staging dir, published on success"),
+            Some(policy::PathRole::InOut) => println!("  param {n}: workspace path, a private copy edited in staging: published if changed, the target deleted if removed, CONFLICT if changed meanwhile"),
             None if p.secret => println!(
                 "  param {n}: {} value, secret (redacted in audit events, logs and errors)",
                 p.ty.as_str()
@@ -316,7 +318,7 @@ fn no_output_note(t: &policy::Tool) -> Option<String> {
     let outputs = t
         .params
         .values()
-        .any(|p| p.path == Some(policy::PathRole::Output));
+        .any(|p| p.path.is_some_and(policy::PathRole::writes));
     (writes && !outputs).then(|| {
         format!(
             "warning: tool {}: declares no output: its inputs are read-only to the worker; \

@@ -365,7 +365,7 @@ pub fn bind(
                 b.readable.push(abs.clone());
                 abs
             }
-            PathRole::Output => {
+            PathRole::Output | PathRole::InOut => {
                 outputs += 1;
                 staged(outputs - 1)
             }

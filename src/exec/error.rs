@@ -19,6 +19,7 @@ pub enum ErrorCode {
     InvalidArgument,
     PathRejected,
     OverlappingOutputs,
+    Conflict,
     NoSuchSession,
     SessionDestroyed,
     SessionExists,
@@ -37,10 +38,11 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in README's order.
-    pub const ALL: [ErrorCode; 17] = [
+    pub const ALL: [ErrorCode; 18] = [
         ErrorCode::InvalidArgument,
         ErrorCode::PathRejected,
         ErrorCode::OverlappingOutputs,
+        ErrorCode::Conflict,
         ErrorCode::NoSuchSession,
         ErrorCode::SessionDestroyed,
         ErrorCode::SessionExists,
@@ -62,6 +64,7 @@ impl ErrorCode {
             ErrorCode::InvalidArgument => "INVALID_ARGUMENT",
             ErrorCode::PathRejected => "PATH_REJECTED",
             ErrorCode::OverlappingOutputs => "OVERLAPPING_OUTPUTS",
+            ErrorCode::Conflict => "CONFLICT",
             ErrorCode::NoSuchSession => "NO_SUCH_SESSION",
             ErrorCode::SessionDestroyed => "SESSION_DESTROYED",
             ErrorCode::SessionExists => "SESSION_EXISTS",
@@ -146,6 +149,10 @@ pub enum CallError {
         source: PublishError,
         restored: bool,
     },
+    /// An in-out target was changed by someone else while the tool edited its copy: nothing
+    /// was published (every target restored) and the state is unchanged.
+    #[error("{0}; the state is unchanged")]
+    Conflict(PublishError),
     /// The `commit` event could not be made durable in the audit log: the call rolled back.
     #[error("the commit could not be recorded durably in the audit log; nothing was committed")]
     AuditFailed(#[source] crate::audit::AuditError),
@@ -178,9 +185,11 @@ impl CallError {
             CallError::Timeout { .. } => ErrorCode::ToolTimeout,
             CallError::ToolFailed(_) | CallError::ToolReported { .. } => ErrorCode::ToolFailed,
             CallError::Staging(PublishError::StagingLimit { .. }) => ErrorCode::ToolFailed,
+            CallError::Job(PublishError::InOutTree { .. }) => ErrorCode::PathRejected,
             CallError::Job(_) | CallError::Staging(_) | CallError::Publish { .. } => {
                 ErrorCode::PublishFailed
             }
+            CallError::Conflict(_) => ErrorCode::Conflict,
             CallError::AuditFailed(_) => ErrorCode::AuditFailed,
             CallError::Busy(_) => ErrorCode::Busy,
             CallError::Internal(_) => ErrorCode::Internal,

@@ -212,7 +212,7 @@ pub enum ToolFailure {
     /// A `python` tool's function returned what its runner cannot send.
     #[error("{tool}: {fault}; nothing was published and the session is unchanged")]
     Unsendable { tool: String, fault: String },
-    #[error("{tool}: output `{param}` must be a regular file with one link (directory outputs are not supported): {fault}; nothing was published and the session is unchanged")]
+    #[error("{tool}: output `{param}` is refused ({}): {fault}; nothing was published and the session is unchanged", fault.expected())]
     BadOutput {
         tool: String,
         param: String,
@@ -256,7 +256,7 @@ fn write_denied_hint(tool: &Tool, stderr_tail: &str) -> String {
     let outputs: Vec<&str> = tool
         .params
         .iter()
-        .filter(|(_, p)| p.path == Some(PathRole::Output))
+        .filter(|(_, p)| p.path.is_some_and(PathRole::writes))
         .map(|(n, _)| n.as_str())
         .collect();
     let denied = [

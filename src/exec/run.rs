@@ -34,7 +34,7 @@ struct Waited {
 /// A write call past its queue: what it holds while its worker runs and it publishes.
 struct Queued {
     guard: SessionGuard,
-    _targets: Vec<tokio::sync::OwnedMutexGuard<()>>,
+    _targets: Vec<super::locks::TargetGuard>,
     _slot: slots::Slot,
     /// The state cloned under the lock.
     before: Snapshot,
@@ -152,12 +152,13 @@ impl Executor {
         let paths = self.resolve_paths(tool, values)?;
         let outputs: Vec<(String, PathBuf)> = paths
             .iter()
-            .filter(|(_, role, _)| *role == PathRole::Output)
+            .filter(|(_, role, _)| role.writes())
             .map(|(n, _, p)| (n.clone(), p.clone()))
             .collect();
         args::check_overlap(&outputs).map_err(CallError::Overlap)?;
 
-        // 2. Lock: the session, then the output targets in sorted order.
+        // 2. Lock: the session, then the output targets (and their ancestors, shared) in one
+        // sorted order.
         let guard = self.lock_session(session, cx.cancel).await?;
         // Checked again under the lock: the id may have been created since step 1.
         cx.caller.check(session, guard.meta().owner)?;
@@ -210,9 +211,24 @@ impl Executor {
                 .iter()
                 .map(|(n, _)| tool.params.get(n).and_then(|p| p.mode))
                 .collect(),
+            kinds: outputs
+                .iter()
+                .map(|(n, _)| tool.params.get(n).map(|p| p.kind).unwrap_or_default())
+                .collect(),
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
+            staging_limits: Some((
+                ext.profile.limits.staging_files,
+                ext.profile.limits.staging_bytes,
+            )),
+            hash_limit: Some(cx.policy.daemon.audit_hash_limit),
+            inout: outputs
+                .iter()
+                .map(|(n, _)| tool.params.get(n).and_then(|p| p.path) == Some(PathRole::InOut))
+                .collect(),
         };
-        let mut job = Job::create(&self.workspace, spec).map_err(CallError::Job)?;
+        // Off the async threads: an in-out target is copied into staging here.
+        let mut job = tokio::task::block_in_place(|| Job::create(&self.workspace, spec))
+            .map_err(CallError::Job)?;
         job.hash_up_to(cx.policy.daemon.audit_hash_limit);
         let root = self.workspace.root().to_path_buf();
         let mut bound = args::bind(values, &paths, &root, Some(session), |i| job.staged_path(i));
@@ -298,8 +314,10 @@ impl Executor {
         // Off the async threads: publication fsyncs, and its cleanup removes whatever the
         // worker left in staging.
         let mut committed = None;
+        let mut received = Vec::new();
         let published = tokio::task::block_in_place(|| {
             job.publish_and_commit_with(|published| {
+                received = published.to_vec();
                 let commit = Commit::Published {
                     version: before.version + 1,
                     outputs: published.iter().map(|o| output(o, hash_limit)).collect(),
@@ -332,7 +350,7 @@ impl Executor {
         let mut structured = json!({
             "session": session,
             "version": version,
-            "outputs": outputs.iter().map(|(n, p)| json!({"param": n, "path": p})).collect::<Vec<_>>(),
+            "outputs": outputs.iter().zip(&received).map(|((n, p), o)| structured_output(n, p, o)).collect::<Vec<_>>(),
         });
         // A python function's structured result stays beside the commit's fields.
         if let Some(result) = result {
@@ -483,7 +501,10 @@ impl Executor {
                 name: name.clone(),
                 source,
             };
-            let rel = self.workspace.resolve(raw, role).map_err(rejected)?;
+            let rel = self
+                .workspace
+                .resolve_as(raw, role, p.kind)
+                .map_err(rejected)?;
             // Landlock grants an input with everything beneath it: no input may cover other
             // calls' job dirs or another filesystem.
             if role == PathRole::Input {
@@ -536,6 +557,10 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
         })
         .into();
     }
+    // Someone else changed an in-out target: every target was restored.
+    if let publish::PublishError::Conflict { .. } = &e {
+        return CallError::Conflict(e).into();
+    }
     // The commit event could not be recorded and every target was restored: AUDIT_FAILED.
     let e = match e {
         publish::PublishError::Commit(source) => match source.downcast::<CommitFailed>() {
@@ -555,18 +580,43 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
     .into()
 }
 
+/// One output in the result's `structuredContent`: its parameter and path; for a directory
+/// also its kind, files, total bytes and manifest SHA-256, as the `commit` event has them.
+fn structured_output(param: &str, path: &std::path::Path, o: &publish::Published) -> Value {
+    let mut out = match o.kind {
+        publish::OutputKind::File => json!({"param": param, "path": path}),
+        kind => json!({
+            "param": param,
+            "path": path,
+            "kind": kind.as_str(),
+            "files": o.files,
+            "bytes": o.size,
+            "manifest_sha256": o.sha256,
+        }),
+    };
+    if let Some(e) = o.edit {
+        out["changed"] = (e == publish::Edit::Changed).into();
+        out["deleted"] = (e == publish::Edit::Deleted).into();
+    }
+    out
+}
+
 /// One published output in the `commit` event: its path, size and SHA-256, or, above the
 /// hash limit, its size and identity only (and a note saying so).
 fn output(o: &publish::Published, hash_limit: u64) -> Output {
     Output {
         path: o.target.clone(),
+        kind: o.kind,
+        files: o.files,
         size: o.size,
         dev: o.id.dev,
         ino: o.id.ino,
         sha256: o.sha256.clone(),
-        not_hashed: o.sha256.is_none().then(|| {
+        not_hashed: (o.sha256.is_none() && o.edit != Some(publish::Edit::Deleted)).then(|| {
             format!("larger than audit_hash_limit ({hash_limit} bytes): size and identity only")
         }),
+        changed: o.edit.map(|e| e == publish::Edit::Changed),
+        deleted: o.edit.map(|e| e == publish::Edit::Deleted),
     }
 }
 

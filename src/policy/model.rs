@@ -405,6 +405,55 @@ pub enum PathRole {
     Input,
     /// Rewritten to a staged file; published into the workspace on success.
     Output,
+    /// Rewritten to a staged private copy of the current target (nothing there when the
+    /// target does not exist): a changed copy is published, an unchanged one publishes
+    /// nothing, a copy the worker removed deletes the target. Anyone else's change to the
+    /// target meanwhile is a conflict.
+    #[serde(rename = "inout")]
+    InOut,
+}
+
+impl PathRole {
+    /// Whether the worker writes this path (through staging): an output or an in-out.
+    pub fn writes(self) -> bool {
+        matches!(self, PathRole::Output | PathRole::InOut)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PathRole::Input => "input",
+            PathRole::Output => "output",
+            PathRole::InOut => "inout",
+        }
+    }
+}
+
+/// What an output parameter publishes: `kind = "file"` (the default) or `kind =
+/// "directory"`. An enum, not a flag: in-place edits and deletions are further kinds.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputKind {
+    /// One regular file with one link.
+    #[default]
+    File,
+    /// A directory tree of regular files, directories and symlinks staying inside it,
+    /// published by one rename.
+    Directory,
+}
+
+impl OutputKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutputKind::File => "file",
+            OutputKind::Directory => "directory",
+        }
+    }
+
+    pub fn is_file(&self) -> bool {
+        *self == OutputKind::File
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -417,6 +466,8 @@ pub struct Param {
     /// For an output: the mode the daemon gives the published file (default 0o644). Never
     /// setuid, setgid, sticky, group- or other-writable: the loader refuses those.
     pub mode: Option<u32>,
+    /// For an output: what it publishes (`kind = "directory"`; default a file).
+    pub kind: OutputKind,
     /// `secret = true`: the value is redacted in audit events, log lines and error messages
     /// (the worker still receives it). The loader refuses its placeholder in `command`.
     pub secret: bool,
@@ -437,6 +488,7 @@ impl Param {
             default: None,
             path: None,
             mode: None,
+            kind: OutputKind::File,
             secret: false,
             env: None,
         }

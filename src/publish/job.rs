@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 
-use super::journal::{Journal, Phase, TargetRecord, JOURNAL, VERSION};
+use super::copy::{self, Conflict, Origin};
+use super::journal::{Journal, Phase, TargetRecord, JOURNAL};
+use super::staged_tree::{check_tree, Refused};
 use super::sys::{
     describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, stat_at,
     sync_point, FileId,
@@ -16,8 +18,8 @@ use super::sys::{
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
 use super::{
-    Change, JobSpec, OutputFault, PublishError, Published, SpecError, Workspace, JOB_DIR_PREFIX,
-    MAX_ID_LEN, STAGE,
+    Change, Edit, JobSpec, OutputFault, OutputKind, PublishError, Published, SpecError, Workspace,
+    JOB_DIR_PREFIX, MAX_ID_LEN, STAGE,
 };
 
 pub struct Job {
@@ -37,6 +39,8 @@ pub struct Job {
     hash_limit: u64,
     /// What each target receives, once validated (same order as the targets).
     published: Vec<Published>,
+    /// For an in-out directory, what it was when its copy was taken (same order).
+    trees: Vec<Option<copy::TreeOrigin>>,
 }
 
 impl std::fmt::Debug for Job {
@@ -105,6 +109,103 @@ fn seal(fd: BorrowedFd<'_>, st: &rustix::fs::Stat, mode: u32) -> Result<(), Errn
     )
 }
 
+/// Gives in-out target `target` (`target_abs` for messages) to the worker: a private copy of
+/// it in its staging slot under its own name, owned by the worker (`owner`) or the daemon,
+/// mode 0600 plus the original's execute bits. Returns the target's snapshot, taken before
+/// the copy, and the copy's, taken once it is the worker's; `(None, None)` when the target
+/// does not exist (the worker finds nothing at the staged path).
+fn seed_copy(
+    root: BorrowedFd<'_>,
+    target_abs: &Path,
+    target: &Path,
+    slot: BorrowedFd<'_>,
+    base: &OsStr,
+    staged_abs: &Path,
+    owner: Option<(u32, u32)>,
+) -> Result<(Option<Origin>, Option<Origin>), PublishError> {
+    let changed = |reason: Change| PublishError::TargetChanged {
+        path: target_abs.to_path_buf(),
+        reason,
+    };
+    // O_PATH first: learn the type without opening a FIFO or a device for reading.
+    let pfd = match open_beneath(root, target, OFlags::PATH) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok((None, None)),
+        Err(e) => return Err(changed(Change::parent(target, e))),
+    };
+    let st = rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat in-out target", target_abs, e))?;
+    if file_type(&st) != FileType::RegularFile {
+        return Err(changed(Change::NowA(describe(file_type(&st)))));
+    }
+    let origin = Origin::of(&st);
+    let src = open_beneath(root, target, OFlags::RDONLY | OFlags::NONBLOCK)
+        .map_err(|e| io("open in-out target", target_abs, e))?;
+    let now =
+        rustix::fs::fstat(src.as_fd()).map_err(|e| io("stat in-out target", target_abs, e))?;
+    if FileId::of(&now) != origin.id {
+        return Err(changed(Change::ReplacedDuringRename));
+    }
+    let mode = (st.st_mode & 0o111) | 0o600;
+    let dst = copy::copy_file(src.as_fd(), slot, base, mode, staged_abs)?;
+    if let Some((uid, gid)) = owner {
+        mutate("publish.chown_stage", staged_abs, || {
+            rustix::fs::fchown(
+                dst.as_fd(),
+                Some(rustix::process::Uid::from_raw(uid)),
+                Some(rustix::process::Gid::from_raw(gid)),
+            )
+        })?;
+    }
+    let cst = rustix::fs::fstat(dst.as_fd()).map_err(|e| io("stat in-out copy", staged_abs, e))?;
+    Ok((Some(origin), Some(Origin::of(&cst))))
+}
+
+/// Gives in-out directory `target` to the worker: a private copy of the tree in its slot
+/// ([`copy::copy_tree`]), bounded by the spec's staging limits. `None` when the target does
+/// not exist (the worker finds nothing at the staged path). A tree that cannot be copied is
+/// [`PublishError::InOutTree`].
+#[allow(clippy::too_many_arguments)]
+fn seed_tree(
+    root: BorrowedFd<'_>,
+    target_abs: &Path,
+    target: &Path,
+    slot: BorrowedFd<'_>,
+    base: &OsStr,
+    staged_abs: &Path,
+    spec: &JobSpec,
+    declared_mode: Option<u32>,
+) -> Result<Option<copy::TreeOrigin>, PublishError> {
+    let src = match open_dir_beneath(root, target) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(None),
+        Err(e) => {
+            return Err(PublishError::TargetChanged {
+                path: target_abs.to_path_buf(),
+                reason: Change::parent(target, e),
+            })
+        }
+    };
+    let st =
+        rustix::fs::fstat(src.as_fd()).map_err(|e| io("stat in-out directory", target_abs, e))?;
+    let (max_entries, max_bytes) = spec.staging_limits.unwrap_or((u64::MAX, u64::MAX));
+    let how = copy::TreeCopy {
+        owner: spec.stage_owner,
+        max_entries,
+        max_bytes,
+        hash_limit: spec.hash_limit.unwrap_or(super::DEFAULT_HASH_LIMIT),
+        top_mode: declared_mode
+            .unwrap_or(st.st_mode & 0o7777 & !crate::policy::FORBIDDEN_OUTPUT_BITS),
+    };
+    match copy::copy_tree(src.as_fd(), target_abs, slot, base, staged_abs, &how) {
+        Ok(t) => Ok(Some(t)),
+        Err(Ok(refusal)) => Err(PublishError::InOutTree {
+            path: target_abs.to_path_buf(),
+            refusal,
+        }),
+        Err(Err(e)) => Err(e),
+    }
+}
+
 impl Job {
     /// Creates `.airlock-job-<id>/` (0700, or 0711 for a worker with its own uid) with its
     /// staging dir (the worker's, when it has its own uid). No journal and no fsync: until
@@ -168,6 +269,7 @@ impl Job {
             // dir (0711) lets the worker through, nobody else in.
             give(fd.as_fd(), STAGE, &stage)?;
             let mut targets = Vec::with_capacity(spec.targets.len());
+            let mut trees = Vec::with_capacity(spec.targets.len());
             for (i, target) in spec.targets.iter().enumerate() {
                 let slot = i.to_string();
                 let slot_path = stage.join(&slot);
@@ -176,16 +278,78 @@ impl Job {
                 })?;
                 give(stage_fd.as_fd(), slot.as_str(), &slot_path)?;
                 let base = target.file_name().unwrap_or(OsStr::new("output"));
+                let kind = spec.kinds.get(i).copied().unwrap_or_default();
+                let inout = spec.inout.get(i).copied().unwrap_or(false);
+                if kind == OutputKind::Directory && !inout {
+                    // The worker fills an empty directory the daemon made (and gives it).
+                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
+                        .map_err(|e| io("open staging dir", &slot_path, e))?;
+                    let staged = slot_path.join(base);
+                    mutate("publish.mkdir_staged_dir", &staged, || {
+                        rustix::fs::mkdirat(slot_fd.as_fd(), base, Mode::from_raw_mode(0o700))
+                    })?;
+                    match spec.stage_owner {
+                        None => {}
+                        Some((uid, gid)) => mutate("publish.chown_stage", &staged, || {
+                            rustix::fs::chownat(
+                                slot_fd.as_fd(),
+                                base,
+                                Some(rustix::process::Uid::from_raw(uid)),
+                                Some(rustix::process::Gid::from_raw(gid)),
+                                AtFlags::SYMLINK_NOFOLLOW,
+                            )
+                        })?,
+                    }
+                }
+                let mut tree = None;
+                let (origin, copy) = if inout && kind == OutputKind::Directory {
+                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
+                        .map_err(|e| io("open staging dir", &slot_path, e))?;
+                    let top_mode = spec.modes.get(i).copied().flatten();
+                    let t = seed_tree(
+                        root.as_fd(),
+                        &ws.root().join(target),
+                        target,
+                        slot_fd.as_fd(),
+                        base,
+                        &slot_path.join(base),
+                        &spec,
+                        top_mode,
+                    )?;
+                    let origin = t.as_ref().and_then(|t| t.entries.first()).map(|(_, o)| *o);
+                    tree = t;
+                    (origin, None)
+                } else if inout {
+                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
+                        .map_err(|e| io("open staging dir", &slot_path, e))?;
+                    seed_copy(
+                        root.as_fd(),
+                        &ws.root().join(target),
+                        target,
+                        slot_fd.as_fd(),
+                        base,
+                        &slot_path.join(base),
+                        spec.stage_owner,
+                    )?
+                } else {
+                    (None, None)
+                };
                 targets.push(TargetRecord {
+                    kind,
                     target: target.clone(),
                     staged: Path::new(STAGE).join(&slot).join(base),
                     backup: None,
                     old: None,
                     new: None,
+                    inout,
+                    origin,
+                    copy,
+                    delete: false,
                 });
+                trees.push(tree);
             }
             let journal = Journal {
-                version: VERSION,
+                version: Journal::version_for(&targets),
                 job: spec.id.clone(),
                 session: spec.session.clone(),
                 tool: spec.tool.clone(),
@@ -194,10 +358,11 @@ impl Job {
                 targets,
                 created_dirs: Vec::new(),
             };
-            Ok((fd, journal))
+            Ok((fd, journal, trees))
         })();
         match made {
-            Ok((fd, journal)) => Ok(Job {
+            Ok((fd, journal, trees)) => Ok(Job {
+                trees,
                 spec,
                 dir,
                 name,
@@ -396,9 +561,10 @@ impl Job {
         let mut synced_dirs = self.make_parents()?;
         // 5. Rename each staged file into place.
         for i in 0..self.journal.targets.len() {
-            let (parent_fd, slot_fd) = self.rename_one(i)?;
-            synced_dirs.push(parent_fd);
-            synced_dirs.push(slot_fd);
+            if let Some((parent_fd, slot_fd)) = self.rename_one(i)? {
+                synced_dirs.push(parent_fd);
+                synced_dirs.push(slot_fd);
+            }
         }
         // 6. Make the renames (and the mkdirs) durable before the commit point: a session
         //    that records this job must imply every target holds its new file. From here,
@@ -409,7 +575,7 @@ impl Job {
         Ok(())
     }
 
-    fn validate_outputs(&mut self) -> Result<Vec<FileId>, PublishError> {
+    fn validate_outputs(&mut self) -> Result<Vec<Decision>, PublishError> {
         let mut ids = Vec::with_capacity(self.journal.targets.len());
         let mut published = Vec::with_capacity(self.journal.targets.len());
         for (i, rec) in self.journal.targets.iter().enumerate() {
@@ -427,6 +593,73 @@ impl Job {
                 e => io("open staging dir", &self.dir.join(&slot), e),
             })?;
             let name = rec.staged.file_name().unwrap_or(OsStr::new("output"));
+            // An in-out copy the worker removed: the target is deleted (or, if there was
+            // none, stays absent).
+            if rec.inout
+                && stat_at(slot_fd.as_fd(), name)
+                    .map_err(|e| io("stat staged output", &staged, e))?
+                    .is_none()
+            {
+                let (decision, edit) = match rec.origin {
+                    Some(_) => (Decision::Delete, Edit::Deleted),
+                    None => (Decision::Keep, Edit::Unchanged),
+                };
+                published.push(Published {
+                    target: rec.target.clone(),
+                    kind: rec.kind,
+                    size: 0,
+                    files: None,
+                    sha256: None,
+                    id: rec.origin.map_or(FileId::NONE, |o| o.id),
+                    edit: Some(edit),
+                });
+                ids.push(decision);
+                continue;
+            }
+            if rec.kind == OutputKind::Directory {
+                let mode = match self.spec.modes.get(i).copied().flatten() {
+                    Some(m) => m,
+                    None => self.replaced_mode(&rec.target, rec.kind),
+                };
+                let published_len =
+                    self.root_path.as_os_str().len() + 1 + rec.target.as_os_str().len();
+                let tree = check_tree(
+                    slot_fd.as_fd(),
+                    name,
+                    &staged,
+                    published_len,
+                    mode,
+                    self.hash_limit,
+                )
+                .map_err(|r| match r {
+                    Refused::Fault(reason) => bad(reason),
+                    Refused::Failed(e) => e,
+                })?;
+                // An in-out copy whose manifest is the one it was given with is unchanged.
+                let seeded = self.trees.get(i).and_then(Option::as_ref);
+                let unchanged = rec.inout
+                    && tree.manifest.is_some()
+                    && seeded.is_some_and(|t| t.manifest == tree.manifest);
+                let (id, edit, decision) = match (unchanged, rec.origin) {
+                    (true, Some(o)) => (o.id, Some(Edit::Unchanged), Decision::Keep),
+                    _ => (
+                        tree.id,
+                        rec.inout.then_some(Edit::Changed),
+                        Decision::Publish(tree.id),
+                    ),
+                };
+                published.push(Published {
+                    target: rec.target.clone(),
+                    kind: rec.kind,
+                    size: tree.bytes,
+                    files: Some(tree.files),
+                    sha256: tree.manifest,
+                    id,
+                    edit,
+                });
+                ids.push(decision);
+                continue;
+            }
             // O_PATH first: learn the type without opening a FIFO or a device for reading.
             let pfd = open_beneath(slot_fd.as_fd(), name, OFlags::PATH).map_err(|e| match e {
                 Errno::NOENT => bad(OutputFault::Missing),
@@ -442,11 +675,14 @@ impl Job {
             if nlink(&st) != 1 {
                 return Err(bad(OutputFault::Links(nlink(&st))));
             }
+            // An in-out copy the worker never touched (same file, same ctime: nothing can
+            // set a ctime back). Read before sealing, which changes it.
+            let untouched = rec.inout && rec.copy == Some(Origin::of(&st));
             // Owner and mode are the daemon's to set, before the file can be read or moved:
             // no setuid/setgid/sticky bit, no group or other write, the worker's uid gone.
             let mode = match self.spec.modes.get(i).copied().flatten() {
                 Some(m) => m,
-                None => self.replaced_mode(&rec.target),
+                None => self.replaced_mode(&rec.target, rec.kind),
             };
             mutate("publish.seal_output", &staged, || {
                 seal(pfd.as_fd(), &st, mode)
@@ -458,49 +694,113 @@ impl Job {
             if FileId::of(&st2) != FileId::of(&st) {
                 return Err(bad(OutputFault::Replaced));
             }
-            sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
             let size = st2.st_size as u64;
+            // A copy rewritten with the same bytes is unchanged too, if the target still is
+            // what was copied (otherwise publication finds the conflict).
+            let unchanged = rec.inout
+                && (untouched
+                    || rec.origin.is_some_and(|o| {
+                        o.size == size && self.holds_same(&rec.target, o, fd.as_fd())
+                    }));
+            if !unchanged {
+                sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
+            }
             let sha256 = if size <= self.hash_limit {
                 Some(hash(fd.as_fd()).map_err(|e| io("read staged output", &staged, e))?)
             } else {
                 None
             };
+            let (id, edit, decision) = match (unchanged, rec.origin) {
+                (true, Some(o)) => (o.id, Some(Edit::Unchanged), Decision::Keep),
+                _ => (
+                    FileId::of(&st),
+                    rec.inout.then_some(Edit::Changed),
+                    Decision::Publish(FileId::of(&st)),
+                ),
+            };
             published.push(Published {
                 target: rec.target.clone(),
+                kind: rec.kind,
                 size,
+                files: None,
                 sha256,
-                id: FileId::of(&st),
+                id,
+                edit,
             });
-            ids.push(FileId::of(&st));
+            ids.push(decision);
         }
         self.published = published;
         Ok(ids)
     }
 
-    /// The permission bits a published output keeps from the regular file at `target` it
-    /// replaces, less setuid/setgid/sticky and group/other write; 0644 for a new target (or
-    /// one that is not a regular file, which publication then refuses as changed).
-    fn replaced_mode(&self, target: &Path) -> u32 {
+    /// Whether `target` still is the file snapshot `origin` describes and holds the same
+    /// bytes as `staged` (of the same size). Any doubt is "no".
+    fn holds_same(&self, target: &Path, origin: Origin, staged: BorrowedFd<'_>) -> bool {
+        let Ok(fd) = open_beneath(self.root.as_fd(), target, OFlags::RDONLY | OFlags::NONBLOCK)
+        else {
+            return false;
+        };
+        match rustix::fs::fstat(fd.as_fd()) {
+            Ok(st) if Origin::of(&st) == origin => {
+                copy::same_content(fd.as_fd(), staged).unwrap_or(false)
+            }
+            _ => false,
+        }
+    }
+
+    /// The permission bits a published output keeps from the regular file (or directory, for
+    /// a directory output) at `target` it replaces, less setuid/setgid/sticky and group/other
+    /// write; 0644 (a directory: 0755) for a new target (or one of another type, which
+    /// publication then refuses as changed).
+    fn replaced_mode(&self, target: &Path, kind: OutputKind) -> u32 {
+        let default = match kind {
+            OutputKind::File => crate::policy::DEFAULT_OUTPUT_MODE,
+            OutputKind::Directory => 0o755,
+        };
         open_beneath(self.root.as_fd(), target, OFlags::PATH)
             .and_then(|fd| rustix::fs::fstat(fd.as_fd()))
             .ok()
-            .filter(|st| file_type(st) == FileType::RegularFile)
-            .map_or(crate::policy::DEFAULT_OUTPUT_MODE, |st| {
+            .filter(|st| file_type(st) == kind_type(kind))
+            .map_or(default, |st| {
                 st.st_mode & 0o7777 & !crate::policy::FORBIDDEN_OUTPUT_BITS
             })
     }
 
     /// Records the new identities and what each target holds now; returns the parent dirs
     /// publication must create, in creation order.
-    fn plan(&mut self, news: &[FileId]) -> Result<Vec<PathBuf>, PublishError> {
+    fn plan(&mut self, decisions: &[Decision]) -> Result<Vec<PathBuf>, PublishError> {
         let mut created: Vec<PathBuf> = Vec::new();
         let root = self.root.as_fd();
-        for (rec, new) in self.journal.targets.iter_mut().zip(news) {
+        for (i, (rec, decision)) in self.journal.targets.iter_mut().zip(decisions).enumerate() {
+            let tree = self.trees.get(i).and_then(Option::as_ref);
             let target_abs = self.root_path.join(&rec.target);
             let changed = |reason: Change| PublishError::TargetChanged {
                 path: target_abs.clone(),
                 reason,
             };
+            let new = match decision {
+                Decision::Keep => continue,
+                Decision::Delete => {
+                    // The target must still be the file that was copied; it moves to the
+                    // (empty) staged name, which is its backup until the commit.
+                    let now = current(root, &rec.target);
+                    check_origin(rec, now.as_ref(), &target_abs, tree, root)?;
+                    rec.old = rec.origin.map(|o| o.id);
+                    rec.backup = Some(rec.staged.clone());
+                    rec.delete = true;
+                    continue;
+                }
+                Decision::Publish(id) => id,
+            };
+            if rec.inout {
+                check_origin(
+                    rec,
+                    current(root, &rec.target).as_ref(),
+                    &target_abs,
+                    tree,
+                    root,
+                )?;
+            }
             let (parent, name) =
                 split_target(&rec.target).ok_or_else(|| changed(Change::TargetHasNoName))?;
             let mut missing = false;
@@ -530,7 +830,7 @@ impl Job {
                     .map_err(|e| changed(Change::parent(parent, e)))?;
                 match stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))? {
                     None => None,
-                    Some(st) if file_type(&st) == FileType::RegularFile => Some(FileId::of(&st)),
+                    Some(st) if file_type(&st) == kind_type(rec.kind) => Some(FileId::of(&st)),
                     Some(st) => return Err(changed(Change::NowA(describe(file_type(&st))))),
                 }
             };
@@ -576,8 +876,12 @@ impl Job {
     /// Renames staged output `i` into place: RENAME_EXCHANGE over an existing target (the old
     /// file lands under the staged name: the backup), RENAME_NOREPLACE for a new one. Returns
     /// the target's parent fd and the staging slot fd, both to be fsynced.
-    fn rename_one(&self, i: usize) -> Result<(OwnedFd, OwnedFd), PublishError> {
+    fn rename_one(&self, i: usize) -> Result<Option<(OwnedFd, OwnedFd)>, PublishError> {
         let rec = &self.journal.targets[i];
+        if rec.new.is_none() && !rec.delete {
+            // An in-out target left as it was: nothing to publish.
+            return Ok(None);
+        }
         let target_abs = self.root_path.join(&rec.target);
         let changed = |reason: Change| PublishError::TargetChanged {
             path: target_abs.clone(),
@@ -591,6 +895,71 @@ impl Job {
         let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot)
             .map_err(|e| io("open staging dir", &self.dir.join(&slot), e))?;
         let now = stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))?;
+        // An in-out target must still be what its copy was taken from, just before the
+        // rename; and the file the rename took away (the backup) must still be that file
+        // after it (a write through a descriptor opened earlier changes its mtime; the
+        // rename itself changes only its ctime).
+        let tree = self.trees.get(i).and_then(Option::as_ref);
+        check_origin(
+            rec,
+            now.as_ref().map(Origin::of).as_ref(),
+            &target_abs,
+            tree,
+            self.root.as_fd(),
+        )?;
+        let moved_unchanged = |slot_fd: BorrowedFd<'_>| -> Result<(), PublishError> {
+            let (Some(origin), true) = (rec.origin, rec.inout) else {
+                return Ok(());
+            };
+            let backup = self.dir.join(&rec.staged);
+            let moved = stat_at(slot_fd, name).map_err(|e| io("stat backup", &backup, e))?;
+            if let (Some(tree), Some(_)) = (tree, &moved) {
+                let fd =
+                    open_dir_beneath(slot_fd, name).map_err(|e| io("open backup", &backup, e))?;
+                return match copy::tree_differs(fd.as_fd(), &backup, tree, true)? {
+                    None => Ok(()),
+                    Some(what) => Err(PublishError::Conflict {
+                        path: target_abs.clone(),
+                        what,
+                    }),
+                };
+            }
+            match moved.as_ref().map(Origin::of) {
+                Some(m) if origin.differs(&m).is_none_or(|c| c == Conflict::Touched) => Ok(()),
+                Some(m) => Err(PublishError::Conflict {
+                    path: target_abs.clone(),
+                    what: origin.differs(&m).unwrap_or(Conflict::Replaced),
+                }),
+                None => Err(PublishError::Conflict {
+                    path: target_abs.clone(),
+                    what: Conflict::Removed,
+                }),
+            }
+        };
+        if rec.delete {
+            match mutate("publish.delete_inout", &target_abs, || {
+                rustix::fs::renameat_with(
+                    pfd.as_fd(),
+                    name,
+                    slot_fd.as_fd(),
+                    name,
+                    RenameFlags::NOREPLACE,
+                )
+            }) {
+                Ok(()) => {}
+                Err(PublishError::Io { source, .. })
+                    if source.raw_os_error() == Some(libc::ENOENT) =>
+                {
+                    return Err(PublishError::Conflict {
+                        path: target_abs.clone(),
+                        what: Conflict::Removed,
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+            moved_unchanged(slot_fd.as_fd())?;
+            return Ok(Some((pfd, slot_fd)));
+        }
         match rec.old {
             Some(old) => {
                 match &now {
@@ -612,8 +981,15 @@ impl Job {
                 let backup = stat_at(slot_fd.as_fd(), name)
                     .map_err(|e| io("stat backup", &self.dir.join(&rec.staged), e))?;
                 if backup.as_ref().map(FileId::of) != Some(old) {
+                    if rec.inout {
+                        return Err(PublishError::Conflict {
+                            path: target_abs.clone(),
+                            what: Conflict::Replaced,
+                        });
+                    }
                     return Err(changed(Change::ReplacedDuringRename));
                 }
+                moved_unchanged(slot_fd.as_fd())?;
             }
             None => {
                 if let Some(st) = &now {
@@ -638,7 +1014,7 @@ impl Job {
                 }
             }
         }
-        Ok((pfd, slot_fd))
+        Ok(Some((pfd, slot_fd)))
     }
 
     /// Restores every target after a failure before the commit point, then removes the job
@@ -685,9 +1061,72 @@ impl Job {
     }
 }
 
+/// What publication does with one target, decided from what the worker left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    /// Put this staged file at the target.
+    Publish(FileId),
+    /// An in-out target whose copy the worker removed: delete the target.
+    Delete,
+    /// An in-out target whose copy is as it was: leave the target alone.
+    Keep,
+}
+
+/// The snapshot of what `target` holds now, if anything; a symlink, or a parent that cannot
+/// be reached beneath the root, reads as nothing (an in-out target then conflicts).
+fn current(root: BorrowedFd<'_>, target: &Path) -> Option<Origin> {
+    let fd = open_beneath(root, target, OFlags::PATH).ok()?;
+    rustix::fs::fstat(fd.as_fd()).ok().map(|st| Origin::of(&st))
+}
+
+/// An in-out target must still be what its copy was taken from (nothing, if it had none):
+/// anything else is a [`PublishError::Conflict`]. Outputs pass.
+/// For an in-out directory (`tree`, its snapshot), every entry beneath the top is compared
+/// too, walking the target beneath `root`.
+fn check_origin(
+    rec: &TargetRecord,
+    now: Option<&Origin>,
+    target_abs: &Path,
+    tree: Option<&copy::TreeOrigin>,
+    root: BorrowedFd<'_>,
+) -> Result<(), PublishError> {
+    if !rec.inout {
+        return Ok(());
+    }
+    let what = match (rec.origin, now) {
+        (None, None) => return Ok(()),
+        (None, Some(_)) => Conflict::Created,
+        (Some(_), None) => Conflict::Removed,
+        (Some(o), Some(n)) => match o.differs(n) {
+            None => {
+                let Some(tree) = tree else { return Ok(()) };
+                let fd = open_dir_beneath(root, &rec.target)
+                    .map_err(|e| io("open in-out directory", target_abs, e))?;
+                match copy::tree_differs(fd.as_fd(), target_abs, tree, false)? {
+                    None => return Ok(()),
+                    Some(c) => c,
+                }
+            }
+            Some(c) => c,
+        },
+    };
+    Err(PublishError::Conflict {
+        path: target_abs.to_path_buf(),
+        what,
+    })
+}
+
+/// The file type a target of kind `kind` is.
+fn kind_type(kind: OutputKind) -> FileType {
+    match kind {
+        OutputKind::File => FileType::RegularFile,
+        OutputKind::Directory => FileType::Directory,
+    }
+}
+
 /// SHA-256 (hex) of what `fd` holds, read from its start (a sealed staged output: the worker
 /// can no longer write it).
-fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
+pub(super) fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
     let mut buf = vec![0u8; 256 * 1024];
@@ -726,6 +1165,10 @@ pub(super) fn rollback(
         return Ok(out);
     }
     for rec in journal.targets.iter().rev() {
+        if rec.delete {
+            restore_deleted(root, root_path, job_fd, job_dir, rec, &mut out)?;
+            continue;
+        }
         let Some(new) = rec.new else { continue };
         let target_abs = root_path.join(&rec.target);
         let Some((parent, name)) = split_target(&rec.target) else {
@@ -775,6 +1218,28 @@ pub(super) fn rollback(
                 })?;
                 fsync_dir(bfd.as_fd(), &backup_abs)?;
             }
+            None if rec.kind == OutputKind::Directory => {
+                // A new tree goes back where it was staged, whole (its slot is still there:
+                // the job dir is removed only once the targets are settled).
+                let staged_abs = job_dir.join(&rec.staged);
+                let (sdir, sname) = split_target(&rec.staged).ok_or_else(|| PublishError::Io {
+                    op: "locate staged dir",
+                    path: staged_abs.clone(),
+                    source: std::io::Error::other("journal names no staged dir"),
+                })?;
+                let sfd = open_dir_beneath(job_fd, sdir)
+                    .map_err(|e| io("open staging dir", &job_dir.join(sdir), e))?;
+                mutate("publish.rollback_rename", &target_abs, || {
+                    rustix::fs::renameat_with(
+                        pfd.as_fd(),
+                        name,
+                        sfd.as_fd(),
+                        sname,
+                        RenameFlags::NOREPLACE,
+                    )
+                })?;
+                fsync_dir(sfd.as_fd(), &staged_abs)?;
+            }
             None => {
                 mutate("publish.rollback_unlink", &target_abs, || {
                     rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::empty())
@@ -808,6 +1273,76 @@ pub(super) fn rollback(
         }
     }
     Ok(out)
+}
+
+/// Rollback of a deleted in-out target: if its backup holds the old file (identity `old`)
+/// and the target is free, the file goes back with `RENAME_NOREPLACE`. A backup that does not
+/// hold it was never moved (nothing to do); a target someone created meanwhile, or one that
+/// cannot be reached safely, is left as it is and reported, so the backup is kept.
+fn restore_deleted(
+    root: BorrowedFd<'_>,
+    root_path: &Path,
+    job_fd: BorrowedFd<'_>,
+    job_dir: &Path,
+    rec: &TargetRecord,
+    out: &mut Rolled,
+) -> Result<(), PublishError> {
+    let Some(old) = rec.old else { return Ok(()) };
+    let target_abs = root_path.join(&rec.target);
+    let backup = rec.backup.as_ref().unwrap_or(&rec.staged);
+    let (Some((parent, name)), Some((bdir, bname))) =
+        (split_target(&rec.target), split_target(backup))
+    else {
+        return Ok(());
+    };
+    let bfd = match open_dir_beneath(job_fd, bdir) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(io("open backup dir", &job_dir.join(bdir), e)),
+    };
+    let moved =
+        stat_at(bfd.as_fd(), bname).map_err(|e| io("stat backup", &job_dir.join(backup), e))?;
+    if moved.as_ref().map(FileId::of) != Some(old) {
+        return Ok(());
+    }
+    let pfd = match open_dir_beneath(root, parent) {
+        Ok(fd) => fd,
+        Err(e @ (Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) => {
+            out.unreached.push(Unreached {
+                target: target_abs,
+                reason: Change::parent(parent, e),
+            });
+            return Ok(());
+        }
+        Err(e) => return Err(io("open target dir", &root_path.join(parent), e)),
+    };
+    match mutate("publish.rollback_restore", &target_abs, || {
+        rustix::fs::renameat_with(
+            bfd.as_fd(),
+            bname,
+            pfd.as_fd(),
+            name,
+            RenameFlags::NOREPLACE,
+        )
+    }) {
+        Ok(()) => {}
+        Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {
+            let now = stat_at(pfd.as_fd(), name)
+                .ok()
+                .flatten()
+                .map_or("a file", |st| describe(file_type(&st)));
+            out.unreached.push(Unreached {
+                target: target_abs,
+                reason: Change::Appeared(now),
+            });
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    }
+    fsync_dir(pfd.as_fd(), &target_abs)?;
+    fsync_dir(bfd.as_fd(), &job_dir.join(backup))?;
+    out.restored += 1;
+    Ok(())
 }
 
 /// Whether target `rec`'s staged path still holds its new file (identity `new`): then it was
@@ -851,6 +1386,7 @@ pub(super) fn unreachable_targets(
 ) -> Vec<Unreached> {
     let mut out = Vec::new();
     for rec in &journal.targets {
+        // A deleted target's parent is checked when its rollback runs (`restore_deleted`).
         let Some(new) = rec.new else { continue };
         let Some((parent, _)) = split_target(&rec.target) else {
             continue;

@@ -16,14 +16,20 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FileType, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
+use super::copy::Origin;
 use super::sys::{self, file_type, mutate, FileId};
-use super::PublishError;
+use super::{OutputKind, PublishError};
 
 pub(super) const JOURNAL: &str = "recovery.json";
 pub(super) const JOURNAL_TMP: &str = "recovery.json.tmp";
 /// A journal is a few hundred bytes per target; anything larger is not ours.
 const MAX_JOURNAL: u64 = 4 << 20;
+/// The version a journal of file outputs only is written with (every release reads it).
 pub(super) const VERSION: u32 = 1;
+/// The version of a journal with a target of another kind (a directory) or an in-out target
+/// (a deletion to undo): a release that reads version 1 only keeps such a job aside rather
+/// than roll a tree back as a file or miss a deletion.
+pub(super) const VERSION_KINDS: u32 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -55,6 +61,9 @@ impl Phase {
 pub struct TargetRecord {
     /// Final path, relative to the workspace root.
     pub target: PathBuf,
+    /// What the target is; absent in version 1 (always a file).
+    #[serde(default, skip_serializing_if = "OutputKind::is_file")]
+    pub kind: OutputKind,
     /// Staged path, relative to the job dir (`stage/<i>/<basename>`).
     pub staged: PathBuf,
     /// Where the old file lands after the exchange (the staged name), relative to the job dir;
@@ -64,6 +73,19 @@ pub struct TargetRecord {
     pub old: Option<FileId>,
     /// Identity of the staged file that publication puts at the target.
     pub new: Option<FileId>,
+    /// An in-out target: the worker edited a copy of it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inout: bool,
+    /// In-out: what the target was when its copy was taken (`None`: there was none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Origin>,
+    /// In-out: the copy as the worker got it (to tell an untouched copy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy: Option<Origin>,
+    /// In-out whose copy the worker removed: publication moves the target (identity `old`)
+    /// to `backup`, deleting it; rollback moves it back.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delete: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,6 +103,15 @@ pub struct Journal {
 }
 
 impl Journal {
+    /// The version this journal is written with: 1 unless a target is not a file output.
+    pub fn version_for(targets: &[TargetRecord]) -> u32 {
+        if targets.iter().all(|t| t.kind.is_file() && !t.inout) {
+            VERSION
+        } else {
+            VERSION_KINDS
+        }
+    }
+
     /// Writes the job's one journal: `recovery.json` created (it must not exist), written,
     /// fsynced, then the job dir and the workspace root fsynced, so that the journal and the
     /// job dir holding it (and every backup to come) are durable before the first rename.
@@ -189,7 +220,7 @@ impl Journal {
         }
         let v: Versioned =
             serde_json::from_slice(&bytes).map_err(|e| damaged(Damage::Unparsable(e)))?;
-        if v.version != VERSION {
+        if v.version != VERSION && v.version != VERSION_KINDS {
             return Err(damaged(Damage::UnknownVersion {
                 found: v.version.to_string(),
             }));
@@ -225,6 +256,8 @@ pub enum Damage {
     #[error("it is not a journal (truncated or garbled)")]
     Unparsable(#[source] serde_json::Error),
     /// A version this airlock does not read (written by another release).
-    #[error("its version is {found}; this airlock reads version {VERSION} only")]
+    #[error(
+        "its version is {found}; this airlock reads versions {VERSION} and {VERSION_KINDS} only"
+    )]
     UnknownVersion { found: String },
 }

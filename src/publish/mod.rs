@@ -29,10 +29,12 @@
 //!   discarded) stays on disk until [`recover`] runs at the next start. [`recover`] must run
 //!   before the daemon serves calls, with the workspace to itself.
 
+mod copy;
 mod job;
 mod journal;
 mod recover;
 mod rejection;
+mod staged_tree;
 mod sys;
 mod tree;
 mod workspace;
@@ -44,12 +46,15 @@ mod testsim;
 
 use std::path::PathBuf;
 
+pub use crate::policy::OutputKind;
+pub use copy::{Conflict, TreeRefusal};
 pub use job::Job;
 pub use job::Unreached;
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};
 pub use recover::{recover, recover_with, Kept, MoveAside, RecoveryFault};
 pub use rejection::{Change, OutputFault, Rejection, SpecError, TargetError};
+pub use staged_tree::{EntryFault, MANIFEST_FORMAT};
 pub use sys::FileId;
 pub use tree::Usage;
 pub use workspace::Workspace;
@@ -112,6 +117,16 @@ pub enum PublishError {
     /// A target (or one of its parents) changed between resolution and publication.
     #[error("target {path} changed: {reason}")]
     TargetChanged { path: PathBuf, reason: Change },
+    /// An in-out target was changed by someone else between the copy the worker edited and
+    /// its publication: publishing would lose that change, so nothing is published.
+    #[error("{path} was changed by someone else while the tool edited its copy ({what}); nothing was published")]
+    Conflict { path: PathBuf, what: Conflict },
+    /// An in-out directory cannot be given to the worker as a copy: nothing ran.
+    #[error("in-out directory {path} cannot be copied for the tool: {refusal}")]
+    InOutTree {
+        path: PathBuf,
+        refusal: copy::TreeRefusal,
+    },
     /// Publication failed and so did the rollback: the targets may be mixed until startup
     /// recovery runs; the job dir and its journal are kept for it.
     #[error(
@@ -182,9 +197,35 @@ pub struct JobSpec {
     /// sets owner and mode itself: whatever the worker did, or the replaced file had, no
     /// published file carries setuid/setgid/sticky or group/other write.
     pub modes: Vec<Option<u32>>,
+    /// What each target is (same order; missing: a file). A directory output's staged path
+    /// is an empty directory the worker fills; its whole tree is checked, sealed and
+    /// published by one rename.
+    pub kinds: Vec<OutputKind>,
     /// The worker's own uid and gid, when it has one: the staging dirs become its, and the job
     /// dir lets it through (0711) to reach them.
     pub stage_owner: Option<(u32, u32)>,
+    /// The profile's staging limits (entries, bytes), which bound the copy of an in-out
+    /// directory before the worker runs; `None`: unbounded.
+    pub staging_limits: Option<(u64, u64)>,
+    /// Outputs up to this size are hashed (`None`: [`DEFAULT_HASH_LIMIT`]); an in-out
+    /// directory's copy is hashed with the same bound.
+    pub hash_limit: Option<u64>,
+    /// Which targets are in-out (same order; missing: an output): the worker gets a private
+    /// copy of the current target at the staged path (nothing when there is none), and the
+    /// target changes only if the copy did, or is deleted if the copy was removed.
+    pub inout: Vec<bool>,
+}
+
+/// What publication did to an in-out target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Edit {
+    /// The worker changed its copy: the copy replaced the target (or created it).
+    Changed,
+    /// The copy is as it was (or there was none and still is none): nothing was published.
+    Unchanged,
+    /// The worker removed its copy: the target was deleted.
+    Deleted,
 }
 
 /// Outputs up to this size are hashed unless the caller says otherwise.
@@ -195,11 +236,19 @@ pub const DEFAULT_HASH_LIMIT: u64 = 64 << 20;
 pub struct Published {
     /// Relative to the workspace root.
     pub target: PathBuf,
+    pub kind: OutputKind,
+    /// A file's size; a directory's total bytes of regular files.
     pub size: u64,
-    /// SHA-256 (hex) of the content; `None` above the hash limit (size and identity only).
+    /// A directory's number of regular files (`None` for a file).
+    pub files: Option<u64>,
+    /// SHA-256 (hex) of the content (a directory: of its canonical manifest,
+    /// [`MANIFEST_FORMAT`]); `None` above the hash limit (size and identity only).
     pub sha256: Option<String>,
-    /// The file's identity (device, inode): the file the target now names.
+    /// The file's identity (device, inode): the file the target now names (for a deleted
+    /// in-out target, the file it named).
     pub id: FileId,
+    /// For an in-out target, what publication did to it; `None` for an output.
+    pub edit: Option<Edit>,
 }
 
 /// How startup recovery settled a job's targets.

@@ -73,6 +73,11 @@ pub enum Rejection {
          ({RESERVED_PREFIX}*); name a subdirectory of it instead"
     )]
     InputIsRoot,
+    #[error(
+        "{} is {kind}; this output is declared kind = \"directory\"",
+        shown_path(path)
+    )]
+    OutputNotDirectory { path: PathBuf, kind: &'static str },
     #[error("{} is a name reserved to airlock ({RESERVED_PREFIX}*)", shown(name))]
     ReservedComponent { name: String },
     #[error("cannot list {}: {errno}", shown_path(path))]
@@ -201,6 +206,28 @@ pub enum OutputFault {
     Links(u64),
     #[error("it was replaced while being validated")]
     Replaced,
+    /// A directory output: what the tool left is not a directory.
+    #[error("the tool left {0} there, not a directory")]
+    NotADirectory(&'static str),
+    /// A directory output: an entry of its tree is refused. `entry` is relative to the tree.
+    #[error("entry {}: {fault}", shown_path(entry))]
+    Entry {
+        entry: PathBuf,
+        fault: super::EntryFault,
+    },
+}
+
+impl OutputFault {
+    /// What the output had to be, for messages.
+    pub fn expected(&self) -> &'static str {
+        match self {
+            OutputFault::NotADirectory(_) | OutputFault::Entry { .. } => {
+                "a directory output holds regular files with one link, directories and \
+                 symlinks staying inside it"
+            }
+            _ => "a file output must be a regular file with one link",
+        }
+    }
 }
 
 /// The reason a path holding a [`super::workspace::forbidden_char`] is refused.

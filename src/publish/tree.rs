@@ -39,21 +39,21 @@ pub struct Usage {
     pub bytes: u64,
 }
 
-struct Level {
+pub(super) struct Level {
     /// Name in the parent level (for the first level: in the walk's parent fd).
-    name: OsString,
+    pub(super) name: OsString,
     /// (device, inode) of this directory, to check a reopened `..`.
     id: (u64, u64),
     /// `None` once the walk went more than [`OPEN_DIRS`] levels deeper.
-    fd: Option<OwnedFd>,
+    pub(super) fd: Option<OwnedFd>,
     /// Subdirectories still to visit.
-    pending: Vec<OsString>,
+    pub(super) pending: Vec<OsString>,
 }
 
-struct Walk<'a> {
+pub(super) struct Walk<'a> {
     parent: BorrowedFd<'a>,
     abs: &'a Path,
-    stack: Vec<Level>,
+    pub(super) stack: Vec<Level>,
 }
 
 #[allow(clippy::unnecessary_cast)]
@@ -64,7 +64,7 @@ fn dir_id(fd: BorrowedFd<'_>) -> Result<(u64, u64), Errno> {
 
 impl<'a> Walk<'a> {
     /// Opens `name` in `parent` as the first level; `None` if it does not exist.
-    fn open(
+    pub(super) fn open(
         parent: BorrowedFd<'a>,
         name: &OsStr,
         abs: &'a Path,
@@ -87,7 +87,7 @@ impl<'a> Walk<'a> {
 
     /// The absolute path of the current level (plus `child`), for messages only: shortened
     /// in the middle when the tree is deep.
-    fn path(&self, child: Option<&OsStr>) -> PathBuf {
+    pub(super) fn path(&self, child: Option<&OsStr>) -> PathBuf {
         let names: Vec<&OsStr> = self
             .stack
             .iter()
@@ -106,7 +106,7 @@ impl<'a> Walk<'a> {
         p
     }
 
-    fn top(&self) -> Result<BorrowedFd<'_>, PublishError> {
+    pub(super) fn top(&self) -> Result<BorrowedFd<'_>, PublishError> {
         self.stack
             .last()
             .and_then(|l| l.fd.as_ref())
@@ -119,7 +119,7 @@ impl<'a> Walk<'a> {
     }
 
     /// Descends into `name`, a subdirectory of the current level. `Ok(false)` if it vanished.
-    fn push(&mut self, name: OsString) -> Result<bool, PublishError> {
+    pub(super) fn push(&mut self, name: OsString) -> Result<bool, PublishError> {
         let abs = self.path(Some(&name));
         let Some(fd) = open_repairing(self.top()?, &name, &abs)? else {
             return Ok(false);
@@ -141,7 +141,7 @@ impl<'a> Walk<'a> {
 
     /// Leaves the current level; the level above becomes current (reopened as `..` if its fd
     /// was dropped). Returns the level left.
-    fn pop(&mut self) -> Result<Level, PublishError> {
+    pub(super) fn pop(&mut self) -> Result<Level, PublishError> {
         let left = self.stack.pop().ok_or_else(|| PublishError::Io {
             op: "walk directory tree",
             path: self.abs.to_path_buf(),
@@ -225,7 +225,7 @@ fn entry_type(
 
 /// Reads directory `fd`, calling `each(name, type)` for every entry but `.` and `..`, until
 /// `each` returns `false`.
-fn scan(
+pub(super) fn scan(
     fd: BorrowedFd<'_>,
     abs: &Path,
     mut each: impl FnMut(&OsStr, FileType) -> Result<bool, PublishError>,

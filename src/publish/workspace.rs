@@ -10,7 +10,7 @@ use rustix::io::Errno;
 use super::rejection::{Rejection, TargetError};
 use super::sys::{describe, file_type, open_beneath, stat_at};
 use super::{PathError, PublishError, NAME_MAX, PATH_MAX, RESERVED_PREFIXES, STAGED_OVERHEAD};
-use crate::policy::PathRole;
+use crate::policy::{OutputKind, PathRole};
 
 /// The workspace root, held open as a directory fd. Every later operation resolves beneath
 /// this fd, so renaming or replacing the root's path after `open` steers nothing.
@@ -66,13 +66,24 @@ impl Workspace {
     /// raw one), and every existing component of it is checked to be a real directory beneath
     /// the root (no symlink at all, no mount crossing).
     pub fn resolve(&self, raw: &str, role: PathRole) -> Result<PathBuf, PathError> {
+        self.resolve_as(raw, role, OutputKind::File)
+    }
+
+    /// As [`Workspace::resolve`], for an output of kind `kind`: an existing target of the
+    /// other type (a directory where a file is declared, or the reverse) is rejected.
+    pub fn resolve_as(
+        &self,
+        raw: &str,
+        role: PathRole,
+        kind: OutputKind,
+    ) -> Result<PathBuf, PathError> {
         let reject = |reason: Rejection| PathError::Rejected {
             raw: raw.to_string(),
             reason,
         };
         let rel = self.normalize(raw).map_err(reject)?;
         self.check_length(&rel, role).map_err(reject)?;
-        self.check(&rel, role).map_err(reject)?;
+        self.check(&rel, role, kind).map_err(reject)?;
         if rel.as_os_str().is_empty() {
             return Ok(PathBuf::from("."));
         }
@@ -149,7 +160,7 @@ impl Workspace {
         if total >= PATH_MAX {
             return Err(Rejection::TooLongBeneathRoot { total, root });
         }
-        if role == PathRole::Output {
+        if role.writes() {
             let base = rel.file_name().map_or(0, |n| n.len());
             let staged = root + STAGED_OVERHEAD + base;
             if staged >= PATH_MAX {
@@ -160,12 +171,12 @@ impl Workspace {
     }
 
     /// The physical half: walks the existing components beneath the root fd.
-    fn check(&self, rel: &Path, role: PathRole) -> Result<(), Rejection> {
+    fn check(&self, rel: &Path, role: PathRole, kind: OutputKind) -> Result<(), Rejection> {
         let comps: Vec<&OsStr> = rel.iter().collect();
         let Some((last, parents)) = comps.split_last() else {
             return match role {
                 PathRole::Input => Ok(()),
-                PathRole::Output => Err(Rejection::OutputIsRoot),
+                PathRole::Output | PathRole::InOut => Err(Rejection::OutputIsRoot),
             };
         };
         let mut cur: Option<OwnedFd> = None;
@@ -175,7 +186,7 @@ impl Workspace {
             let dir = cur.as_ref().map_or(self.fd.as_fd(), |f| f.as_fd());
             match open_beneath(dir, comp, OFlags::PATH | OFlags::DIRECTORY) {
                 Ok(fd) => cur = Some(fd),
-                Err(Errno::NOENT) if matches!(role, PathRole::Output) => {
+                Err(Errno::NOENT) if role.writes() => {
                     // The rest does not exist yet: publication creates it beneath the root.
                     return Ok(());
                 }
@@ -202,9 +213,15 @@ impl Workspace {
                     .map(drop)
                     .map_err(|e| walk_error(&prefix, e))
             }
-            PathRole::Output => match st.map(|st| file_type(&st)) {
-                None | Some(FileType::RegularFile) => Ok(()),
-                Some(ft) => Err(Rejection::OutputNotFile {
+            PathRole::Output | PathRole::InOut => match (kind, st.map(|st| file_type(&st))) {
+                (_, None)
+                | (OutputKind::File, Some(FileType::RegularFile))
+                | (OutputKind::Directory, Some(FileType::Directory)) => Ok(()),
+                (OutputKind::File, Some(ft)) => Err(Rejection::OutputNotFile {
+                    path: prefix,
+                    kind: describe(ft),
+                }),
+                (OutputKind::Directory, Some(ft)) => Err(Rejection::OutputNotDirectory {
                     path: prefix,
                     kind: describe(ft),
                 }),
@@ -561,7 +578,7 @@ mod reach_tests {
         for (raw, role, reason, phrase) in cases {
             let refused = ws.resolve(raw, *role).and_then(|rel| match role {
                 PathRole::Input => ws.check_input_reach(raw, &rel),
-                PathRole::Output => Ok(()),
+                PathRole::Output | PathRole::InOut => Ok(()),
             });
             let Err(e) = refused else {
                 panic!("{raw:?} ({role:?}) is accepted");

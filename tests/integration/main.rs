@@ -14,6 +14,8 @@ mod crash;
 mod daemon;
 mod eras;
 mod features;
+mod file_tools;
+mod inout;
 mod policy_dirs;
 mod python_tools;
 mod race;

@@ -363,7 +363,11 @@ fn predicted_staged_paths_are_the_real_ones() {
             tool: "t".into(),
             targets: targets.clone(),
             modes: Vec::new(),
+            kinds: Vec::new(),
             stage_owner: None,
+            staging_limits: None,
+            hash_limit: None,
+            inout: Vec::new(),
         },
     )
     .unwrap();

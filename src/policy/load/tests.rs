@@ -329,7 +329,7 @@ fn value_errors_read_as_the_loader_reports_them() {
     let out = Some(PathRole::Output);
     assert_eq!(
         parse_output_mode("0644", None).unwrap_err().to_string(),
-        "mode is only for path = \"output\" parameters"
+        "mode is only for path = \"output\" and path = \"inout\" parameters"
     );
     assert_eq!(
         parse_output_mode("x", out).unwrap_err().to_string(),
@@ -422,4 +422,45 @@ fn python_tools_name_an_entry_and_no_command() {
         .expect_err("no command")
         .to_string();
     assert!(e.contains("extra.toml:1:8: command is missing"), "{e}");
+}
+
+#[test]
+fn output_kinds_load_and_anything_else_is_refused_with_file_and_line() {
+    let tool = |path: &str, kind: &str| {
+        format!(
+            "name = \"extra\"\ncapability = \"write\"\ncommand = [\"/bin/t\", \"{{out}}\"]\n\n[params.out]\ntype = \"string\"\n{path}\n{kind}\n"
+        )
+    };
+    let p = with_tool(&tool("path = \"output\"", "kind = \"directory\"")).expect("valid");
+    assert_eq!(
+        p.tools["extra"].params["out"].kind,
+        crate::policy::OutputKind::Directory
+    );
+    let p = with_tool(&tool("path = \"output\"", "")).expect("valid");
+    assert_eq!(
+        p.tools["extra"].params["out"].kind,
+        crate::policy::OutputKind::File
+    );
+    let e = with_tool(&tool("path = \"output\"", "kind = \"tree\""))
+        .expect_err("an unknown kind")
+        .to_string();
+    assert!(
+        e.contains(
+            "extra.toml:8:8: parameter \"out\": kind \"tree\" is not \"file\" or \"directory\""
+        ),
+        "{e}"
+    );
+    let e = with_tool(&tool("path = \"input\"", "kind = \"directory\""))
+        .expect_err("kind on an input")
+        .to_string();
+    assert!(
+        e.contains(
+            "extra.toml:8:8: parameter \"out\": kind is only for path = \"output\" and path = \"inout\" parameters"
+        ),
+        "{e}"
+    );
+    let e = with_tool(&tool("", "kind = \"directory\""))
+        .expect_err("kind on a value")
+        .to_string();
+    assert!(e.contains("kind is only for path = \"output\""), "{e}");
 }

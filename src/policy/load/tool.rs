@@ -42,6 +42,7 @@ struct RawParam {
     default: Option<toml::Value>,
     path: Option<PathRole>,
     mode: Option<Spanned<String>>,
+    kind: Option<Spanned<String>>,
     secret: Option<Spanned<bool>>,
     env: Option<Spanned<String>>,
 }
@@ -103,12 +104,15 @@ pub(super) fn load_tool(
                 ),
             );
         }
-        if rp.path == Some(PathRole::Output) && raw.capability == Capability::Read {
+        if rp.path.is_some_and(PathRole::writes) && raw.capability == Capability::Read {
             cx.at(
                 path,
                 &text,
                 p.span(),
-                format!("output parameter {pname:?} needs capability = \"write\""),
+                format!(
+                    "{} parameter {pname:?} needs capability = \"write\"",
+                    rp.path.map_or("output", PathRole::as_str)
+                ),
             );
         }
         let default = match &rp.default {
@@ -128,6 +132,16 @@ pub(super) fn load_tool(
                 Err(msg) => {
                     cx.at(path, &text, m.span(), format!("parameter {pname:?}: {msg}"));
                     None
+                }
+            },
+        };
+        let kind = match &rp.kind {
+            None => OutputKind::File,
+            Some(k) => match parse_output_kind(k.get_ref(), rp.path) {
+                Ok(v) => v,
+                Err(msg) => {
+                    cx.at(path, &text, k.span(), format!("parameter {pname:?}: {msg}"));
+                    OutputKind::File
                 }
             },
         };
@@ -180,6 +194,7 @@ pub(super) fn load_tool(
                 default,
                 path: rp.path,
                 mode,
+                kind,
                 secret,
                 env,
             },
@@ -509,9 +524,32 @@ pub fn check_entry(entry: &str) -> Result<(), EntryError> {
     Ok(())
 }
 
+/// An output's `kind = "directory"` (or `"file"`, the default): on an output parameter only.
+pub fn parse_output_kind(s: &str, role: Option<PathRole>) -> Result<OutputKind, KindError> {
+    if !role.is_some_and(PathRole::writes) {
+        return Err(KindError::NotAnOutput);
+    }
+    match s {
+        "file" => Ok(OutputKind::File),
+        "directory" => Ok(OutputKind::Directory),
+        _ => Err(KindError::Unknown {
+            text: s.to_string(),
+        }),
+    }
+}
+
+/// Why an output's `kind` is refused; `text` is what was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KindError {
+    #[error("kind is only for path = \"output\" and path = \"inout\" parameters")]
+    NotAnOutput,
+    #[error("kind {text:?} is not \"file\" or \"directory\"")]
+    Unknown { text: String },
+}
+
 /// An output's `mode = "0755"`: octal, on an output parameter only, carrying no privilege.
 pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, ModeError> {
-    if role != Some(PathRole::Output) {
+    if !role.is_some_and(PathRole::writes) {
         return Err(ModeError::NotAnOutput);
     }
     let text = || s.to_string();
@@ -531,7 +569,7 @@ pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, ModeErr
 /// Why an output's `mode` is refused; `text` is what was written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ModeError {
-    #[error("mode is only for path = \"output\" parameters")]
+    #[error("mode is only for path = \"output\" and path = \"inout\" parameters")]
     NotAnOutput,
     #[error("mode {text:?} is not an octal mode such as \"0644\"")]
     NotOctal { text: String },

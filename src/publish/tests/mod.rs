@@ -64,7 +64,11 @@ fn spec(id: &str, targets: &[&str]) -> JobSpec {
         tool: "render".into(),
         targets: targets.iter().map(PathBuf::from).collect(),
         modes: Vec::new(),
+        kinds: Vec::new(),
         stage_owner: None,
+        staging_limits: None,
+        hash_limit: None,
+        inout: Vec::new(),
     }
 }
 
@@ -80,3 +84,4 @@ mod crash;
 mod job;
 mod paths;
 mod staging;
+mod trees;

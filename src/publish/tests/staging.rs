@@ -250,12 +250,12 @@ fn journal_read_tells_missing_from_damaged() {
         damage(b"{\"job\": \"jr\"}"),
         Damage::Unparsable(_)
     ));
-    let r = damage(b"{\"version\": 2, \"from\": \"a later release\"}");
+    let r = damage(b"{\"version\": 3, \"from\": \"a later release\"}");
     assert!(
-        matches!(&r, Damage::UnknownVersion { found } if found == "2"),
+        matches!(&r, Damage::UnknownVersion { found } if found == "3"),
         "{r:?}"
     );
-    assert!(r.to_string().contains("version is 2"), "{r}");
+    assert!(r.to_string().contains("version is 3"), "{r}");
     let r = damage(b"{\"version\": \"1\"}");
     assert!(
         matches!(&r, Damage::UnknownVersion { found } if found == "\"1\""),
