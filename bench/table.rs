@@ -28,6 +28,10 @@ struct Plan {
     idle: Duration,
     sessions: usize,
     soak_calls: usize,
+    /// Files in the archive and the in-out tree of the real-tools rows.
+    tree_files: usize,
+    /// Runs of each real-tools row.
+    tool_iters: usize,
 }
 
 impl Plan {
@@ -43,6 +47,8 @@ impl Plan {
                 idle: Duration::from_secs(2),
                 sessions: 200,
                 soak_calls: 200,
+                tree_files: 100,
+                tool_iters: 2,
             }
         } else {
             Plan {
@@ -55,6 +61,8 @@ impl Plan {
                 idle: Duration::from_secs(10),
                 sessions: 10_000,
                 soak_calls: 10_000,
+                tree_files: 10_000,
+                tool_iters: 10,
             }
         }
     }
@@ -107,6 +115,19 @@ fn tools(d: &Daemon) {
         "capability = \"write\"\ntimeout = \"600s\"\n\
          command = [\"/bin/sh\", \"-c\", \"head -c \\\"$1\\\" /dev/zero > \\\"$2\\\"\", \"bench-fill\", \"{bytes}\", \"{out}\"]\n\
          [params.bytes]\ntype = \"integer\"\n[params.out]\ntype = \"string\"\npath = \"output\"\n",
+    );
+    tool(
+        "bench_untar",
+        "capability = \"write\"\ntimeout = \"600s\"\n\
+         command = [\"/usr/bin/tar\", \"-x\", \"-f\", \"{archive}\", \"-C\", \"{out}\"]\n\
+         [params.archive]\ntype = \"string\"\npath = \"input\"\n\
+         [params.out]\ntype = \"string\"\npath = \"output\"\nkind = \"directory\"\n",
+    );
+    tool(
+        "bench_touch_tree",
+        "capability = \"write\"\ntimeout = \"600s\"\n\
+         command = [\"/bin/sh\", \"-c\", \"printf x >> \\\"$1/d0/f0\\\"\", \"bench-touch\", \"{dir}\"]\n\
+         [params.dir]\ntype = \"string\"\npath = \"inout\"\nkind = \"directory\"\n",
     );
     tool(
         "bench_sleep",
@@ -530,6 +551,153 @@ fn throughput(d: &Daemon, sessions: usize, per_conn: usize, peak_rss: &mut u64) 
     (16 * per_conn) as f64 / t.elapsed().as_secs_f64()
 }
 
+/// The rows of real tools: `edit_file` on a 1 MiB file against `sed -i` run directly, a
+/// 10,000-file archive extracted as a directory output against `tar -x` run directly, and an
+/// in-out directory of 10,000 files with one file changed against copying the tree (`cp -a`,
+/// the copy the worker is given; on ext4 a byte copy, where xfs or btrfs would reflink).
+fn real_tools(t: &mut Table, plan: &Plan, d: &Daemon, c: &mut Conn) {
+    let n = plan.tool_iters;
+    // edit_file: one replacement on a 1 MiB text file, alternating so every call changes it.
+    let line = "the quick brown fox jumps over the lazy dog 0123456789\n";
+    let mut text = line.repeat((1 << 20) / line.len());
+    text.push_str("MARKER-A\n");
+    d.write("edit-1m.txt", &text);
+    let direct_path = d.dir.path().join("edit-1m-direct.txt");
+    std::fs::write(&direct_path, &text).expect("direct copy");
+    let mut flip = false;
+    let direct = Series::measure(n, || {
+        flip = !flip;
+        let (a, b) = if flip { ("A", "B") } else { ("B", "A") };
+        run_direct(
+            Command::new("/usr/bin/sed")
+                .arg("-i")
+                .arg(format!("s/MARKER-{a}/MARKER-{b}/"))
+                .arg("--")
+                .arg(&direct_path),
+        )
+    });
+    t.row(
+        "direct run: `sed -i` one replacement in 1 MiB",
+        &direct,
+        "",
+        "",
+    );
+    let mut flip = false;
+    let edit = Series::measure(n, || {
+        flip = !flip;
+        let (a, b) = if flip { ("A", "B") } else { ("B", "A") };
+        timed(|| {
+            c.call(
+                "edit_file",
+                json!({"session": "bench", "path": "edit-1m.txt",
+                    "edits": [{"oldText": format!("MARKER-{a}"), "newText": format!("MARKER-{b}")}]}),
+            );
+        })
+    });
+    t.row(
+        "`edit_file` on a 1 MiB file (in-out copy, python3 edit and diff, published, committed)",
+        &edit,
+        &format!("{:.1}x `sed -i`", ratio(&edit, &direct)),
+        "reported",
+    );
+
+    // A tree of `tree_files` small files in 100 directories, as a tar archive and in place.
+    let files = plan.tree_files;
+    let src = d.dir.path().join("tree-src");
+    for i in 0..files {
+        let dir = src.join(format!("d{}", i % 100));
+        std::fs::create_dir_all(&dir).expect("tree dir");
+        std::fs::write(dir.join(format!("f{i}")), format!("file {i}\n")).expect("tree file");
+    }
+    let archive = d.workspace.join("tree.tar");
+    let ok = Command::new("/usr/bin/tar")
+        .arg("-cf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(&src)
+        .arg(".")
+        .status()
+        .expect("tar");
+    assert!(ok.success(), "tar -c");
+    let mut k = 0;
+    let direct_x = Series::measure(n, || {
+        k += 1;
+        let out = d.dir.path().join(format!("untar-{k}"));
+        std::fs::create_dir_all(&out).expect("untar dir");
+        run_direct(
+            Command::new("/usr/bin/tar")
+                .arg("-x")
+                .arg("-f")
+                .arg(&archive)
+                .arg("-C")
+                .arg(&out),
+        )
+    });
+    t.row(
+        &format!("direct run: `tar -x` of {files} files"),
+        &direct_x,
+        "",
+        "",
+    );
+    let mut k = 0;
+    let untar = Series::measure(n, || {
+        k += 1;
+        timed(|| {
+            c.call(
+                "bench_untar",
+                json!({"session": "bench", "archive": "tree.tar", "out": format!("x/{k}")}),
+            );
+        })
+    });
+    t.row(
+        &format!("`tar -x` of {files} files as a directory output (tree checked, sealed, fsynced, one rename)"),
+        &untar,
+        &format!("{:.1}x direct", ratio(&untar, &direct_x)),
+        "reported",
+    );
+
+    // The same tree in the workspace, edited in place: one file changed per call.
+    let ok = Command::new("/bin/cp")
+        .arg("-a")
+        .arg(&src)
+        .arg(d.workspace.join("tree"))
+        .status()
+        .expect("cp -a");
+    assert!(ok.success(), "cp -a");
+    let mut k = 0;
+    let copy = Series::measure(n, || {
+        k += 1;
+        run_direct(
+            Command::new("/bin/cp")
+                .arg("-a")
+                .arg(&src)
+                .arg(d.dir.path().join(format!("copy-{k}"))),
+        )
+    });
+    t.row(
+        &format!("direct run: `cp -a` of the {files}-file tree"),
+        &copy,
+        "",
+        "",
+    );
+    let inout = Series::measure(n, || {
+        timed(|| {
+            c.call(
+                "bench_touch_tree",
+                json!({"session": "bench", "dir": "tree"}),
+            );
+        })
+    });
+    t.row(
+        &format!(
+            "in-out directory of {files} files, one file changed (copied, checked, exchanged)"
+        ),
+        &inout,
+        &format!("{:.1}x `cp -a`", ratio(&inout, &copy)),
+        "reported",
+    );
+}
+
 fn machine() {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .unwrap_or_default()
@@ -837,6 +1005,8 @@ fn main() {
         "",
         &format!("p99 < grace + 20 ms: {v}"),
     );
+
+    real_tools(&mut t, &plan, &d, &mut c);
 
     // --- Throughput across sessions, 16 connections.
     let mut peak_rss = 0;

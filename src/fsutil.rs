@@ -57,10 +57,10 @@ pub enum LockError {
     /// took it, as `/proc/locks` says (a child that inherited the descriptor holds it too).
     #[error("another process holds its lock")]
     Held { holder: Option<u32> },
-    #[error("cannot open it: {0}")]
-    Open(std::io::Error),
-    #[error("cannot lock it: {0}")]
-    Lock(std::io::Error),
+    #[error("cannot open it")]
+    Open(#[source] std::io::Error),
+    #[error("cannot lock it")]
+    Lock(#[source] std::io::Error),
 }
 
 /// Takes an exclusive, non-blocking `flock` on the directory `dir` itself, held for as long

@@ -11,6 +11,7 @@ pub mod fsutil;
 pub mod mcp;
 pub mod policy;
 pub mod publish;
+pub mod report;
 pub mod sandbox;
 pub mod session;
 pub mod startup;

@@ -15,21 +15,21 @@ use crate::session::{SessionError, SessionStore};
 /// Recovery settled a job but its audit event could not be written durably: recovery stops
 /// there, as it does when the session store cannot answer.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot record what recovery did in the audit log: {0}")]
-pub struct RecoveryNotRecorded(pub crate::audit::AuditError);
+#[error("cannot record what recovery did in the audit log")]
+pub struct RecoveryNotRecorded(#[source] pub crate::audit::AuditError);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
-    #[error("cannot create the workspace {path}: {source}")]
+    #[error("cannot create the workspace {path}")]
     Workspace {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot open the workspace: {0}")]
+    #[error("cannot open the workspace")]
     OpenWorkspace(#[from] publish::PublishError),
-    #[error("cannot open the session store: {0}")]
+    #[error("cannot open the session store")]
     Sessions(#[from] SessionError),
-    #[error("startup recovery failed: {0}")]
+    #[error("startup recovery failed")]
     Recovery(#[source] crate::publish::PublishError),
     #[error(transparent)]
     AuditLog(#[from] crate::audit::log::LogError),
@@ -39,13 +39,13 @@ pub enum StartupError {
         path: PathBuf,
         holder: Option<u32>,
     },
-    #[error("{path}: cannot lock the {what}: {source}")]
+    #[error("{path}: cannot lock the {what}")]
     Lock {
         what: &'static str,
         path: PathBuf,
         source: crate::fsutil::LockError,
     },
-    #[error("cannot create the state dir {path}: {source}")]
+    #[error("cannot create the state dir {path}")]
     StateDir {
         path: PathBuf,
         source: std::io::Error,
@@ -69,11 +69,11 @@ pub enum StartupError {
         /// would be uid 0).
         shared: String,
     },
-    #[error("worker identities: {0}")]
+    #[error("worker identities")]
     Identity(#[from] crate::sandbox::IdentityError),
-    #[error("cannot open the worker registry: {0}")]
-    Registry(std::io::Error),
-    #[error("cannot resolve {path}: {source}")]
+    #[error("cannot open the worker registry")]
+    Registry(#[source] crate::sandbox::RegistryError),
+    #[error("cannot resolve {path}")]
     Resolve {
         path: PathBuf,
         source: std::io::Error,
@@ -183,7 +183,10 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
             match Identities::detect(d.worker_user, d.worker_uids, 1, &d.worker_uid_lock_dir) {
                 Ok(ids) => (ids, WorkerReach::Absolute),
                 Err(e) => {
-                    tracing::warn!("recover: {e}; sweeping the registry's records only");
+                    tracing::warn!(
+                        "recover: {}; sweeping the registry's records only",
+                        crate::report::chain(&e)
+                    );
                     (Identities::Daemon, WorkerReach::Absolute)
                 }
             }
@@ -386,7 +389,7 @@ fn recover(
 ) -> Result<Vec<publish::Recovered>, StartupError> {
     // Each job's event is durable before its journal is dropped: a crash between the two
     // makes the next recovery settle the job and record it again.
-    let record = |r: &publish::Recovered| -> Result<(), publish::CallbackError> {
+    let record = |r: &publish::Recovered| -> Result<(), RecoveryNotRecorded> {
         use crate::audit::event::{Commit, Failure, Kept, Recovery, Rollback};
         let recovery = Recovery {
             recovery: true,
@@ -396,7 +399,7 @@ fn recover(
                 (Some(kept), Some(to)) => Some(Kept {
                     code: "RECOVERY_KEPT",
                     quarantined: to.display().to_string(),
-                    reason: kept.to_string(),
+                    reason: crate::report::chain(&**kept).to_string(),
                 }),
                 _ => None,
             },
@@ -428,14 +431,10 @@ fn recover(
         };
         audit
             .record_durable(&call, event)
-            .map_err(|e| RecoveryNotRecorded(e).into())
+            .map_err(RecoveryNotRecorded)
     };
-    let done = publish::recover_with(
-        workspace.root(),
-        &|s, j| sessions.committed(s, j).map_err(Into::into),
-        &record,
-    )
-    .map_err(StartupError::Recovery)?;
+    let done = publish::recover_with(workspace.root(), &|s, j| sessions.committed(s, j), &record)
+        .map_err(StartupError::Recovery)?;
     for r in &done {
         if r.quarantined.is_some() {
             tracing::warn!(job = %r.job, "recovery: {}", r.action);

@@ -44,8 +44,31 @@ pub enum ActivationError {
         fd_list(.fds)
     )]
     NamedTwice { fds: Vec<RawFd>, names: String },
-    #[error("socket activation: passed fd {fd} is not a listening AF_UNIX stream socket: {why}")]
-    NotAListener { fd: RawFd, why: String },
+    #[error("socket activation: passed fd {fd} is not a listening AF_UNIX stream socket")]
+    NotAListener {
+        fd: RawFd,
+        #[source]
+        why: ListenerFault,
+    },
+}
+
+/// Why a passed fd cannot be the listener.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ListenerFault {
+    #[error("fstat")]
+    Stat(#[source] rustix::io::Errno),
+    #[error("not a socket")]
+    NotASocket,
+    #[error("getsockopt {0}")]
+    Option(&'static str, #[source] rustix::io::Errno),
+    #[error("address family {0:?}")]
+    Family(rustix::net::AddressFamily),
+    #[error("socket type {0:?}")]
+    Type(rustix::net::SocketType),
+    #[error("not listening")]
+    NotListening,
+    #[error("cannot make it non-blocking")]
+    NonBlocking(#[source] rustix::io::Errno),
 }
 
 /// Which fd of a socket activation is airlock's listener, from the values of `LISTEN_PID`,
@@ -170,30 +193,36 @@ pub fn take_listener() -> Result<Option<UnixListener>, ActivationError> {
         .set_nonblocking(true)
         .map_err(|e| ActivationError::NotAListener {
             fd,
-            why: format!("cannot make it non-blocking: {e}"),
+            why: ListenerFault::NonBlocking(
+                rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO),
+            ),
         })?;
     Ok(Some(listener))
 }
 
 fn check_listener(fd: RawFd) -> Result<(), ActivationError> {
-    let bad = |why: String| ActivationError::NotAListener { fd, why };
+    let bad = |why: ListenerFault| ActivationError::NotAListener { fd, why };
     // SAFETY: the fd is only inspected while borrowed here; a closed fd makes the calls
     // below fail with EBADF, reported as an error.
     let b = unsafe { BorrowedFd::borrow_raw(fd) };
-    let st = rustix::fs::fstat(b).map_err(|e| bad(format!("fstat: {e}")))?;
+    let st = rustix::fs::fstat(b).map_err(|e| bad(ListenerFault::Stat(e)))?;
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
-        return Err(bad("not a socket".into()));
+        return Err(bad(ListenerFault::NotASocket));
     }
-    let domain = rustix::net::sockopt::socket_domain(b).map_err(|e| bad(format!("{e}")))?;
+    let domain = rustix::net::sockopt::socket_domain(b)
+        .map_err(|e| bad(ListenerFault::Option("SO_DOMAIN", e)))?;
     if domain != rustix::net::AddressFamily::UNIX {
-        return Err(bad(format!("address family {domain:?}")));
+        return Err(bad(ListenerFault::Family(domain)));
     }
-    let ty = rustix::net::sockopt::socket_type(b).map_err(|e| bad(format!("{e}")))?;
+    let ty = rustix::net::sockopt::socket_type(b)
+        .map_err(|e| bad(ListenerFault::Option("SO_TYPE", e)))?;
     if ty != rustix::net::SocketType::STREAM {
-        return Err(bad(format!("socket type {ty:?}")));
+        return Err(bad(ListenerFault::Type(ty)));
     }
-    if !rustix::net::sockopt::socket_acceptconn(b).map_err(|e| bad(format!("{e}")))? {
-        return Err(bad("not listening".into()));
+    let listening = rustix::net::sockopt::socket_acceptconn(b)
+        .map_err(|e| bad(ListenerFault::Option("SO_ACCEPTCONN", e)))?;
+    if !listening {
+        return Err(bad(ListenerFault::NotListening));
     }
     Ok(())
 }
@@ -214,7 +243,7 @@ impl Notifier {
             match (addr, sock) {
                 (Ok(a), Ok(s)) => Some((s, a)),
                 (Err(e), _) | (_, Err(e)) => {
-                    tracing::warn!("NOTIFY_SOCKET={raw:?} cannot be used: {e}; systemd will not hear from airlock");
+                    tracing::warn!("NOTIFY_SOCKET={raw:?} cannot be used: {}; systemd will not hear from airlock", crate::report::chain(&e));
                     None
                 }
             }
@@ -244,7 +273,7 @@ impl Notifier {
     pub fn send(&self, msg: &str) {
         if let Some((sock, addr)) = &self.target {
             if let Err(e) = sock.send_to_addr(msg.as_bytes(), addr) {
-                tracing::debug!("sd_notify {msg:?}: {e}");
+                tracing::debug!("sd_notify {msg:?}: {}", crate::report::chain(&e));
             }
         }
     }
@@ -383,14 +412,14 @@ mod tests {
     fn a_datagram_socket_that_is_not_listening_is_refused() {
         let (a, _b) = UnixDatagram::pair().unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&a);
-        let e = check_listener(fd).unwrap_err().to_string();
+        let e = check_listener(fd).unwrap_err();
+        let e = crate::report::chain(&e).to_string();
         assert!(e.contains("socket type"), "{e}");
         let l = UnixListener::bind(tempfile::tempdir().unwrap().path().join("s")).unwrap();
         assert_eq!(check_listener(std::os::fd::AsRawFd::as_raw_fd(&l)), Ok(()));
         let s = std::os::unix::net::UnixStream::pair().unwrap().0;
-        let e = check_listener(std::os::fd::AsRawFd::as_raw_fd(&s))
-            .unwrap_err()
-            .to_string();
+        let e = check_listener(std::os::fd::AsRawFd::as_raw_fd(&s)).unwrap_err();
+        let e = crate::report::chain(&e).to_string();
         assert!(e.contains("not listening"), "{e}");
     }
 }

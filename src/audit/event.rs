@@ -252,6 +252,12 @@ pub struct Output {
     pub sha256: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub not_hashed: Option<String>,
+    /// An in-out target: whether publication changed it (a new file at the target) ...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changed: Option<bool>,
+    /// ... or deleted it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deleted: Option<bool>,
 }
 
 /// What startup recovery did with one job.
@@ -349,6 +355,10 @@ pub enum Failure {
         phase: Phase,
         #[serde(skip_serializing_if = "std::ops::Not::not")]
         cancel_too_late: bool,
+        /// A `python` tool's exception class (`ValueError`, `mypkg.BadInput`), when its
+        /// function or the import of its module raised.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        exception_type: Option<String>,
     },
     /// Recovery kept a job dir aside: the call neither committed nor rolled back.
     Recovered(Recovery),
@@ -426,6 +436,7 @@ pub(crate) mod tests {
                 message: Some(text.into()),
                 phase: Phase::Running,
                 cancel_too_late: false,
+                exception_type: Some(text.into()),
             }),
             Event::Done(Done {
                 ran,
@@ -513,6 +524,8 @@ pub(crate) mod tests {
                     ino: 3,
                     sha256: None,
                     not_hashed: Some("big".into()),
+                    changed: None,
+                    deleted: None,
                 }],
                 ran: Ran {
                     duration_ms: 9,
@@ -552,6 +565,7 @@ pub(crate) mod tests {
                 message: None,
                 phase: Phase::Queued,
                 cancel_too_late: true,
+                exception_type: None,
             })
             .detail(),
             json!({"duration_ms": 7, "code": "TIMEOUT", "message": null, "phase": "queued",

@@ -53,7 +53,7 @@ const HEAD: u64 = 64 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
-    #[error("{path}: cannot {op} the audit log: {source}")]
+    #[error("{path}: cannot {op} the audit log")]
     Io {
         op: &'static str,
         path: PathBuf,
@@ -652,7 +652,7 @@ impl Log {
                 }
                 Err(e) => {
                     if self.rotation_failures == 0 {
-                        tracing::error!(path = %self.path.display(), error = %e,
+                        tracing::error!(path = %self.path.display(), error = %crate::report::chain(&e),
                             "cannot rotate the audit log; writing on in the current file and retrying at every write");
                     }
                     self.rotation_failures += 1;
@@ -672,7 +672,7 @@ impl Log {
         if let Err(e) = (&*self.file).write_all(&buf) {
             // A short write (ENOSPC part-way) must not leave half a line.
             if let Err(t) = self.file.set_len(self.size) {
-                tracing::error!(path = %self.path.display(), error = %t, "cannot cut a failed audit write back");
+                tracing::error!(path = %self.path.display(), error = %crate::report::chain(&t), "cannot cut a failed audit write back");
             }
             return Err(io("write", &self.path)(e));
         }
@@ -796,12 +796,12 @@ impl Log {
         }
         for (_, p) in old[self.keep..].iter().rev() {
             if let Err(e) = std::fs::remove_file(p) {
-                tracing::error!(path = %p.display(), error = %e, "cannot remove an audit file past audit_log_keep");
+                tracing::error!(path = %p.display(), error = %crate::report::chain(&e), "cannot remove an audit file past audit_log_keep");
                 return;
             }
         }
         if let Err(e) = fsync_parent(&self.path) {
-            tracing::warn!(error = %e, "after removing old audit files");
+            tracing::warn!(error = %crate::report::chain(&e), "after removing old audit files");
         }
     }
 }

@@ -154,8 +154,8 @@ pub struct CallRef {
 pub enum AuditError {
     #[error(transparent)]
     Log(#[from] log::LogError),
-    #[error("audit write refused by a failpoint: {0}")]
-    Failpoint(std::io::Error),
+    #[error("audit write refused by a failpoint")]
+    Failpoint(#[source] std::io::Error),
 }
 
 /// Which events a reader wants: the resource's template variables and `airlock audit`'s
@@ -300,7 +300,7 @@ impl Audit {
             self.flush_denials();
         }
         if let Err(e) = self.append(call, kind, event.detail(), false) {
-            tracing::error!(call = %call.call, %kind, error = %e, "cannot write an audit event to the log");
+            tracing::error!(call = %call.call, %kind, error = %crate::report::chain(&e), "cannot write an audit event to the log");
         }
     }
 
@@ -326,7 +326,7 @@ impl Audit {
             request_id: None,
         };
         if let Err(e) = self.append(&call, EventKind::Deny, a.event().detail(), false) {
-            tracing::error!(count = a.count, error = %e, "cannot write an aggregated deny to the audit log");
+            tracing::error!(count = a.count, error = %crate::report::chain(&e), "cannot write an aggregated deny to the audit log");
         }
     }
 

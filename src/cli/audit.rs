@@ -167,7 +167,7 @@ fn read(path: &Path, a: &ReadArgs) -> Exit {
     let filter = match a.since.as_deref().map(parse_since).transpose() {
         Ok(since_ms) => filter_of(a, since_ms),
         Err(e) => {
-            eprintln!("airlock: audit: {e}");
+            eprintln!("airlock: audit: {}", crate::report::chain(&e));
             return Exit::Error;
         }
     };
@@ -185,7 +185,7 @@ fn read(path: &Path, a: &ReadArgs) -> Exit {
         let file = match std::fs::File::open(f) {
             Ok(f) => f,
             Err(e) => {
-                eprintln!("airlock: {}: {e}", f.display());
+                eprintln!("airlock: {}: {}", f.display(), crate::report::chain(&e));
                 return Exit::Error;
             }
         };

@@ -33,7 +33,7 @@ fn connect_error(socket: &Path, e: &std::io::Error) -> String {
             "{shown}: nobody is listening (a socket left by a daemon that is gone; start `airlock serve`)"
         ),
         std::io::ErrorKind::NotFound => format!("{shown}: no such file (a directory on the way is missing)"),
-        _ => format!("{shown}: cannot connect: {e}"),
+        _ => format!("{shown}: cannot connect: {}", crate::report::chain(e)),
     }
 }
 
@@ -153,7 +153,8 @@ pub(super) async fn connect(socket: &Path) -> Exit {
         }
         Ok(DownEnd::StdoutGone(e)) => {
             eprintln!(
-                "airlock: stdout is closed ({e}): disconnecting; the daemon cancels the calls in flight"
+                "airlock: stdout is closed ({}): disconnecting; the daemon cancels the calls in flight",
+                crate::report::chain(&e)
             );
             Exit::Failed
         }
@@ -239,10 +240,11 @@ fn coerce(raw: &str, schema_type: Option<&str>) -> Result<Value, CoerceError> {
 
 /// An `--arg` value that does not parse as its parameter's declared JSON type.
 #[derive(Debug, thiserror::Error)]
-#[error("{raw:?} is not a valid {ty}: {cause}")]
+#[error("{raw:?} is not a valid {ty}")]
 struct CoerceError {
     raw: String,
     ty: String,
+    #[source]
     cause: serde_json::Error,
 }
 
@@ -255,7 +257,10 @@ pub(super) async fn call(a: CallArgs) -> Exit {
     let mut sigint = match signal(SignalKind::interrupt()) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("airlock: cannot watch for Ctrl-C: {e}");
+            eprintln!(
+                "airlock: cannot watch for Ctrl-C: {}",
+                crate::report::chain(&e)
+            );
             return Exit::Error;
         }
     };
@@ -306,7 +311,10 @@ pub(super) async fn call(a: CallArgs) -> Exit {
     let mut handle = match sent {
         Ok(h) => h,
         Err(e) => {
-            eprintln!("airlock: {tool}: cannot send the call: {e}");
+            eprintln!(
+                "airlock: {tool}: cannot send the call: {}",
+                crate::report::chain(&e)
+            );
             return Exit::Error;
         }
     };
@@ -357,7 +365,10 @@ async fn prepare_call(
     let client = match ().serve(stream).await {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("airlock: MCP handshake failed: {e}");
+            eprintln!(
+                "airlock: MCP handshake failed: {}",
+                crate::report::chain(&e)
+            );
             return Err(Exit::Error);
         }
     };
@@ -370,7 +381,7 @@ async fn prepare_call(
                 return Err(Exit::Error);
             }
             Err(e) => {
-                eprintln!("airlock: --json: {e}");
+                eprintln!("airlock: --json: {}", crate::report::chain(&e));
                 return Err(Exit::Error);
             }
         },
@@ -379,7 +390,7 @@ async fn prepare_call(
         let tools = match client.list_all_tools().await {
             Ok(t) => t,
             Err(e) => {
-                eprintln!("airlock: tools/list failed: {e}");
+                eprintln!("airlock: tools/list failed: {}", crate::report::chain(&e));
                 return Err(Exit::Error);
             }
         };
@@ -403,7 +414,7 @@ async fn prepare_call(
                     args.insert(k.to_string(), v);
                 }
                 Err(e) => {
-                    eprintln!("airlock: --arg {k}: {e}");
+                    eprintln!("airlock: --arg {k}: {}", crate::report::chain(&e));
                     return Err(Exit::Error);
                 }
             }
@@ -433,7 +444,7 @@ fn print_result(
             return Exit::Error;
         }
         Ok(Err(e)) => {
-            eprintln!("airlock: {tool}: {e}");
+            eprintln!("airlock: {tool}: {}", crate::report::chain(&e));
             return Exit::Error;
         }
         Err(_) => {
@@ -444,7 +455,10 @@ fn print_result(
     let is_error = r.is_error.unwrap_or(false);
     match serde_json::to_string_pretty(&r) {
         Ok(s) => println!("{s}"),
-        Err(e) => eprintln!("airlock: cannot print the result: {e}"),
+        Err(e) => eprintln!(
+            "airlock: cannot print the result: {}",
+            crate::report::chain(&e)
+        ),
     }
     if is_error {
         Exit::Failed

@@ -83,7 +83,11 @@ fn generate_assets(out: &Path) -> Exit {
     match run() {
         Ok(()) => Exit::Ok,
         Err(e) => {
-            eprintln!("airlock: {}: cannot write the assets: {e}", out.display());
+            eprintln!(
+                "airlock: {}: cannot write the assets: {}",
+                out.display(),
+                crate::report::chain(&e)
+            );
             Exit::Error
         }
     }
@@ -96,7 +100,10 @@ fn runtime() -> Option<tokio::runtime::Runtime> {
     {
         Ok(rt) => Some(rt),
         Err(e) => {
-            eprintln!("airlock: cannot start the async runtime: {e}");
+            eprintln!(
+                "airlock: cannot start the async runtime: {}",
+                crate::report::chain(&e)
+            );
             None
         }
     }

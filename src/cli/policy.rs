@@ -46,7 +46,10 @@ fn daemon_identity(dir: &Path, as_user: Option<&str>) -> Result<(DaemonIdentity,
                 return Err(Exit::Error);
             }
             Err(e) => {
-                eprintln!("airlock: --as {name}: cannot look the user up: {e}");
+                eprintln!(
+                    "airlock: --as {name}: cannot look the user up: {}",
+                    crate::report::chain(&e)
+                );
                 return Err(Exit::Error);
             }
         }
@@ -143,10 +146,10 @@ pub(super) fn check(dir: &Path, as_user: Option<&str>) -> Exit {
                 p.path.map(|r| {
                     format!(
                         "{n}({})",
-                        if r == policy::PathRole::Input {
-                            "in"
-                        } else {
-                            "out"
+                        match r {
+                            policy::PathRole::Input => "in",
+                            policy::PathRole::Output => "out",
+                            policy::PathRole::InOut => "inout",
                         }
                     )
                 })
@@ -256,15 +259,33 @@ pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
         println!("  runs inside the daemon: no worker, no sandbox");
         return Exit::Ok;
     };
-    println!(
-        "  command:  {}",
-        ext.command
-            .written()
-            .iter()
-            .map(|a| shell_quoted(a))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    match &ext.python {
+        Some(p) => {
+            println!("  entry:    {}", p.entry);
+            println!(
+                "  python:   {} -I -B, running airlock's runner (src/exec/python_runner.py)",
+                p.interpreter.display()
+            );
+            if p.path.is_empty() {
+                println!("  python_path: (none)");
+            }
+            for d in &p.path {
+                println!(
+                    "  python_path: {} (first on sys.path; read-only to the worker)",
+                    d.display()
+                );
+            }
+        }
+        None => println!(
+            "  command:  {}",
+            ext.command
+                .written()
+                .iter()
+                .map(|a| shell_quoted(a))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+    }
     println!("  protocol: {}", ext.protocol.as_str());
     println!(
         "  timeout:  {:?} (then SIGTERM to the group, the grace, SIGKILL)",
@@ -275,6 +296,7 @@ pub(super) fn explain(dir: &Path, name: &str, as_user: Option<&str>) -> Exit {
             Some(policy::PathRole::Input) => println!("  param {n}: workspace path, readable by the worker"),
             Some(policy::PathRole::Output) if p.kind == policy::OutputKind::Directory => println!("  param {n}: workspace path, a directory output: an empty directory in a private staging dir, its whole tree checked (regular files, directories, symlinks staying inside it) and published by one rename on success"),
             Some(policy::PathRole::Output) => println!("  param {n}: workspace path, written to a private staging dir, published on success"),
+            Some(policy::PathRole::InOut) => println!("  param {n}: workspace path, a private copy edited in staging: published if changed, the target deleted if removed, CONFLICT if changed meanwhile"),
             None if p.secret => println!(
                 "  param {n}: {} value, secret (redacted in audit events, logs and errors)",
                 p.ty.as_str()
@@ -296,14 +318,17 @@ fn no_output_note(t: &policy::Tool) -> Option<String> {
     let outputs = t
         .params
         .values()
-        .any(|p| p.path == Some(policy::PathRole::Output));
+        .any(|p| p.path.is_some_and(policy::PathRole::writes));
     (writes && !outputs).then(|| {
         format!(
             "warning: tool {}: declares no output: its inputs are read-only to the worker; \
              it can change nothing in the workspace{} (declare a parameter with \
              path = \"output\" for each file it writes)",
             t.name,
-            if ext.protocol == policy::Protocol::Json {
+            if matches!(
+                ext.protocol,
+                policy::Protocol::Json | policy::Protocol::Python
+            ) {
                 ", only its session's state"
             } else {
                 ""

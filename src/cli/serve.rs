@@ -59,7 +59,7 @@ pub(super) fn recover(a: Dirs) -> Exit {
             }
         }
         Err(e) => {
-            eprintln!("airlock: {e}");
+            eprintln!("airlock: {}", crate::report::chain(&e));
             eprintln!(
                 "airlock: recover: fix the policy, or give both --workspace and --state-dir to recover without it"
             );
@@ -108,7 +108,7 @@ pub(super) fn recover(a: Dirs) -> Exit {
             Exit::Ok
         }
         Err(e) => {
-            eprintln!("airlock: recover: {e}");
+            eprintln!("airlock: recover: {}", crate::report::chain(&e));
             Exit::Error
         }
     }
@@ -134,7 +134,7 @@ pub(super) async fn serve(
     let sandbox = match crate::sandbox::Sandbox::start(crate::sandbox::default_launcher_exe()) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("airlock: {e}");
+            eprintln!("airlock: {}", crate::report::chain(&e));
             return Exit::Error;
         }
     };
@@ -153,7 +153,7 @@ pub(super) async fn serve(
             shutdown.clone(),
         )),
         Err(e) => {
-            eprintln!("airlock: {e}");
+            eprintln!("airlock: {}", crate::report::chain(&e));
             return Exit::Error;
         }
     };
@@ -164,19 +164,22 @@ pub(super) async fn serve(
         Ok(Some(l)) => match tokio::net::UnixListener::from_std(l) {
             Ok(l) => (l, true),
             Err(e) => {
-                eprintln!("airlock: socket activation: cannot use the passed listener: {e}");
+                eprintln!(
+                    "airlock: socket activation: cannot use the passed listener: {}",
+                    crate::report::chain(&e)
+                );
                 return Exit::Error;
             }
         },
         Ok(None) => match crate::mcp::bind(&d.socket, d.socket_mode, d.socket_group.as_deref()) {
             Ok(l) => (l, false),
             Err(e) => {
-                eprintln!("airlock: {e}");
+                eprintln!("airlock: {}", crate::report::chain(&e));
                 return Exit::Error;
             }
         },
         Err(e) => {
-            eprintln!("airlock: {e}");
+            eprintln!("airlock: {}", crate::report::chain(&e));
             return Exit::Error;
         }
     };
@@ -191,7 +194,10 @@ pub(super) async fn serve(
     let signals = match Signals::install() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("airlock: cannot install signal handlers: {e}");
+            eprintln!(
+                "airlock: cannot install signal handlers: {}",
+                crate::report::chain(&e)
+            );
             return Exit::Error;
         }
     };

@@ -61,7 +61,7 @@ pub enum ArgError {
     MissingSession,
     #[error("missing required argument {name:?}")]
     Missing { name: String },
-    #[error("argument {name:?}: {source}")]
+    #[error("argument {name:?}")]
     SessionId { name: String, source: IdError },
     #[error("argument {name:?} is {len} bytes; {what} may be at most {limit} bytes")]
     TooLong {
@@ -365,7 +365,7 @@ pub fn bind(
                 b.readable.push(abs.clone());
                 abs
             }
-            PathRole::Output => {
+            PathRole::Output | PathRole::InOut => {
                 outputs += 1;
                 staged(outputs - 1)
             }

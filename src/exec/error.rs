@@ -19,6 +19,7 @@ pub enum ErrorCode {
     InvalidArgument,
     PathRejected,
     OverlappingOutputs,
+    Conflict,
     NoSuchSession,
     SessionDestroyed,
     SessionExists,
@@ -37,10 +38,11 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in README's order.
-    pub const ALL: [ErrorCode; 17] = [
+    pub const ALL: [ErrorCode; 18] = [
         ErrorCode::InvalidArgument,
         ErrorCode::PathRejected,
         ErrorCode::OverlappingOutputs,
+        ErrorCode::Conflict,
         ErrorCode::NoSuchSession,
         ErrorCode::SessionDestroyed,
         ErrorCode::SessionExists,
@@ -62,6 +64,7 @@ impl ErrorCode {
             ErrorCode::InvalidArgument => "INVALID_ARGUMENT",
             ErrorCode::PathRejected => "PATH_REJECTED",
             ErrorCode::OverlappingOutputs => "OVERLAPPING_OUTPUTS",
+            ErrorCode::Conflict => "CONFLICT",
             ErrorCode::NoSuchSession => "NO_SUCH_SESSION",
             ErrorCode::SessionDestroyed => "SESSION_DESTROYED",
             ErrorCode::SessionExists => "SESSION_EXISTS",
@@ -91,13 +94,13 @@ impl std::fmt::Display for ErrorCode {
 pub enum CallError {
     #[error(transparent)]
     Argument(#[from] ArgError),
-    #[error("argument {name:?}: {source}")]
+    #[error("argument {name:?}")]
     Path {
         name: String,
         #[source]
         source: PathError,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Overlap(super::args::OverlapError),
     #[error(transparent)]
     Session(#[from] SessionError),
@@ -127,25 +130,29 @@ pub enum CallError {
         after: std::time::Duration,
     },
     /// The tool ran and failed (exit status, signal, invalid response, over a limit).
-    #[error("{0}")]
+    #[error(transparent)]
     ToolFailed(super::protocol::ToolFailure),
     /// A `json` tool answered `isError: true`; its content is passed on.
     #[error("{tool} reported an error; nothing was published")]
     ToolReported { tool: String, content: Vec<Value> },
     /// The job dir could not be created: nothing was touched.
-    #[error("cannot create the job dir: {0}")]
+    #[error("cannot create the job dir")]
     Job(#[source] PublishError),
     /// The worker left more in staging than its profile allows, or staging could not be
     /// measured.
     #[error(transparent)]
     Staging(PublishError),
     /// Publication or the commit failed; `restored` says whether every target is back.
-    #[error("{source}; {}", if *.restored { "every target was restored and the state is unchanged" } else { "the targets are restored by recovery at the next start" })]
+    #[error("publishing the outputs failed ({})", if *.restored { "every target was restored and the state is unchanged" } else { "the targets are restored by recovery at the next start" })]
     Publish {
         #[source]
         source: PublishError,
         restored: bool,
     },
+    /// An in-out target was changed by someone else while the tool edited its copy: nothing
+    /// was published (every target restored) and the state is unchanged.
+    #[error("{0}; the state is unchanged")]
+    Conflict(PublishError),
     /// The `commit` event could not be made durable in the audit log: the call rolled back.
     #[error("the commit could not be recorded durably in the audit log; nothing was committed")]
     AuditFailed(#[source] crate::audit::AuditError),
@@ -178,31 +185,22 @@ impl CallError {
             CallError::Timeout { .. } => ErrorCode::ToolTimeout,
             CallError::ToolFailed(_) | CallError::ToolReported { .. } => ErrorCode::ToolFailed,
             CallError::Staging(PublishError::StagingLimit { .. }) => ErrorCode::ToolFailed,
+            CallError::Job(PublishError::InOutTree { .. }) => ErrorCode::PathRejected,
             CallError::Job(_) | CallError::Staging(_) | CallError::Publish { .. } => {
                 ErrorCode::PublishFailed
             }
+            CallError::Conflict(_) => ErrorCode::Conflict,
             CallError::AuditFailed(_) => ErrorCode::AuditFailed,
             CallError::Busy(_) => ErrorCode::Busy,
             CallError::Internal(_) => ErrorCode::Internal,
         }
     }
 
-    /// The fault reply: the code, then the message with its causes, every secret of the
-    /// call scrubbed.
+    /// The fault reply: the code, then the message with each of its causes once
+    /// ([`crate::report::chain`]), every secret of the call scrubbed.
     pub fn reply(&self, secrets: &Secrets) -> ToolReply {
         let code = self.code().as_str();
-        let mut message = self.to_string();
-        // Causes a message does not already quote.
-        let mut cause = std::error::Error::source(self);
-        while let Some(c) = cause {
-            let text = c.to_string();
-            if !message.contains(&text) {
-                message.push_str(": ");
-                message.push_str(&text);
-            }
-            cause = c.source();
-        }
-        let message = secrets.scrub_str(&message);
+        let message = secrets.scrub_str(&crate::report::chain(self).to_string());
         let mut reply = ToolReply {
             is_error: true,
             content: vec![json!({"type": "text", "text": format!("{code}: {message}")})],

@@ -130,6 +130,8 @@ pub(super) enum Outcome {
         code: &'static str,
         message: Option<String>,
         timed_out: bool,
+        /// A `python` tool's exception class, for the `error` event.
+        exception_type: Option<String>,
     },
     /// Refused where it would have started.
     Denied {
@@ -189,6 +191,7 @@ impl Ending {
                 code,
                 message,
                 timed_out,
+                exception_type,
             } => {
                 // A mutating call's timeout reads `timeout, worker_terminated, rollback`.
                 if !(self.mutating && timed_out) {
@@ -202,6 +205,7 @@ impl Ending {
                             Phase::Queued
                         },
                         cancel_too_late: self.too_late,
+                        exception_type,
                     }));
                 }
                 if rolls_back {
@@ -269,6 +273,7 @@ mod tests {
             code,
             message: Some("m".into()),
             timed_out,
+            exception_type: None,
         }
     }
 

@@ -13,6 +13,7 @@ pub mod progress;
 #[cfg(test)]
 mod proptests;
 mod protocol;
+mod python;
 pub mod response;
 mod run;
 mod slots;
@@ -26,6 +27,7 @@ use serde_json::{json, Map, Value};
 use tokio_util::sync::CancellationToken;
 
 pub use error::{CallError, ErrorCode};
+pub use python::{python_command, RUNNER as PYTHON_RUNNER};
 
 use crate::audit::event::{self, Allow, Commit, Ran, Start};
 use crate::audit::{Audit, CallRef, Event, Principal};
@@ -163,7 +165,10 @@ pub struct Executor {
 /// it fails with the same error.
 fn prepare_filters(filters: &Filters, policy: &Policy, shared_uid: bool) {
     if let Err(e) = filters.prepare(policy.profiles.values(), shared_uid) {
-        tracing::error!("cannot compile the seccomp filters: {e}");
+        tracing::error!(
+            "cannot compile the seccomp filters: {}",
+            crate::report::chain(&e)
+        );
     }
     tracing::debug!(
         profiles = filters.len(),
@@ -554,6 +559,7 @@ fn fault(cx: &Cx<'_>, e: CallError, timed_out: bool) -> (Outcome, Reply) {
         code: e.code().as_str(),
         message: error_message(&reply),
         timed_out,
+        exception_type: python::exception_type(&e).map(str::to_string),
     };
     (outcome, Reply::Result(reply))
 }

@@ -29,7 +29,7 @@ pub(super) fn stdin(
     session: Option<&Snapshot>,
 ) -> Vec<u8> {
     match ext.protocol {
-        Protocol::Json => json_request(tool, &bound.arguments, session),
+        Protocol::Json | Protocol::Python => json_request(tool, &bound.arguments, session),
         Protocol::Argv => Vec::new(),
     }
 }
@@ -65,7 +65,7 @@ pub(super) fn check_bounds(
         env,
         args::argv_budget(stack),
     )?;
-    if ext.protocol == Protocol::Json {
+    if matches!(ext.protocol, Protocol::Json | Protocol::Python) {
         let limit = max_message_bytes;
         let len = json_request(&tool.name, &bound.arguments, session).len();
         if len > limit {
@@ -147,7 +147,7 @@ pub(super) fn interpret(
                 state: None,
             })
         }
-        Protocol::Json => {
+        Protocol::Json | Protocol::Python => {
             if o.stdout.truncated {
                 return Err(CallError::ToolFailed(ToolFailure::StdoutOverCap {
                     tool: tool.name.clone(),
@@ -155,7 +155,11 @@ pub(super) fn interpret(
                     cap: o.stdout.bytes.len(),
                 }));
             }
-            parse_json_response(&tool.name, &stdout, secrets)
+            if protocol == Protocol::Python {
+                super::python::interpret(&tool.name, &stdout, secrets)
+            } else {
+                parse_json_response(&tool.name, &stdout, secrets)
+            }
         }
     }
 }
@@ -186,11 +190,28 @@ pub enum ToolFailure {
         total: u64,
         cap: usize,
     },
-    #[error("{tool} returned an invalid JSON response: {cause}; nothing was published and the session is unchanged")]
+    #[error("{tool} returned an invalid JSON response: {}; nothing was published and the session is unchanged", crate::report::chain(.cause))]
     InvalidResponse {
         tool: String,
         cause: response::ResponseError,
     },
+    #[error("{tool}'s python runner gave an invalid reply: {}; nothing was published and the session is unchanged", crate::report::chain(.cause))]
+    InvalidRunnerReply {
+        tool: String,
+        cause: super::python::ReplyError,
+    },
+    /// A `python` tool's function (or the import of its module) raised.
+    #[error("{tool} raised {exception_type}: {message}; nothing was published and the session is unchanged")]
+    Raised {
+        tool: String,
+        /// The exception's class: its name for a builtin, `module.Name` otherwise.
+        exception_type: String,
+        /// `str()` of the exception, scrubbed and cut.
+        message: String,
+    },
+    /// A `python` tool's function returned what its runner cannot send.
+    #[error("{tool}: {fault}; nothing was published and the session is unchanged")]
+    Unsendable { tool: String, fault: String },
     #[error("{tool}: output `{param}` is refused ({}): {fault}; nothing was published and the session is unchanged", fault.expected())]
     BadOutput {
         tool: String,
@@ -235,7 +256,7 @@ fn write_denied_hint(tool: &Tool, stderr_tail: &str) -> String {
     let outputs: Vec<&str> = tool
         .params
         .iter()
-        .filter(|(_, p)| p.path == Some(PathRole::Output))
+        .filter(|(_, p)| p.path.is_some_and(PathRole::writes))
         .map(|(n, _)| n.as_str())
         .collect();
     let denied = [

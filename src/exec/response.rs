@@ -23,10 +23,10 @@ pub struct Response {
 }
 
 /// What is wrong with a response; the message names the key or the block.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum ResponseError {
-    #[error("not one JSON value: {0}")]
-    NotJson(String),
+    #[error("not one JSON value")]
+    NotJson(#[source] serde_json::Error),
     #[error("not a JSON object but {0}")]
     NotObject(&'static str),
     #[error(
@@ -41,14 +41,92 @@ pub enum ResponseError {
         found: &'static str,
     },
     #[error("content[{index}] is not a valid MCP content block: {reason}")]
-    Block { index: usize, reason: String },
+    Block { index: usize, reason: BlockError },
+}
+
+/// What is wrong with a content block. `what` names the object the fault is in, as a JSON
+/// path from the block (`text`, `resource`, `annotations`, `icon 0`); a field's fault is
+/// [`BlockError::Field`], its path `what.name`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BlockError {
+    #[error("a block must be an object, not {found}")]
+    NotObject { found: &'static str },
+    #[error("\"type\" must be a string, not {found}")]
+    TypeNotString { found: &'static str },
+    #[error("it has no \"type\"")]
+    NoType,
+    /// `shown`: the type as a message shows a worker's string (scrubbed, cut).
+    #[error("unknown type {shown} (MCP content is text, image, audio, resource_link or resource)")]
+    UnknownType { shown: String },
+    /// `shown`: the key as a message shows a worker's string.
+    #[error("{what} has unknown key {shown}")]
+    UnknownKey { what: String, shown: String },
+    #[error("{what} has no \"{name}\"")]
+    Missing { what: String, name: &'static str },
+    /// The field `name` of `what` is not of its shape.
+    #[error("{what}.{name}: {fault}")]
+    Field {
+        what: String,
+        name: &'static str,
+        fault: Box<FieldFault>,
+    },
+}
+
+/// Why a field's value is not of its shape.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FieldFault {
+    #[error("must be {expected}, not {found}")]
+    WrongType {
+        expected: &'static str,
+        found: &'static str,
+    },
+    #[error("is not base64: {0}")]
+    NotBase64(Base64Fault),
+    #[error("audience must be an array, not {found}")]
+    AudienceNotArray { found: &'static str },
+    #[error("audience may hold only \"user\" and \"assistant\"")]
+    AudienceRole,
+    #[error("priority must be a number from 0 to 1")]
+    Priority,
+    #[error("[{index}] must be an object, not {found}")]
+    IconNotObject { index: usize, found: &'static str },
+    #[error("icon {index}: sizes must be an array of strings")]
+    IconSizes { index: usize },
+    #[error("icon {index}: theme must be \"light\" or \"dark\"")]
+    IconTheme { index: usize },
+    #[error("a resource holds exactly one of \"text\" and \"blob\"")]
+    ResourceBody,
+    /// A fault of an object the field holds (its annotations, an icon, a resource).
+    #[error(transparent)]
+    Inner(BlockError),
+}
+
+impl From<BlockError> for FieldFault {
+    fn from(e: BlockError) -> Self {
+        FieldFault::Inner(e)
+    }
+}
+
+/// Why a string is not standard padded base64.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Base64Fault {
+    #[error("its length {len} is not a multiple of 4")]
+    Length { len: usize },
+    #[error("more than two '=' of padding")]
+    Padding,
+    #[error("byte {at} is {byte:?}")]
+    Byte { at: usize, byte: char },
 }
 
 /// Parses and checks a worker's whole stdout. A string of it an error quotes is shown as
 /// [`Secrets::shown`] does: scrubbed of the call's `secrets` before it is cut.
 pub fn parse(stdout: &str, secrets: &Secrets) -> Result<Response, ResponseError> {
-    let v: Value =
-        serde_json::from_str(stdout.trim()).map_err(|e| ResponseError::NotJson(e.to_string()))?;
+    let v: Value = serde_json::from_str(stdout.trim()).map_err(ResponseError::NotJson)?;
+    check(v, secrets)
+}
+
+/// Checks a response already read as JSON (a `python` tool's, from its runner's reply).
+pub fn check(v: Value, secrets: &Secrets) -> Result<Response, ResponseError> {
     let Value::Object(obj) = v else {
         return Err(ResponseError::NotObject(kind(&v)));
     };
@@ -102,7 +180,7 @@ pub fn parse(stdout: &str, secrets: &Secrets) -> Result<Response, ResponseError>
 }
 
 /// Fields of an object: each name with the shape its value must have.
-type Fields<'a> = &'a [(&'a str, Shape)];
+type Fields<'a> = &'a [(&'static str, Shape)];
 
 /// The shape a field must have.
 #[derive(Clone, Copy)]
@@ -118,15 +196,15 @@ enum Shape {
 
 /// Checks one content block: `text`, `image`, `audio`, `resource_link` or `resource`, with
 /// its required fields, its optional ones, and nothing else.
-pub fn check_block(block: &Value, secrets: &Secrets) -> Result<(), String> {
+pub fn check_block(block: &Value, secrets: &Secrets) -> Result<(), BlockError> {
     use Shape::*;
     let Value::Object(o) = block else {
-        return Err(format!("a block must be an object, not {}", kind(block)));
+        return Err(BlockError::NotObject { found: kind(block) });
     };
     let ty = match o.get("type") {
         Some(Value::String(t)) => t.as_str(),
-        Some(other) => return Err(format!("\"type\" must be a string, not {}", kind(other))),
-        None => return Err("it has no \"type\"".to_string()),
+        Some(other) => return Err(BlockError::TypeNotString { found: kind(other) }),
+        None => return Err(BlockError::NoType),
     };
     let (required, optional): (Fields, Fields) = match ty {
         "text" => (&[("text", Str)], &[]),
@@ -143,10 +221,9 @@ pub fn check_block(block: &Value, secrets: &Secrets) -> Result<(), String> {
         ),
         "resource" => (&[("resource", Resource)], &[]),
         other => {
-            return Err(format!(
-                "unknown type {} (MCP content is text, image, audio, resource_link or resource)",
-                secrets.shown(other)
-            ))
+            return Err(BlockError::UnknownType {
+                shown: secrets.shown(other),
+            })
         }
     };
     let common: Fields = &[("annotations", Annotations), ("_meta", Object)];
@@ -169,35 +246,47 @@ fn fields(
     optional: Fields,
     ignored: &[&str],
     secrets: &Secrets,
-) -> Result<(), String> {
+) -> Result<(), BlockError> {
     for k in o.keys() {
         let known = ignored.contains(&k.as_str())
             || required.iter().chain(optional).any(|(name, _)| name == k);
         if !known {
-            return Err(format!("{what} has unknown key {}", secrets.shown(k)));
+            return Err(BlockError::UnknownKey {
+                what: what.to_string(),
+                shown: secrets.shown(k),
+            });
         }
     }
-    for (name, shape) in required {
-        let v = o
-            .get(*name)
-            .ok_or_else(|| format!("{what} has no \"{name}\""))?;
-        check_shape(v, *shape, secrets).map_err(|e| format!("{what}.{name}: {e}"))?;
+    let field = |name: &'static str, fault: FieldFault| BlockError::Field {
+        what: what.to_string(),
+        name,
+        fault: Box::new(fault),
+    };
+    for &(name, shape) in required {
+        let v = o.get(name).ok_or_else(|| BlockError::Missing {
+            what: what.to_string(),
+            name,
+        })?;
+        check_shape(v, shape, secrets).map_err(|e| field(name, e))?;
     }
-    for (name, shape) in optional {
-        if let Some(v) = o.get(*name) {
-            check_shape(v, *shape, secrets).map_err(|e| format!("{what}.{name}: {e}"))?;
+    for &(name, shape) in optional {
+        if let Some(v) = o.get(name) {
+            check_shape(v, shape, secrets).map_err(|e| field(name, e))?;
         }
     }
     Ok(())
 }
 
-fn check_shape(v: &Value, shape: Shape, secrets: &Secrets) -> Result<(), String> {
+fn check_shape(v: &Value, shape: Shape, secrets: &Secrets) -> Result<(), FieldFault> {
     use Shape::*;
-    let want = |expected: &str| format!("must be {expected}, not {}", kind(v));
+    let want = |expected: &'static str| FieldFault::WrongType {
+        expected,
+        found: kind(v),
+    };
     match shape {
         Str => v.as_str().map(|_| ()).ok_or_else(|| want("a string")),
         Base64 => match v.as_str() {
-            Some(s) => check_base64(s),
+            Some(s) => check_base64(s).map_err(FieldFault::NotBase64),
             None => Err(want("a base64 string")),
         },
         Size => v
@@ -218,18 +307,18 @@ fn check_shape(v: &Value, shape: Shape, secrets: &Secrets) -> Result<(), String>
             if let Some(a) = o.get("audience") {
                 let roles = a
                     .as_array()
-                    .ok_or_else(|| format!("audience must be an array, not {}", kind(a)))?;
+                    .ok_or_else(|| FieldFault::AudienceNotArray { found: kind(a) })?;
                 if !roles
                     .iter()
                     .all(|r| matches!(r.as_str(), Some("user" | "assistant")))
                 {
-                    return Err("audience may hold only \"user\" and \"assistant\"".to_string());
+                    return Err(FieldFault::AudienceRole);
                 }
             }
             if let Some(p) = o.get("priority") {
                 match p.as_f64() {
                     Some(x) if (0.0..=1.0).contains(&x) => {}
-                    _ => return Err("priority must be a number from 0 to 1".to_string()),
+                    _ => return Err(FieldFault::Priority),
                 }
             }
             Ok(())
@@ -237,9 +326,10 @@ fn check_shape(v: &Value, shape: Shape, secrets: &Secrets) -> Result<(), String>
         Icons => {
             let icons = v.as_array().ok_or_else(|| want("an array"))?;
             for (i, icon) in icons.iter().enumerate() {
-                let o = icon
-                    .as_object()
-                    .ok_or_else(|| format!("[{i}] must be an object, not {}", kind(icon)))?;
+                let o = icon.as_object().ok_or_else(|| FieldFault::IconNotObject {
+                    index: i,
+                    found: kind(icon),
+                })?;
                 let what = format!("icon {i}");
                 fields(
                     o,
@@ -251,12 +341,12 @@ fn check_shape(v: &Value, shape: Shape, secrets: &Secrets) -> Result<(), String>
                 )?;
                 if let Some(s) = o.get("sizes") {
                     if !s.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
-                        return Err(format!("{what}: sizes must be an array of strings"));
+                        return Err(FieldFault::IconSizes { index: i });
                     }
                 }
                 if let Some(t) = o.get("theme") {
                     if !matches!(t.as_str(), Some("light" | "dark")) {
-                        return Err(format!("{what}: theme must be \"light\" or \"dark\""));
+                        return Err(FieldFault::IconTheme { index: i });
                     }
                 }
             }
@@ -267,7 +357,7 @@ fn check_shape(v: &Value, shape: Shape, secrets: &Secrets) -> Result<(), String>
             let (body, shape) = match (o.contains_key("text"), o.contains_key("blob")) {
                 (true, false) => ("text", Str),
                 (false, true) => ("blob", Base64),
-                _ => return Err("a resource holds exactly one of \"text\" and \"blob\"".into()),
+                _ => return Err(FieldFault::ResourceBody),
             };
             fields(
                 o,
@@ -276,33 +366,31 @@ fn check_shape(v: &Value, shape: Shape, secrets: &Secrets) -> Result<(), String>
                 &[("mimeType", Str), ("_meta", Object)],
                 &[],
                 secrets,
-            )
+            )?;
+            Ok(())
         }
     }
 }
 
 /// Standard base64 (RFC 4648 section 4) with padding, as MCP's `data` and `blob` are.
-fn check_base64(s: &str) -> Result<(), String> {
+fn check_base64(s: &str) -> Result<(), Base64Fault> {
     let b = s.as_bytes();
     if b.len() % 4 != 0 {
-        return Err(format!(
-            "is not base64: its length {} is not a multiple of 4",
-            b.len()
-        ));
+        return Err(Base64Fault::Length { len: b.len() });
     }
     let pad = b.iter().rev().take_while(|&&c| c == b'=').count();
     if pad > 2 {
-        return Err("is not base64: more than two '=' of padding".to_string());
+        return Err(Base64Fault::Padding);
     }
     let body = &b[..b.len() - pad];
     if let Some(at) = body
         .iter()
         .position(|c| !(c.is_ascii_alphanumeric() || *c == b'+' || *c == b'/'))
     {
-        return Err(format!(
-            "is not base64: byte {at} is {:?}",
-            char::from(body[at])
-        ));
+        return Err(Base64Fault::Byte {
+            at,
+            byte: char::from(body[at]),
+        });
     }
     Ok(())
 }
@@ -370,7 +458,9 @@ mod tests {
             ),
         ];
         for (b, needle) in &bad {
-            let e = check_block(b, &Secrets::default()).expect_err(&b.to_string());
+            let e = check_block(b, &Secrets::default())
+                .expect_err(&b.to_string())
+                .to_string();
             assert!(e.contains(needle), "{b}: {e:?} does not say {needle:?}");
         }
     }
@@ -404,14 +494,18 @@ mod tests {
             parse(r#"{"structuredContent": {}}"#, &Secrets::default()),
             Err(ResponseError::UnknownKey(_))
         ));
+        let e = parse(
+            r#"{"content":[{"type":"text","text":"a"},{"type":"bogus"}],"state":{}}"#,
+            &Secrets::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, ResponseError::Block { index: 1, reason: BlockError::UnknownType { shown } } if shown == "\"bogus\""),
+            "{e:?}"
+        );
         assert_eq!(
-            parse(r#"{"content":[{"type":"text","text":"a"},{"type":"bogus"}],"state":{}}"#, &Secrets::default()),
-            Err(ResponseError::Block {
-                index: 1,
-                reason:
-                    "unknown type \"bogus\" (MCP content is text, image, audio, resource_link or resource)"
-                        .into()
-            })
+            e.to_string(),
+            "content[1] is not a valid MCP content block: unknown type \"bogus\" (MCP content is text, image, audio, resource_link or resource)"
         );
         // A fault's content is checked too: it reaches the client as well.
         assert!(matches!(

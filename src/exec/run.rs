@@ -152,7 +152,7 @@ impl Executor {
         let paths = self.resolve_paths(tool, values)?;
         let outputs: Vec<(String, PathBuf)> = paths
             .iter()
-            .filter(|(_, role, _)| *role == PathRole::Output)
+            .filter(|(_, role, _)| role.writes())
             .map(|(n, _, p)| (n.clone(), p.clone()))
             .collect();
         args::check_overlap(&outputs).map_err(CallError::Overlap)?;
@@ -216,8 +216,19 @@ impl Executor {
                 .map(|(n, _)| tool.params.get(n).map(|p| p.kind).unwrap_or_default())
                 .collect(),
             stage_owner: identity.as_ref().map(|l| (l.uid(), l.gid())),
+            staging_limits: Some((
+                ext.profile.limits.staging_files,
+                ext.profile.limits.staging_bytes,
+            )),
+            hash_limit: Some(cx.policy.daemon.audit_hash_limit),
+            inout: outputs
+                .iter()
+                .map(|(n, _)| tool.params.get(n).and_then(|p| p.path) == Some(PathRole::InOut))
+                .collect(),
         };
-        let mut job = Job::create(&self.workspace, spec).map_err(CallError::Job)?;
+        // Off the async threads: an in-out target is copied into staging here.
+        let mut job = tokio::task::block_in_place(|| Job::create(&self.workspace, spec))
+            .map_err(CallError::Job)?;
         job.hash_up_to(cx.policy.daemon.audit_hash_limit);
         let root = self.workspace.root().to_path_buf();
         let mut bound = args::bind(values, &paths, &root, Some(session), |i| job.staged_path(i));
@@ -335,11 +346,17 @@ impl Executor {
         reply
             .content
             .retain(|b| !(b["type"] == "text" && b["text"] == ""));
-        reply.structured = Some(json!({
+        let result = super::python::structured_result(&reply);
+        let mut structured = json!({
             "session": session,
             "version": version,
             "outputs": outputs.iter().zip(&received).map(|((n, p), o)| structured_output(n, p, o)).collect::<Vec<_>>(),
-        }));
+        });
+        // A python function's structured result stays beside the commit's fields.
+        if let Some(result) = result {
+            structured["result"] = result;
+        }
+        reply.structured = Some(structured);
         Ok(reply)
     }
 
@@ -352,13 +369,21 @@ impl Executor {
         s: Sandboxed,
         job: Option<&mut Job>,
     ) -> Result<Worker, Stop> {
+        let mut argv = args::substitute(&ext.command, &bound.subst);
+        let mut readable = s.readable;
+        // A python tool's module directories: on the runner's command line, and readable
+        // (never writable) by the worker.
+        if let Some(p) = &ext.python {
+            argv.extend(super::python::sys_path(&self.reach, p, &s.cwd));
+            readable.extend(p.path.iter().cloned());
+        }
         let launch = Launch {
-            argv: args::substitute(&ext.command, &bound.subst),
+            argv,
             env: bound.env.clone(),
             cwd: s.cwd,
             stdin: s.stdin,
             writable: s.writable,
-            readable: s.readable,
+            readable,
             profile: ext.profile.clone(),
             cgroup_parent: cx.policy.daemon.cgroup.clone(),
             job_id: cx.call.call.clone(),
@@ -375,7 +400,7 @@ impl Executor {
         }
         if let Some(job) = job {
             if let Err(e) = job.record_worker(worker.pid()) {
-                tracing::warn!(call = %cx.call.call, "cannot journal the worker pid: {e}");
+                tracing::warn!(call = %cx.call.call, "cannot journal the worker pid: {}", crate::report::chain(&e));
             }
         }
         let enforcement = worker.enforcement();
@@ -532,6 +557,10 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
         })
         .into();
     }
+    // Someone else changed an in-out target: every target was restored.
+    if let publish::PublishError::Conflict { .. } = &e {
+        return CallError::Conflict(e).into();
+    }
     // The commit event could not be recorded and every target was restored: AUDIT_FAILED.
     let e = match e {
         publish::PublishError::Commit(source) => match source.downcast::<CommitFailed>() {
@@ -554,7 +583,7 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
 /// One output in the result's `structuredContent`: its parameter and path; for a directory
 /// also its kind, files, total bytes and manifest SHA-256, as the `commit` event has them.
 fn structured_output(param: &str, path: &std::path::Path, o: &publish::Published) -> Value {
-    match o.kind {
+    let mut out = match o.kind {
         publish::OutputKind::File => json!({"param": param, "path": path}),
         kind => json!({
             "param": param,
@@ -564,7 +593,12 @@ fn structured_output(param: &str, path: &std::path::Path, o: &publish::Published
             "bytes": o.size,
             "manifest_sha256": o.sha256,
         }),
+    };
+    if let Some(e) = o.edit {
+        out["changed"] = (e == publish::Edit::Changed).into();
+        out["deleted"] = (e == publish::Edit::Deleted).into();
     }
+    out
 }
 
 /// One published output in the `commit` event: its path, size and SHA-256, or, above the
@@ -578,9 +612,11 @@ fn output(o: &publish::Published, hash_limit: u64) -> Output {
         dev: o.id.dev,
         ino: o.id.ino,
         sha256: o.sha256.clone(),
-        not_hashed: o.sha256.is_none().then(|| {
+        not_hashed: (o.sha256.is_none() && o.edit != Some(publish::Edit::Deleted)).then(|| {
             format!("larger than audit_hash_limit ({hash_limit} bytes): size and identity only")
         }),
+        changed: o.edit.map(|e| e == publish::Edit::Changed),
+        deleted: o.edit.map(|e| e == publish::Edit::Deleted),
     }
 }
 
@@ -597,9 +633,14 @@ async fn discard(job: Job) {
     match done {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::error!(
-            "cannot remove job dir {}: {e}; startup recovery will (or quarantine it)",
-            dir.display()
+            "cannot remove job dir {}: {}; startup recovery will (or quarantine it)",
+            dir.display(),
+            crate::report::chain(&e)
         ),
-        Err(e) => tracing::error!("removing job dir {} failed: {e}", dir.display()),
+        Err(e) => tracing::error!(
+            "removing job dir {} failed: {}",
+            dir.display(),
+            crate::report::chain(&e)
+        ),
     }
 }

@@ -196,7 +196,7 @@ impl Connection {
             r = tokio::time::timeout(self.handshake_timeout, handshake) => match r {
                 Ok(Ok(service)) => service,
                 Ok(Err(e)) => {
-                    tracing::info!(uid, "MCP handshake failed: {e}");
+                    tracing::info!(uid, "MCP handshake failed: {}", crate::report::chain(&e));
                     return Session::None;
                 }
                 Err(_) => {
@@ -268,7 +268,7 @@ impl Connection {
             Session::Cut(waiting) => Some(waiting.await),
         };
         if let Some(Err(e)) = ended {
-            tracing::debug!(uid, "connection ended: {e}");
+            tracing::debug!(uid, "connection ended: {}", crate::report::chain(&e));
         }
         // 3. Flush within the write timeout.
         tokio::select! {

@@ -31,7 +31,7 @@ pub enum ListenError {
     InUse { path: PathBuf },
     #[error("{path}: exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
-    #[error("{path}: cannot {op}: {source}")]
+    #[error("{path}: cannot {op}")]
     Io {
         op: &'static str,
         path: PathBuf,
@@ -207,7 +207,7 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
                     // Out of fds and the like: one failed accept never stops the listener;
                     // while accepts keep failing, it retries less and less often.
                     let wait = backoff.failed();
-                    tracing::warn!("accept failed: {e}; retrying in {wait:?}");
+                    tracing::warn!("accept failed: {}; retrying in {wait:?}", crate::report::chain(&e));
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
                         _ = shutdown.cancelled() => break,
@@ -226,7 +226,10 @@ pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: Cancella
                 groups: peer_groups(&stream),
             },
             Err(e) => {
-                tracing::warn!("SO_PEERCRED failed, dropping the connection: {e}");
+                tracing::warn!(
+                    "SO_PEERCRED failed, dropping the connection: {}",
+                    crate::report::chain(&e)
+                );
                 continue;
             }
         };

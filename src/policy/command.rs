@@ -84,6 +84,17 @@ impl Command {
         )
     }
 
+    /// A command of literal elements only: no placeholder is read in them (airlock's own
+    /// commands, such as the Python runner's, whose source holds braces).
+    pub fn literal<S: Into<String>>(elements: impl IntoIterator<Item = S>) -> Command {
+        Command(
+            elements
+                .into_iter()
+                .map(|e| vec![Piece::Lit(e.into())])
+                .collect(),
+        )
+    }
+
     /// The parsed elements, in order.
     pub fn elements(&self) -> &[Vec<Piece>] {
         &self.0

@@ -128,6 +128,9 @@ impl Tool {
             match p.path {
                 Some(PathRole::Input) => desc.push_str(" (workspace path, read)"),
                 Some(PathRole::Output) => desc.push_str(" (workspace path, written on success)"),
+                Some(PathRole::InOut) => desc.push_str(
+                    " (workspace path, edited in place: changed, kept or deleted on success)",
+                ),
                 None => {}
             }
             if !desc.is_empty() {
@@ -197,14 +200,21 @@ impl Tool {
             ),
             (None, Capability::Read) => return None,
         };
+        let mut schema = schema;
+        // A python function's structured result sits beside the commit's fields.
+        if matches!(&self.kind, ToolKind::External(e) if e.python.is_some()) {
+            schema["properties"]["result"] = json!({
+                "description": "What the tool's Python function returned, when that was neither a string nor a response"
+            });
+        }
         schema.as_object().cloned()
     }
 
-    /// Parameters whose value is an output path, in name order.
+    /// Parameters whose value is an output or in-out path, in name order.
     pub fn output_params(&self) -> impl Iterator<Item = &str> {
         self.params
             .iter()
-            .filter(|(_, p)| p.path == Some(PathRole::Output))
+            .filter(|(_, p)| p.path.is_some_and(PathRole::writes))
             .map(|(n, _)| n.as_str())
     }
 }

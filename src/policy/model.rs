@@ -292,6 +292,9 @@ pub enum Protocol {
     Argv,
     /// One JSON request on stdin, one JSON response on stdout.
     Json,
+    /// A Python callable (`entry`), run by airlock's runner: the `json` protocol's request
+    /// on stdin, the function's return value turned into its response.
+    Python,
 }
 
 impl Protocol {
@@ -299,6 +302,7 @@ impl Protocol {
         match self {
             Protocol::Argv => "argv",
             Protocol::Json => "json",
+            Protocol::Python => "python",
         }
     }
 }
@@ -343,7 +347,25 @@ pub struct ExternalTool {
     /// The profile, resolved at load: a tool cannot name a profile the policy lacks, and a
     /// call needs no lookup by name.
     pub profile: Arc<Profile>,
+    /// A `protocol = "python"` tool's callable; `command` is then airlock's runner.
+    pub python: Option<PythonEntry>,
 }
+
+/// What a `protocol = "python"` tool runs: `entry` imported and called by airlock's runner
+/// under `interpreter`, with `path` put first on `sys.path`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PythonEntry {
+    /// `package.module:function`, checked at load (dotted identifiers, one colon).
+    pub entry: String,
+    /// The interpreter (`python`, absolute; default [`DEFAULT_PYTHON`]).
+    pub interpreter: PathBuf,
+    /// `python_path`, absolute (a relative entry is resolved against the policy directory
+    /// at load): where the module is found. The worker may read these, never write them.
+    pub path: Vec<PathBuf>,
+}
+
+/// The interpreter of a `protocol = "python"` tool that names none.
+pub const DEFAULT_PYTHON: &str = "/usr/bin/python3";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Annotations {
@@ -383,6 +405,27 @@ pub enum PathRole {
     Input,
     /// Rewritten to a staged file; published into the workspace on success.
     Output,
+    /// Rewritten to a staged private copy of the current target (nothing there when the
+    /// target does not exist): a changed copy is published, an unchanged one publishes
+    /// nothing, a copy the worker removed deletes the target. Anyone else's change to the
+    /// target meanwhile is a conflict.
+    #[serde(rename = "inout")]
+    InOut,
+}
+
+impl PathRole {
+    /// Whether the worker writes this path (through staging): an output or an in-out.
+    pub fn writes(self) -> bool {
+        matches!(self, PathRole::Output | PathRole::InOut)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PathRole::Input => "input",
+            PathRole::Output => "output",
+            PathRole::InOut => "inout",
+        }
+    }
 }
 
 /// What an output parameter publishes: `kind = "file"` (the default) or `kind =

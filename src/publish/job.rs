@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 
+use super::copy::{self, Conflict, Origin};
 use super::journal::{Journal, Phase, TargetRecord, JOURNAL};
 use super::staged_tree::{check_tree, Refused};
 use super::sys::{
@@ -17,9 +18,17 @@ use super::sys::{
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
 use super::{
-    Change, JobSpec, OutputFault, OutputKind, PublishError, Published, SpecError, Workspace,
+    Change, Edit, JobSpec, OutputFault, OutputKind, PublishError, Published, SpecError, Workspace,
     JOB_DIR_PREFIX, MAX_ID_LEN, STAGE,
 };
+
+mod inout;
+mod rollback;
+mod validate;
+
+use inout::{check_origin, current, seed_copy, seed_tree};
+pub use rollback::Unreached;
+pub(super) use rollback::{rollback, unreachable_targets, Rolled};
 
 pub struct Job {
     spec: JobSpec,
@@ -38,6 +47,8 @@ pub struct Job {
     hash_limit: u64,
     /// What each target receives, once validated (same order as the targets).
     published: Vec<Published>,
+    /// For an in-out directory, what it was when its copy was taken (same order).
+    trees: Vec<Option<copy::TreeOrigin>>,
 }
 
 impl std::fmt::Debug for Job {
@@ -169,6 +180,7 @@ impl Job {
             // dir (0711) lets the worker through, nobody else in.
             give(fd.as_fd(), STAGE, &stage)?;
             let mut targets = Vec::with_capacity(spec.targets.len());
+            let mut trees = Vec::with_capacity(spec.targets.len());
             for (i, target) in spec.targets.iter().enumerate() {
                 let slot = i.to_string();
                 let slot_path = stage.join(&slot);
@@ -178,7 +190,8 @@ impl Job {
                 give(stage_fd.as_fd(), slot.as_str(), &slot_path)?;
                 let base = target.file_name().unwrap_or(OsStr::new("output"));
                 let kind = spec.kinds.get(i).copied().unwrap_or_default();
-                if kind == OutputKind::Directory {
+                let inout = spec.inout.get(i).copied().unwrap_or(false);
+                if kind == OutputKind::Directory && !inout {
                     // The worker fills an empty directory the daemon made (and gives it).
                     let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
                         .map_err(|e| io("open staging dir", &slot_path, e))?;
@@ -199,6 +212,39 @@ impl Job {
                         })?,
                     }
                 }
+                let mut tree = None;
+                let (origin, copy) = if inout && kind == OutputKind::Directory {
+                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
+                        .map_err(|e| io("open staging dir", &slot_path, e))?;
+                    let top_mode = spec.modes.get(i).copied().flatten();
+                    let t = seed_tree(
+                        root.as_fd(),
+                        &ws.root().join(target),
+                        target,
+                        slot_fd.as_fd(),
+                        base,
+                        &slot_path.join(base),
+                        &spec,
+                        top_mode,
+                    )?;
+                    let origin = t.as_ref().and_then(|t| t.entries.first()).map(|(_, o)| *o);
+                    tree = t;
+                    (origin, None)
+                } else if inout {
+                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
+                        .map_err(|e| io("open staging dir", &slot_path, e))?;
+                    seed_copy(
+                        root.as_fd(),
+                        &ws.root().join(target),
+                        target,
+                        slot_fd.as_fd(),
+                        base,
+                        &slot_path.join(base),
+                        spec.stage_owner,
+                    )?
+                } else {
+                    (None, None)
+                };
                 targets.push(TargetRecord {
                     kind,
                     target: target.clone(),
@@ -206,7 +252,12 @@ impl Job {
                     backup: None,
                     old: None,
                     new: None,
+                    inout,
+                    origin,
+                    copy,
+                    delete: false,
                 });
+                trees.push(tree);
             }
             let journal = Journal {
                 version: Journal::version_for(&targets),
@@ -218,10 +269,11 @@ impl Job {
                 targets,
                 created_dirs: Vec::new(),
             };
-            Ok((fd, journal))
+            Ok((fd, journal, trees))
         })();
         match made {
-            Ok((fd, journal)) => Ok(Job {
+            Ok((fd, journal, trees)) => Ok(Job {
+                trees,
                 spec,
                 dir,
                 name,
@@ -234,7 +286,7 @@ impl Job {
             }),
             Err(e) => {
                 if let Err(c) = remove_tree(root.as_fd(), OsStr::new(&name), &dir) {
-                    tracing::warn!(job = %spec.id, error = %c, "could not remove a half-made job dir; startup recovery will");
+                    tracing::warn!(job = %spec.id, error = %crate::report::chain(&c), "could not remove a half-made job dir; startup recovery will");
                 }
                 Err(e)
             }
@@ -308,11 +360,11 @@ impl Job {
         // `publishing_outputs` journal left behind would make recovery ask the session again,
         // after later commits of it no longer record this job.
         if let Err(e) = self.remove_dir(true) {
-            tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not remove the job dir; startup recovery will");
+            tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not remove the job dir; startup recovery will");
             let left = matches!(stat_at(self.fd.as_fd(), OsStr::new(JOURNAL)), Ok(Some(_)));
             if left {
                 if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {
-                    tracing::warn!(job = %self.spec.id, error = %e, "committed, but could not journal it");
+                    tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not journal it");
                 }
             }
         }
@@ -383,14 +435,12 @@ impl Job {
         )?;
         if u.entries > max_entries {
             return Err(PublishError::StagingLimit {
-                what: format!("more than {max_entries} files and directories"),
-                key: "staging_files",
+                limit: super::StagingLimit::Files { max: max_entries },
             });
         }
         if u.bytes > max_bytes {
             return Err(PublishError::StagingLimit {
-                what: format!("more than {max_bytes} bytes of files"),
-                key: "staging_size",
+                limit: super::StagingLimit::Bytes { max: max_bytes },
             });
         }
         Ok(u)
@@ -422,9 +472,10 @@ impl Job {
         let mut synced_dirs = self.make_parents()?;
         // 5. Rename each staged file into place.
         for i in 0..self.journal.targets.len() {
-            let (parent_fd, slot_fd) = self.rename_one(i)?;
-            synced_dirs.push(parent_fd);
-            synced_dirs.push(slot_fd);
+            if let Some((parent_fd, slot_fd)) = self.rename_one(i)? {
+                synced_dirs.push(parent_fd);
+                synced_dirs.push(slot_fd);
+            }
         }
         // 6. Make the renames (and the mkdirs) durable before the commit point: a session
         //    that records this job must imply every target holds its new file. From here,
@@ -435,135 +486,41 @@ impl Job {
         Ok(())
     }
 
-    fn validate_outputs(&mut self) -> Result<Vec<FileId>, PublishError> {
-        let mut ids = Vec::with_capacity(self.journal.targets.len());
-        let mut published = Vec::with_capacity(self.journal.targets.len());
-        for (i, rec) in self.journal.targets.iter().enumerate() {
-            let bad = |reason: OutputFault| PublishError::BadOutput {
-                path: rec.target.clone(),
-                index: i,
-                reason,
-            };
-            let staged = self.dir.join(&rec.staged);
-            let slot = Path::new(STAGE).join(i.to_string());
-            let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot).map_err(|e| match e {
-                Errno::NOENT | Errno::LOOP | Errno::NOTDIR => {
-                    bad(OutputFault::SlotGone { slot: slot.clone() })
-                }
-                e => io("open staging dir", &self.dir.join(&slot), e),
-            })?;
-            let name = rec.staged.file_name().unwrap_or(OsStr::new("output"));
-            if rec.kind == OutputKind::Directory {
-                let mode = match self.spec.modes.get(i).copied().flatten() {
-                    Some(m) => m,
-                    None => self.replaced_mode(&rec.target, rec.kind),
-                };
-                let published_len =
-                    self.root_path.as_os_str().len() + 1 + rec.target.as_os_str().len();
-                let tree = check_tree(
-                    slot_fd.as_fd(),
-                    name,
-                    &staged,
-                    published_len,
-                    mode,
-                    self.hash_limit,
-                )
-                .map_err(|r| match r {
-                    Refused::Fault(reason) => bad(reason),
-                    Refused::Failed(e) => e,
-                })?;
-                published.push(Published {
-                    target: rec.target.clone(),
-                    kind: rec.kind,
-                    size: tree.bytes,
-                    files: Some(tree.files),
-                    sha256: tree.manifest,
-                    id: tree.id,
-                });
-                ids.push(tree.id);
-                continue;
-            }
-            // O_PATH first: learn the type without opening a FIFO or a device for reading.
-            let pfd = open_beneath(slot_fd.as_fd(), name, OFlags::PATH).map_err(|e| match e {
-                Errno::NOENT => bad(OutputFault::Missing),
-                Errno::LOOP => bad(OutputFault::Symlink),
-                e => io("open staged output", &staged, e),
-            })?;
-            let st =
-                rustix::fs::fstat(pfd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
-            let ft = file_type(&st);
-            if ft != FileType::RegularFile {
-                return Err(bad(OutputFault::NotAFile(describe(ft))));
-            }
-            if nlink(&st) != 1 {
-                return Err(bad(OutputFault::Links(nlink(&st))));
-            }
-            // Owner and mode are the daemon's to set, before the file can be read or moved:
-            // no setuid/setgid/sticky bit, no group or other write, the worker's uid gone.
-            let mode = match self.spec.modes.get(i).copied().flatten() {
-                Some(m) => m,
-                None => self.replaced_mode(&rec.target, rec.kind),
-            };
-            mutate("publish.seal_output", &staged, || {
-                seal(pfd.as_fd(), &st, mode)
-            })?;
-            let fd = open_beneath(slot_fd.as_fd(), name, OFlags::RDONLY | OFlags::NONBLOCK)
-                .map_err(|e| io("open staged output", &staged, e))?;
-            let st2 =
-                rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat staged output", &staged, e))?;
-            if FileId::of(&st2) != FileId::of(&st) {
-                return Err(bad(OutputFault::Replaced));
-            }
-            sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
-            let size = st2.st_size as u64;
-            let sha256 = if size <= self.hash_limit {
-                Some(hash(fd.as_fd()).map_err(|e| io("read staged output", &staged, e))?)
-            } else {
-                None
-            };
-            published.push(Published {
-                target: rec.target.clone(),
-                kind: rec.kind,
-                size,
-                files: None,
-                sha256,
-                id: FileId::of(&st),
-            });
-            ids.push(FileId::of(&st));
-        }
-        self.published = published;
-        Ok(ids)
-    }
-
-    /// The permission bits a published output keeps from the regular file (or directory, for
-    /// a directory output) at `target` it replaces, less setuid/setgid/sticky and group/other
-    /// write; 0644 (a directory: 0755) for a new target (or one of another type, which
-    /// publication then refuses as changed).
-    fn replaced_mode(&self, target: &Path, kind: OutputKind) -> u32 {
-        let default = match kind {
-            OutputKind::File => crate::policy::DEFAULT_OUTPUT_MODE,
-            OutputKind::Directory => 0o755,
-        };
-        open_beneath(self.root.as_fd(), target, OFlags::PATH)
-            .and_then(|fd| rustix::fs::fstat(fd.as_fd()))
-            .ok()
-            .filter(|st| file_type(st) == kind_type(kind))
-            .map_or(default, |st| {
-                st.st_mode & 0o7777 & !crate::policy::FORBIDDEN_OUTPUT_BITS
-            })
-    }
-
     /// Records the new identities and what each target holds now; returns the parent dirs
     /// publication must create, in creation order.
-    fn plan(&mut self, news: &[FileId]) -> Result<Vec<PathBuf>, PublishError> {
+    fn plan(&mut self, decisions: &[Decision]) -> Result<Vec<PathBuf>, PublishError> {
         let mut created: Vec<PathBuf> = Vec::new();
         let root = self.root.as_fd();
-        for (rec, new) in self.journal.targets.iter_mut().zip(news) {
+        for (i, (rec, decision)) in self.journal.targets.iter_mut().zip(decisions).enumerate() {
+            let tree = self.trees.get(i).and_then(Option::as_ref);
             let target_abs = self.root_path.join(&rec.target);
             let changed = |reason: Change| PublishError::TargetChanged {
                 path: target_abs.clone(),
                 reason,
             };
+            let new = match decision {
+                Decision::Keep => continue,
+                Decision::Delete => {
+                    // The target must still be the file that was copied; it moves to the
+                    // (empty) staged name, which is its backup until the commit.
+                    let now = current(root, &rec.target);
+                    check_origin(rec, now.as_ref(), &target_abs, tree, root)?;
+                    rec.old = rec.origin.map(|o| o.id);
+                    rec.backup = Some(rec.staged.clone());
+                    rec.delete = true;
+                    continue;
+                }
+                Decision::Publish(id) => id,
+            };
+            if rec.inout {
+                check_origin(
+                    rec,
+                    current(root, &rec.target).as_ref(),
+                    &target_abs,
+                    tree,
+                    root,
+                )?;
+            }
             let (parent, name) =
                 split_target(&rec.target).ok_or_else(|| changed(Change::TargetHasNoName))?;
             let mut missing = false;
@@ -639,8 +596,12 @@ impl Job {
     /// Renames staged output `i` into place: RENAME_EXCHANGE over an existing target (the old
     /// file lands under the staged name: the backup), RENAME_NOREPLACE for a new one. Returns
     /// the target's parent fd and the staging slot fd, both to be fsynced.
-    fn rename_one(&self, i: usize) -> Result<(OwnedFd, OwnedFd), PublishError> {
+    fn rename_one(&self, i: usize) -> Result<Option<(OwnedFd, OwnedFd)>, PublishError> {
         let rec = &self.journal.targets[i];
+        if rec.new.is_none() && !rec.delete {
+            // An in-out target left as it was: nothing to publish.
+            return Ok(None);
+        }
         let target_abs = self.root_path.join(&rec.target);
         let changed = |reason: Change| PublishError::TargetChanged {
             path: target_abs.clone(),
@@ -654,6 +615,71 @@ impl Job {
         let slot_fd = open_dir_beneath(self.fd.as_fd(), &slot)
             .map_err(|e| io("open staging dir", &self.dir.join(&slot), e))?;
         let now = stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))?;
+        // An in-out target must still be what its copy was taken from, just before the
+        // rename; and the file the rename took away (the backup) must still be that file
+        // after it (a write through a descriptor opened earlier changes its mtime; the
+        // rename itself changes only its ctime).
+        let tree = self.trees.get(i).and_then(Option::as_ref);
+        check_origin(
+            rec,
+            now.as_ref().map(Origin::of).as_ref(),
+            &target_abs,
+            tree,
+            self.root.as_fd(),
+        )?;
+        let moved_unchanged = |slot_fd: BorrowedFd<'_>| -> Result<(), PublishError> {
+            let (Some(origin), true) = (rec.origin, rec.inout) else {
+                return Ok(());
+            };
+            let backup = self.dir.join(&rec.staged);
+            let moved = stat_at(slot_fd, name).map_err(|e| io("stat backup", &backup, e))?;
+            if let (Some(tree), Some(_)) = (tree, &moved) {
+                let fd =
+                    open_dir_beneath(slot_fd, name).map_err(|e| io("open backup", &backup, e))?;
+                return match copy::tree_differs(fd.as_fd(), &backup, tree, true)? {
+                    None => Ok(()),
+                    Some(what) => Err(PublishError::Conflict {
+                        path: target_abs.clone(),
+                        what,
+                    }),
+                };
+            }
+            match moved.as_ref().map(Origin::of) {
+                Some(m) if origin.differs(&m).is_none_or(|c| c == Conflict::Touched) => Ok(()),
+                Some(m) => Err(PublishError::Conflict {
+                    path: target_abs.clone(),
+                    what: origin.differs(&m).unwrap_or(Conflict::Replaced),
+                }),
+                None => Err(PublishError::Conflict {
+                    path: target_abs.clone(),
+                    what: Conflict::Removed,
+                }),
+            }
+        };
+        if rec.delete {
+            match mutate("publish.delete_inout", &target_abs, || {
+                rustix::fs::renameat_with(
+                    pfd.as_fd(),
+                    name,
+                    slot_fd.as_fd(),
+                    name,
+                    RenameFlags::NOREPLACE,
+                )
+            }) {
+                Ok(()) => {}
+                Err(PublishError::Io { source, .. })
+                    if source.raw_os_error() == Some(libc::ENOENT) =>
+                {
+                    return Err(PublishError::Conflict {
+                        path: target_abs.clone(),
+                        what: Conflict::Removed,
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+            moved_unchanged(slot_fd.as_fd())?;
+            return Ok(Some((pfd, slot_fd)));
+        }
         match rec.old {
             Some(old) => {
                 match &now {
@@ -675,8 +701,15 @@ impl Job {
                 let backup = stat_at(slot_fd.as_fd(), name)
                     .map_err(|e| io("stat backup", &self.dir.join(&rec.staged), e))?;
                 if backup.as_ref().map(FileId::of) != Some(old) {
+                    if rec.inout {
+                        return Err(PublishError::Conflict {
+                            path: target_abs.clone(),
+                            what: Conflict::Replaced,
+                        });
+                    }
                     return Err(changed(Change::ReplacedDuringRename));
                 }
+                moved_unchanged(slot_fd.as_fd())?;
             }
             None => {
                 if let Some(st) = &now {
@@ -701,7 +734,7 @@ impl Job {
                 }
             }
         }
-        Ok((pfd, slot_fd))
+        Ok(Some((pfd, slot_fd)))
     }
 
     /// Restores every target after a failure before the commit point, then removes the job
@@ -719,7 +752,7 @@ impl Job {
             // job dir: keep the dir for startup recovery (which keeps it aside if need be).
             Ok(Rolled { unreached, .. }) if !unreached.is_empty() => {
                 let u = &unreached[0];
-                tracing::error!(job = %self.spec.id, error = %error, target = %u.target.display(), reason = %u.reason, "rollback cannot reach a target; job dir kept for startup recovery");
+                tracing::error!(job = %self.spec.id, error = %crate::report::chain(&error), target = %u.target.display(), reason = %u.reason, "rollback cannot reach a target; job dir kept for startup recovery");
                 PublishError::RollbackFailed {
                     job: self.spec.id.clone(),
                     error: Box::new(error),
@@ -730,14 +763,14 @@ impl Job {
                 }
             }
             Ok(Rolled { restored: n, .. }) => {
-                tracing::info!(job = %self.spec.id, restored = n, error = %error, "publication failed; targets restored");
+                tracing::info!(job = %self.spec.id, restored = n, error = %crate::report::chain(&error), "publication failed; targets restored");
                 if let Err(e) = self.remove_dir(false) {
-                    tracing::warn!(job = %self.spec.id, error = %e, "could not remove the job dir; startup recovery will");
+                    tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "could not remove the job dir; startup recovery will");
                 }
                 error
             }
             Err(rollback) => {
-                tracing::error!(job = %self.spec.id, error = %error, rollback = %rollback, "rollback failed; job dir kept for startup recovery");
+                tracing::error!(job = %self.spec.id, error = %crate::report::chain(&error), rollback = %crate::report::chain(&rollback), "rollback failed; job dir kept for startup recovery");
                 PublishError::RollbackFailed {
                     job: self.spec.id.clone(),
                     error: Box::new(error),
@@ -746,6 +779,17 @@ impl Job {
             }
         }
     }
+}
+
+/// What publication does with one target, decided from what the worker left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    /// Put this staged file at the target.
+    Publish(FileId),
+    /// An in-out target whose copy the worker removed: delete the target.
+    Delete,
+    /// An in-out target whose copy is as it was: leave the target alone.
+    Keep,
 }
 
 /// The file type a target of kind `kind` is.
@@ -772,192 +816,4 @@ pub(super) fn hash(fd: BorrowedFd<'_>) -> Result<String, Errno> {
         off += n as u64;
     }
     Ok(crate::audit::log::hex(&h.finalize()))
-}
-
-/// Brings every target of a journaled job back to its old state, deciding by identity what
-/// each target holds now: the new file is swapped back with its backup (or unlinked if the
-/// target did not exist); anything else (the old file, nothing, someone else's file) is left.
-/// Then removes the parents publication created, if empty, in reverse order. Idempotent, and
-/// every mutation is a failpoint, so a crash inside it is recovered by running it again.
-/// Returns how many targets it restored, and the targets it could not reach safely (a parent
-/// now a symlink, not a directory, on another mount): those are left as they are, and their
-/// backups (in the job dir) must be kept.
-pub(super) fn rollback(
-    root: BorrowedFd<'_>,
-    root_path: &Path,
-    job_fd: BorrowedFd<'_>,
-    job_dir: &Path,
-    journal: &Journal,
-) -> Result<Rolled, PublishError> {
-    let mut out = Rolled {
-        restored: 0,
-        unreached: Vec::new(),
-    };
-    if journal.phase == Phase::WorkerRunning {
-        return Ok(out);
-    }
-    for rec in journal.targets.iter().rev() {
-        let Some(new) = rec.new else { continue };
-        let target_abs = root_path.join(&rec.target);
-        let Some((parent, name)) = split_target(&rec.target) else {
-            continue;
-        };
-        let pfd = match open_dir_beneath(root, parent) {
-            Ok(fd) => fd,
-            // No parent: the target cannot hold our file.
-            Err(Errno::NOENT) => continue,
-            // Never renamed: its staged file is still there; nothing to restore.
-            Err(Errno::LOOP | Errno::NOTDIR | Errno::XDEV) if still_staged(job_fd, rec, new) => {
-                continue
-            }
-            Err(e @ (Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) => {
-                tracing::warn!(target = %target_abs.display(), reason = %Change::parent(parent, e), "cannot reach target safely; left as is");
-                out.unreached.push(Unreached {
-                    target: target_abs,
-                    reason: Change::parent(parent, e),
-                });
-                continue;
-            }
-            Err(e) => return Err(io("open target dir", &root_path.join(parent), e)),
-        };
-        let now = stat_at(pfd.as_fd(), name).map_err(|e| io("stat target", &target_abs, e))?;
-        if now.as_ref().map(FileId::of) != Some(new) {
-            continue;
-        }
-        match rec.old {
-            Some(_) => {
-                let backup = rec.backup.as_ref().unwrap_or(&rec.staged);
-                let backup_abs = job_dir.join(backup);
-                let (bdir, bname) = split_target(backup).ok_or_else(|| PublishError::Io {
-                    op: "locate backup",
-                    path: backup_abs.clone(),
-                    source: std::io::Error::other("journal names no backup file"),
-                })?;
-                let bfd = open_dir_beneath(job_fd, bdir)
-                    .map_err(|e| io("open backup dir", &job_dir.join(bdir), e))?;
-                mutate("publish.rollback_exchange", &target_abs, || {
-                    rustix::fs::renameat_with(
-                        bfd.as_fd(),
-                        bname,
-                        pfd.as_fd(),
-                        name,
-                        RenameFlags::EXCHANGE,
-                    )
-                })?;
-                fsync_dir(bfd.as_fd(), &backup_abs)?;
-            }
-            None if rec.kind == OutputKind::Directory => {
-                // A new tree goes back where it was staged, whole (its slot is still there:
-                // the job dir is removed only once the targets are settled).
-                let staged_abs = job_dir.join(&rec.staged);
-                let (sdir, sname) = split_target(&rec.staged).ok_or_else(|| PublishError::Io {
-                    op: "locate staged dir",
-                    path: staged_abs.clone(),
-                    source: std::io::Error::other("journal names no staged dir"),
-                })?;
-                let sfd = open_dir_beneath(job_fd, sdir)
-                    .map_err(|e| io("open staging dir", &job_dir.join(sdir), e))?;
-                mutate("publish.rollback_rename", &target_abs, || {
-                    rustix::fs::renameat_with(
-                        pfd.as_fd(),
-                        name,
-                        sfd.as_fd(),
-                        sname,
-                        RenameFlags::NOREPLACE,
-                    )
-                })?;
-                fsync_dir(sfd.as_fd(), &staged_abs)?;
-            }
-            None => {
-                mutate("publish.rollback_unlink", &target_abs, || {
-                    rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::empty())
-                })?;
-            }
-        }
-        fsync_dir(pfd.as_fd(), &target_abs)?;
-        out.restored += 1;
-    }
-    for dir in journal.created_dirs.iter().rev() {
-        let abs = root_path.join(dir);
-        let Some((parent, name)) = split_target(dir) else {
-            continue;
-        };
-        let pfd = match open_dir_beneath(root, parent) {
-            Ok(fd) => fd,
-            Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV) => continue,
-            Err(e) => return Err(io("open parent dir", &root_path.join(parent), e)),
-        };
-        match mutate("publish.rollback_rmdir", &abs, || {
-            rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::REMOVEDIR)
-        }) {
-            Ok(()) => fsync_dir(pfd.as_fd(), &abs)?,
-            // Gone already, or no longer ours to remove (not empty, not a directory).
-            Err(PublishError::Io { source, .. })
-                if matches!(
-                    source.raw_os_error(),
-                    Some(libc::ENOENT | libc::ENOTEMPTY | libc::EEXIST | libc::ENOTDIR)
-                ) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(out)
-}
-
-/// Whether target `rec`'s staged path still holds its new file (identity `new`): then it was
-/// never renamed to the target, which cannot hold it.
-fn still_staged(job_fd: BorrowedFd<'_>, rec: &TargetRecord, new: FileId) -> bool {
-    let Some((dir, name)) = split_target(&rec.staged) else {
-        return false;
-    };
-    let Ok(fd) = open_dir_beneath(job_fd, dir) else {
-        return false;
-    };
-    matches!(stat_at(fd.as_fd(), name), Ok(Some(st)) if FileId::of(&st) == new)
-}
-
-/// What [`rollback`] did.
-#[derive(Debug)]
-pub(super) struct Rolled {
-    pub restored: usize,
-    /// Targets it could not reach safely, left as they are (their backups are still in the
-    /// job dir).
-    pub unreached: Vec<Unreached>,
-}
-
-/// A target whose parent can no longer be reached beneath the root without following a
-/// symlink or leaving the mount.
-#[derive(Debug, Clone)]
-pub struct Unreached {
-    /// Absolute path of the target.
-    pub target: PathBuf,
-    /// Which parent and why (`x is now a symlink`).
-    pub reason: Change,
-}
-
-/// The journaled targets a rollback could not reach safely, found without changing
-/// anything: recovery keeps the whole job as it is when there is any.
-pub(super) fn unreachable_targets(
-    root: BorrowedFd<'_>,
-    root_path: &Path,
-    job_fd: BorrowedFd<'_>,
-    journal: &Journal,
-) -> Vec<Unreached> {
-    let mut out = Vec::new();
-    for rec in &journal.targets {
-        let Some(new) = rec.new else { continue };
-        let Some((parent, _)) = split_target(&rec.target) else {
-            continue;
-        };
-        if let Err(e @ (Errno::LOOP | Errno::NOTDIR | Errno::XDEV)) = open_dir_beneath(root, parent)
-        {
-            if still_staged(job_fd, rec, new) {
-                continue;
-            }
-            out.push(Unreached {
-                target: root_path.join(&rec.target),
-                reason: Change::parent(parent, e),
-            });
-        }
-    }
-    out
 }

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FileType, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
+use super::copy::Origin;
 use super::sys::{self, file_type, mutate, FileId};
 use super::{OutputKind, PublishError};
 
@@ -25,8 +26,9 @@ pub(super) const JOURNAL_TMP: &str = "recovery.json.tmp";
 const MAX_JOURNAL: u64 = 4 << 20;
 /// The version a journal of file outputs only is written with (every release reads it).
 pub(super) const VERSION: u32 = 1;
-/// The version of a journal with a target of another kind (a directory): a release that
-/// reads version 1 only keeps such a job aside rather than roll a tree back as a file.
+/// The version of a journal with a target of another kind (a directory) or an in-out target
+/// (a deletion to undo): a release that reads version 1 only keeps such a job aside rather
+/// than roll a tree back as a file or miss a deletion.
 pub(super) const VERSION_KINDS: u32 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +73,19 @@ pub struct TargetRecord {
     pub old: Option<FileId>,
     /// Identity of the staged file that publication puts at the target.
     pub new: Option<FileId>,
+    /// An in-out target: the worker edited a copy of it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inout: bool,
+    /// In-out: what the target was when its copy was taken (`None`: there was none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Origin>,
+    /// In-out: the copy as the worker got it (to tell an untouched copy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy: Option<Origin>,
+    /// In-out whose copy the worker removed: publication moves the target (identity `old`)
+    /// to `backup`, deleting it; rollback moves it back.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delete: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,9 +103,9 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// The version this journal is written with: 1 unless a target is not a file.
+    /// The version this journal is written with: 1 unless a target is not a file output.
     pub fn version_for(targets: &[TargetRecord]) -> u32 {
-        if targets.iter().all(|t| t.kind.is_file()) {
+        if targets.iter().all(|t| t.kind.is_file() && !t.inout) {
             VERSION
         } else {
             VERSION_KINDS
@@ -229,7 +244,7 @@ pub enum JournalError {
 #[derive(Debug, thiserror::Error)]
 pub enum Damage {
     /// Opening, stating or reading it failed (EACCES, ELOOP for a symlink, EIO, ...).
-    #[error("cannot read it: {0}")]
+    #[error("cannot read it")]
     Unreadable(#[source] std::io::Error),
     /// It is a directory, a symlink's target kind, a fifo, ...
     #[error("it is {kind}, not a regular file")]
@@ -238,7 +253,7 @@ pub enum Damage {
     #[error("it is larger than {max} bytes, more than any journal")]
     TooLarge { max: u64 },
     /// Not JSON, truncated, or missing fields of this version.
-    #[error("it is not a journal (truncated or garbled): {0}")]
+    #[error("it is not a journal (truncated or garbled)")]
     Unparsable(#[source] serde_json::Error),
     /// A version this airlock does not read (written by another release).
     #[error(

@@ -34,6 +34,7 @@
 //!   discarded) stays on disk until [`recover`] runs at the next start. [`recover`] must run
 //!   before the daemon serves calls, with the workspace to itself.
 
+mod copy;
 mod job;
 mod journal;
 mod recover;
@@ -51,11 +52,12 @@ mod testsim;
 use std::path::PathBuf;
 
 pub use crate::policy::OutputKind;
+pub use copy::{Conflict, TreeRefusal};
 pub use job::Job;
 pub use job::Unreached;
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};
-pub use recover::{recover, recover_with, Kept};
+pub use recover::{recover, recover_with, Kept, MoveAside, RecoveryFault};
 pub use rejection::{Change, OutputFault, Rejection, SpecError, TargetError};
 pub use staged_tree::{EntryFault, MANIFEST_FORMAT};
 pub use sys::FileId;
@@ -97,7 +99,7 @@ pub type CallbackError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path}")]
     Io {
         op: &'static str,
         path: PathBuf,
@@ -112,7 +114,7 @@ pub enum PublishError {
         reason: OutputFault,
     },
     /// The caller's commit (the session store's write) failed; its error is kept.
-    #[error("commit failed: {0}")]
+    #[error("commit failed")]
     Commit(#[source] CallbackError),
     /// The job spec cannot become a job dir (bad id, targets not normalized or overlapping).
     #[error("invalid job: {reason}")]
@@ -120,10 +122,22 @@ pub enum PublishError {
     /// A target (or one of its parents) changed between resolution and publication.
     #[error("target {path} changed: {reason}")]
     TargetChanged { path: PathBuf, reason: Change },
+    /// An in-out target was changed by someone else between the copy the worker edited and
+    /// its publication: publishing would lose that change, so nothing is published.
+    #[error("{path} was changed by someone else while the tool edited its copy ({what}); nothing was published")]
+    Conflict { path: PathBuf, what: Conflict },
+    /// An in-out directory cannot be given to the worker as a copy: nothing ran.
+    #[error("in-out directory {path} cannot be copied for the tool: {refusal}")]
+    InOutTree {
+        path: PathBuf,
+        refusal: copy::TreeRefusal,
+    },
     /// Publication failed and so did the rollback: the targets may be mixed until startup
     /// recovery runs; the job dir and its journal are kept for it.
     #[error(
-        "job {job}: {error}; rollback failed too ({rollback}); the job dir is kept for recovery"
+        "job {job}: {}; rollback failed too ({}); the job dir is kept for recovery",
+        crate::report::chain(&**.error),
+        crate::report::chain(&**.rollback)
     )]
     RollbackFailed {
         job: String,
@@ -131,16 +145,20 @@ pub enum PublishError {
         rollback: Box<PublishError>,
     },
     /// The worker left more in its staging dir than its profile allows.
-    #[error("the worker left {what} in its staging dir, over the profile's [limits] {key}; nothing was published")]
-    StagingLimit { what: String, key: &'static str },
-    /// Startup recovery cannot decide what to do with a job dir.
-    #[error("recovery of job {job}: {reason}")]
-    Recovery { job: String, reason: String },
+    #[error("the worker left {limit} in its staging dir, over the profile's [limits] {}; nothing was published", .limit.key())]
+    StagingLimit { limit: StagingLimit },
+    /// Startup recovery cannot bring a job dir to a boundary.
+    #[error("recovery of job {job}")]
+    Recovery {
+        job: String,
+        #[source]
+        reason: RecoveryFault,
+    },
     /// Startup recovery cannot tell whether a job committed: the session store's error.
     #[error(
-        "recovery of job {job}: cannot tell whether session {session} committed: {source}. \
-         Repair or restore that session's file in the state dir and start again (recovery \
-         then completes or rolls back this job by itself); nothing was changed"
+        "recovery of job {job}: nothing was changed: cannot tell whether session {session} \
+         committed (repair or restore that session's file in the state dir and start again; \
+         recovery then completes or rolls back this job by itself)"
     )]
     Undecided {
         job: String,
@@ -148,6 +166,27 @@ pub enum PublishError {
         #[source]
         source: CallbackError,
     },
+}
+
+/// The limit of the profile's a worker's staging dir went over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StagingLimit {
+    /// `staging_files`: entries of any kind beneath `stage/`.
+    #[error("more than {max} files and directories")]
+    Files { max: u64 },
+    /// `staging_size`: apparent size of the regular files.
+    #[error("more than {max} bytes of files")]
+    Bytes { max: u64 },
+}
+
+impl StagingLimit {
+    /// The `[limits]` key of the profile that sets it.
+    pub fn key(&self) -> &'static str {
+        match self {
+            StagingLimit::Files { .. } => "staging_files",
+            StagingLimit::Bytes { .. } => "staging_size",
+        }
+    }
 }
 
 /// What a job publishes.
@@ -170,6 +209,28 @@ pub struct JobSpec {
     /// The worker's own uid and gid, when it has one: the staging dirs become its, and the job
     /// dir lets it through (0711) to reach them.
     pub stage_owner: Option<(u32, u32)>,
+    /// The profile's staging limits (entries, bytes), which bound the copy of an in-out
+    /// directory before the worker runs; `None`: unbounded.
+    pub staging_limits: Option<(u64, u64)>,
+    /// Outputs up to this size are hashed (`None`: [`DEFAULT_HASH_LIMIT`]); an in-out
+    /// directory's copy is hashed with the same bound.
+    pub hash_limit: Option<u64>,
+    /// Which targets are in-out (same order; missing: an output): the worker gets a private
+    /// copy of the current target at the staged path (nothing when there is none), and the
+    /// target changes only if the copy did, or is deleted if the copy was removed.
+    pub inout: Vec<bool>,
+}
+
+/// What publication did to an in-out target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Edit {
+    /// The worker changed its copy: the copy replaced the target (or created it).
+    Changed,
+    /// The copy is as it was (or there was none and still is none): nothing was published.
+    Unchanged,
+    /// The worker removed its copy: the target was deleted.
+    Deleted,
 }
 
 /// Outputs up to this size are hashed unless the caller says otherwise.
@@ -188,8 +249,11 @@ pub struct Published {
     /// SHA-256 (hex) of the content (a directory: of its canonical manifest,
     /// [`MANIFEST_FORMAT`]); `None` above the hash limit (size and identity only).
     pub sha256: Option<String>,
-    /// The file's identity (device, inode): the file the target now names.
+    /// The file's identity (device, inode): the file the target now names (for a deleted
+    /// in-out target, the file it named).
     pub id: FileId,
+    /// For an in-out target, what publication did to it; `None` for an output.
+    pub edit: Option<Edit>,
 }
 
 /// How startup recovery settled a job's targets.

@@ -49,18 +49,29 @@ pub fn recover(
     workspace: &Path,
     committed: &dyn Fn(&str, &str) -> Result<bool, super::CallbackError>,
 ) -> Result<Vec<Recovered>, PublishError> {
-    recover_with(workspace, committed, &|_| Ok(()))
+    recover_with(workspace, committed, &|_| {
+        Ok::<(), std::convert::Infallible>(())
+    })
 }
 
 /// As [`recover`], calling `settled` for each job once its targets are final and before its
 /// journal is dropped (the audit records it there: a crash after `settled` makes the next
 /// recovery settle the job, and call `settled`, again). An `Err` from `settled` stops
-/// recovery like any other failure to bring a job to a boundary.
-pub fn recover_with(
+/// recovery like any other failure to bring a job to a boundary. The callbacks' errors are
+/// the caller's own types; they come back as the `#[source]` of [`PublishError::Undecided`]
+/// and [`RecoveryFault::NotRecorded`].
+pub fn recover_with<C, S>(
     workspace: &Path,
-    committed: &dyn Fn(&str, &str) -> Result<bool, super::CallbackError>,
-    settled: &dyn Fn(&Recovered) -> Result<(), super::CallbackError>,
-) -> Result<Vec<Recovered>, PublishError> {
+    committed: &dyn Fn(&str, &str) -> Result<bool, C>,
+    settled: &dyn Fn(&Recovered) -> Result<(), S>,
+) -> Result<Vec<Recovered>, PublishError>
+where
+    C: Into<super::CallbackError>,
+    S: Into<super::CallbackError>,
+{
+    let committed = |s: &str, j: &str| committed(s, j).map_err(Into::into);
+    let settled = |r: &Recovered| settled(r).map_err(Into::into);
+    let (committed, settled) = (&committed, &settled);
     let ws = Workspace::open(workspace)?;
     let mut jobs = Vec::new();
     let mut quarantined = Vec::new();
@@ -126,7 +137,7 @@ fn report_quarantined(ws: &Workspace, name: &OsStr) -> Recovered {
 #[derive(Debug, thiserror::Error)]
 pub enum Kept {
     /// Its `recovery.json` is there but cannot be used.
-    #[error("its journal is damaged ({0})")]
+    #[error("its journal is damaged")]
     Journal(#[source] JournalError),
     /// Its journal names another job.
     #[error("its journal names job {found:?}")]
@@ -135,7 +146,7 @@ pub enum Kept {
     #[error("it has no journal but holds {entries:?} besides its staging dir")]
     Unexpected { entries: Vec<String> },
     /// The dir itself cannot be opened or listed.
-    #[error("it cannot be read ({0})")]
+    #[error("it cannot be read")]
     Unopenable(#[source] PublishError),
     /// Rolling back would need to reach targets it cannot reach safely. `restored`: how
     /// many other targets it had restored when it met one (0 unless a parent was swapped
@@ -314,9 +325,9 @@ fn recover_one(
         action: action.clone(),
         ..info.clone()
     })
-    .map_err(|reason| PublishError::Recovery {
+    .map_err(|e| PublishError::Recovery {
         job: id.clone(),
-        reason: format!("{reason}; nothing more was changed, start again once it is fixed"),
+        reason: RecoveryFault::NotRecorded(e),
     })?;
     let journal = dir.join(JOURNAL);
     let dropped = match mutate("publish.cleanup_unlink", &journal, || {
@@ -353,15 +364,21 @@ fn quarantine(
     error: PublishError,
 ) -> Result<Recovered, PublishError> {
     let dir = ws.root().join(name);
-    let fail = |e: MoveAside| PublishError::Recovery {
-        job: id.to_string(),
-        reason: format!(
-            "cannot remove {} ({error}) nor {e}; remove it by hand and start again",
-            dir.display()
-        ),
+    let moved = free_quarantine_name(ws, id).and_then(|to| move_aside(ws, name, &to).map(|()| to));
+    let to = match moved {
+        Ok(to) => to,
+        Err(aside) => {
+            return Err(PublishError::Recovery {
+                job: id.to_string(),
+                reason: RecoveryFault::Unremovable {
+                    dir,
+                    removal: Box::new(error),
+                    aside,
+                },
+            })
+        }
     };
-    let to = free_quarantine_name(ws, id).map_err(fail)?;
-    move_aside(ws, name, &to).map_err(fail)?;
+    let error = crate::report::chain(&error);
     tracing::warn!(job = %id, from = %dir.display(), to = %to.display(), %error,
         "cannot remove the job dir ({settled}); moved it aside: remove it by hand");
     Ok(Recovered {
@@ -387,44 +404,81 @@ fn keep(
 ) -> Result<Recovered, PublishError> {
     let dir = ws.root().join(name);
     let id = info.job.clone();
-    let unmovable = |why: &Kept, e: MoveAside| PublishError::Recovery {
-        job: id.clone(),
-        reason: format!(
-            "{} must be kept ({why}) but cannot be moved aside: {e}. Nothing was removed; move \
-             it out of the workspace by hand (keep it: it may hold the only old copy of a \
-             target) and start again",
-            dir.display()
-        ),
-    };
     let why = std::sync::Arc::new(why);
-    let to = free_quarantine_name(ws, &id).map_err(|e| unmovable(&why, e))?;
+    let unmovable = |aside: MoveAside| PublishError::Recovery {
+        job: id.clone(),
+        reason: RecoveryFault::Unmovable {
+            dir: dir.clone(),
+            why: why.clone(),
+            aside,
+        },
+    };
+    let to = free_quarantine_name(ws, &id).map_err(unmovable)?;
     let advice = why.advice(&to);
     info.settled = Settled::Kept;
     info.quarantined = Some(to.clone());
-    info.action = format!("kept as {} with every byte: {why}; {advice}", to.display());
+    let shown = crate::report::chain(&*why);
+    info.action = format!(
+        "kept as {} with every byte: {shown}; {advice}",
+        to.display()
+    );
     info.kept = Some(why.clone());
-    settled_hook(&info).map_err(|reason| PublishError::Recovery {
+    settled_hook(&info).map_err(|e| PublishError::Recovery {
         job: id.clone(),
-        reason: format!("{reason}; nothing more was changed, start again once it is fixed"),
+        reason: RecoveryFault::NotRecorded(e),
     })?;
-    move_aside(ws, name, &to).map_err(|e| unmovable(&why, e))?;
-    tracing::error!(job = %id, from = %dir.display(), to = %to.display(), reason = %why,
+    move_aside(ws, name, &to).map_err(unmovable)?;
+    tracing::error!(job = %id, from = %dir.display(), to = %to.display(), reason = %shown,
         "recovery cannot prove this job dir disposable: kept it aside with every byte; {advice}");
     Ok(info)
 }
 
+/// Why startup recovery could not bring a job dir to a boundary (it stops there).
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryFault {
+    /// The caller could not record what recovery did with the job (`settled` failed).
+    #[error("stopped before changing anything more (start again once the cause is fixed)")]
+    NotRecorded(#[source] super::CallbackError),
+    /// A settled job dir can be neither removed nor moved aside.
+    #[error(
+        "cannot remove {} ({}) nor move it aside; remove it by hand and start again",
+        .dir.display(),
+        crate::report::chain(&**.removal)
+    )]
+    Unremovable {
+        dir: std::path::PathBuf,
+        removal: Box<PublishError>,
+        #[source]
+        aside: MoveAside,
+    },
+    /// A job dir recovery must keep, as it is, cannot be moved aside.
+    #[error(
+        "{} must be kept ({}) but cannot be moved aside; nothing was removed: move it out of \
+         the workspace by hand (keep it: it may hold the only old copy of a target) and start \
+         again",
+        .dir.display(),
+        crate::report::chain(&**.why)
+    )]
+    Unmovable {
+        dir: std::path::PathBuf,
+        why: std::sync::Arc<Kept>,
+        #[source]
+        aside: MoveAside,
+    },
+}
+
 /// Why a dir could not be moved aside.
 #[derive(Debug, thiserror::Error)]
-enum MoveAside {
+pub enum MoveAside {
     #[error("find a free quarantine name (100 taken)")]
     NoFreeName,
-    #[error("stat {path}: {source}")]
+    #[error("stat {path}")]
     Stat {
         path: std::path::PathBuf,
         source: rustix::io::Errno,
     },
-    #[error("move it aside: {0}")]
-    Rename(#[source] PublishError),
+    #[error("move it aside")]
+    Rename(#[source] Box<PublishError>),
 }
 
 /// The first of `.airlock-quarantine-<id>`, `-1`, ... `-99` that does not exist.
@@ -453,7 +507,7 @@ fn move_aside(ws: &Workspace, name: &OsStr, to: &Path) -> Result<(), MoveAside> 
         rustix::fs::renameat_with(ws.fd(), name, ws.fd(), to_name, RenameFlags::NOREPLACE)
     })
     .and_then(|()| fsync_dir(ws.fd(), ws.root()))
-    .map_err(MoveAside::Rename)
+    .map_err(|e| MoveAside::Rename(Box::new(e)))
 }
 
 /// The names in a job dir with no journal other than its staging dir (and the temp file of a

@@ -231,7 +231,7 @@ struct Sums {
     records: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
-fn record(kind: u8, mode: u32, rel: &[u8], datum: &[u8]) -> Vec<u8> {
+pub(super) fn record(kind: u8, mode: u32, rel: &[u8], datum: &[u8]) -> Vec<u8> {
     let mut r = Vec::with_capacity(rel.len() + datum.len() + 12);
     r.push(kind);
     r.push(0);

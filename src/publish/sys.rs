@@ -98,6 +98,13 @@ pub struct FileId {
 }
 
 impl FileId {
+    /// No file: what an in-out target that neither existed nor was created holds.
+    pub const NONE: FileId = FileId {
+        dev: 0,
+        ino: 0,
+        kind: 0,
+    };
+
     // The field types of `Stat` differ between architectures (u64 on x86_64, c_ulong
     // elsewhere); the casts are lossless on every 64-bit Linux target.
     #[allow(clippy::unnecessary_cast)]

@@ -160,7 +160,7 @@ impl Workspace {
         if total >= PATH_MAX {
             return Err(Rejection::TooLongBeneathRoot { total, root });
         }
-        if role == PathRole::Output {
+        if role.writes() {
             let base = rel.file_name().map_or(0, |n| n.len());
             let staged = root + STAGED_OVERHEAD + base;
             if staged >= PATH_MAX {
@@ -176,7 +176,7 @@ impl Workspace {
         let Some((last, parents)) = comps.split_last() else {
             return match role {
                 PathRole::Input => Ok(()),
-                PathRole::Output => Err(Rejection::OutputIsRoot),
+                PathRole::Output | PathRole::InOut => Err(Rejection::OutputIsRoot),
             };
         };
         let mut cur: Option<OwnedFd> = None;
@@ -186,7 +186,7 @@ impl Workspace {
             let dir = cur.as_ref().map_or(self.fd.as_fd(), |f| f.as_fd());
             match open_beneath(dir, comp, OFlags::PATH | OFlags::DIRECTORY) {
                 Ok(fd) => cur = Some(fd),
-                Err(Errno::NOENT) if matches!(role, PathRole::Output) => {
+                Err(Errno::NOENT) if role.writes() => {
                     // The rest does not exist yet: publication creates it beneath the root.
                     return Ok(());
                 }
@@ -213,7 +213,7 @@ impl Workspace {
                     .map(drop)
                     .map_err(|e| walk_error(&prefix, e))
             }
-            PathRole::Output => match (kind, st.map(|st| file_type(&st))) {
+            PathRole::Output | PathRole::InOut => match (kind, st.map(|st| file_type(&st))) {
                 (_, None)
                 | (OutputKind::File, Some(FileType::RegularFile))
                 | (OutputKind::Directory, Some(FileType::Directory)) => Ok(()),
@@ -578,7 +578,7 @@ mod reach_tests {
         for (raw, role, reason, phrase) in cases {
             let refused = ws.resolve(raw, *role).and_then(|rel| match role {
                 PathRole::Input => ws.check_input_reach(raw, &rel),
-                PathRole::Output => Ok(()),
+                PathRole::Output | PathRole::InOut => Ok(()),
             });
             let Err(e) = refused else {
                 panic!("{raw:?} ({role:?}) is accepted");

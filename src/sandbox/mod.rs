@@ -23,8 +23,8 @@ mod wire;
 pub use daemon::{
     default_spawner_exe, explain, sweep_cgroups, Captured, CgroupError, End, Enforcement, Filters,
     Identities, IdentityError, Launch, Lease, LeaseDir, LeaseDirFault, Outcome, Pool,
-    ProgressSender, Registry, Sandbox, SandboxError, SeccompError, Worker, WorkerProgress,
-    NEEDED_CAPS, PROGRESS_FD_ENV, SPAWNER_EXE_ENV,
+    ProgressSender, Registry, RegistryError, Sandbox, SandboxError, SeccompError, Worker,
+    WorkerProgress, NEEDED_CAPS, PROGRESS_FD_ENV, SPAWNER_EXE_ENV,
 };
 pub use spawner::{spawner_main, SPAWNER_ARG};
 

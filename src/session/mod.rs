@@ -39,16 +39,16 @@ pub enum SessionError {
     Exists(String),
     #[error(transparent)]
     BadId(#[from] IdError),
-    #[error("cannot {op} {path}: {source}")]
+    #[error("cannot {op} {path}")]
     Io {
         op: &'static str,
         path: PathBuf,
         source: std::io::Error,
     },
-    /// `cause`: the JSON error (printed, so not a `#[source]`).
-    #[error("corrupt session file {path}: {cause}")]
+    #[error("corrupt session file {path}")]
     Corrupt {
         path: PathBuf,
+        #[source]
         cause: serde_json::Error,
     },
     #[error(transparent)]

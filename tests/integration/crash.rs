@@ -438,6 +438,43 @@ async fn crash_points_a_directory_replaced_by_exchange() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn crash_points_inout_file_changed() {
+    run_scenario(Scenario {
+        name: "in-out file changed",
+        tool: "edit_inout",
+        args: json!({"path": "docs/a.txt", "action": "append:more"}),
+        pre: &[("docs/a.txt", "alpha\n"), ("keep.txt", "untouched")],
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_points_inout_file_deleted() {
+    run_scenario(Scenario {
+        name: "in-out file deleted",
+        tool: "edit_inout",
+        args: json!({"path": "docs/a.txt", "action": "rm"}),
+        pre: &[("docs/a.txt", "alpha\n"), ("keep.txt", "untouched")],
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_points_inout_directory_changed() {
+    run_scenario(Scenario {
+        name: "in-out directory changed",
+        tool: "edit_tree",
+        args: json!({"dir": "docs", "action": "edit"}),
+        pre: &[
+            ("docs/sub/a.txt", "alpha"),
+            ("docs/b.txt", "beta"),
+            ("keep.txt", "untouched"),
+        ],
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn offline_recover_rolls_back_and_is_idempotent() {
     let s = Scenario {
         name: "offline recover",

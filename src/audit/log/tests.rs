@@ -106,7 +106,8 @@ fn a_failing_sink_leaves_no_partial_line() {
     let mut log = log.replace_file_for_test(f);
     let was = head.clone();
     let e = log.append(&mut head, line).unwrap_err();
-    assert!(e.to_string().contains("No space left"), "{e}");
+    let shown = crate::report::chain(&e).to_string();
+    assert!(shown.contains("No space left"), "{shown}");
     assert_eq!(head, was);
     assert_eq!(std::fs::read(&path).unwrap(), before);
 }

@@ -28,6 +28,7 @@ fn tool() -> Tool {
         kind: ToolKind::External(crate::policy::ExternalTool {
             command: crate::policy::Command::parse(["/bin/true"]),
             protocol: crate::policy::Protocol::Argv,
+            python: None,
             timeout: std::time::Duration::from_secs(1),
             profile: std::sync::Arc::new(crate::policy::Profile {
                 name: "test".into(),
@@ -147,9 +148,8 @@ fn session_ids_are_checked_wherever_named() {
         ("a/../b", "holds '/' at byte 1"),
         ("caf\u{e9}", "holds '\u{e9}' at byte 3"),
     ] {
-        let e = validate(&t, &obj(serde_json::json!({"session": id, "out": "a"})))
-            .unwrap_err()
-            .to_string();
+        let e = validate(&t, &obj(serde_json::json!({"session": id, "out": "a"}))).unwrap_err();
+        let e = crate::report::chain(&e).to_string();
         assert!(e.starts_with("argument \"session\": "), "{e}");
         assert!(e.contains(needle), "{e:?} does not say {needle:?}");
         assert!(
@@ -365,6 +365,9 @@ fn predicted_staged_paths_are_the_real_ones() {
             modes: Vec::new(),
             kinds: Vec::new(),
             stage_owner: None,
+            staging_limits: None,
+            hash_limit: None,
+            inout: Vec::new(),
         },
     )
     .unwrap();

@@ -323,7 +323,11 @@ impl Ids {
         match checked(&v) {
             Ok(line) => Inbound::Forward(line),
             Err(e) => {
-                tracing::debug!(method, "ignored a notification rmcp cannot read: {e}");
+                tracing::debug!(
+                    method,
+                    "ignored a notification rmcp cannot read: {}",
+                    crate::report::chain(&e)
+                );
                 Inbound::Ignore
             }
         }

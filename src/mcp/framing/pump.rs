@@ -123,7 +123,7 @@ where
         let frame = match reader.next().await {
             Ok(f) => f,
             Err(e) => {
-                tracing::debug!("connection read failed: {e}");
+                tracing::debug!("connection read failed: {}", crate::report::chain(&e));
                 break Ok(());
             }
         };

@@ -134,7 +134,7 @@ pub fn load_for(dir: &Path, identity: DaemonIdentity) -> Result<Policy, PolicyEr
     }
     let mut tools = crate::policy::builtins();
     for path in toml_files(&mut cx, &dir.join("tools")) {
-        if let Some((tool, name_span, text)) = load_tool(&mut cx, &path, &profiles) {
+        if let Some((tool, name_span, text)) = load_tool(&mut cx, &path, dir, &profiles) {
             if let Some(prev) = tools.get(&tool.name) {
                 let what = match &prev.source {
                     Some(p) => format!("already declared in {}", p.display()),

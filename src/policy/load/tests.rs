@@ -75,7 +75,7 @@ fn with_tool(extra: &str) -> Result<Policy, PolicyErrors> {
 fn with_extra(rel: &str, extra: &str) -> Result<Policy, PolicyErrors> {
     let dir = tempfile::tempdir().expect("tempdir");
     let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
-    for sub in ["", "profiles", "tools"] {
+    for sub in ["", "profiles", "tools", "python", "python/airlock_examples"] {
         std::fs::create_dir_all(dir.path().join(sub)).expect("mkdir");
         for e in std::fs::read_dir(shipped.join(sub))
             .expect("read_dir")
@@ -329,7 +329,7 @@ fn value_errors_read_as_the_loader_reports_them() {
     let out = Some(PathRole::Output);
     assert_eq!(
         parse_output_mode("0644", None).unwrap_err().to_string(),
-        "mode is only for path = \"output\" parameters"
+        "mode is only for path = \"output\" and path = \"inout\" parameters"
     );
     assert_eq!(
         parse_output_mode("x", out).unwrap_err().to_string(),
@@ -355,6 +355,73 @@ fn unknown_grant_subjects_are_named_with_what_the_list_takes() {
     .to_string();
     assert!(e.contains("no user named \"no-such-user-here\" on this system (users = [...] takes account names, or \"@daemon\" for the daemon's own user; uids = [...] takes numbers)"), "{e}");
     assert!(e.contains("no group named \"no-such-group-here\" on this system (groups = [...] takes group names, or \"@daemon\" for the daemon's own group; gids = [...] takes numbers)"), "{e}");
+}
+
+#[test]
+fn python_tools_name_an_entry_and_no_command() {
+    let tool = |body: &str| {
+        format!("name = \"extra\"\ncapability = \"read\"\nprotocol = \"python\"\n{body}")
+    };
+    let p = with_tool(&tool(
+        "entry = \"airlock_examples.wordcount:word_count\"\npython_path = [\"python\"]\n",
+    ))
+    .expect("valid");
+    let ToolKind::External(ext) = &p.tools["extra"].kind else {
+        panic!("external")
+    };
+    let py = ext.python.as_ref().expect("a python entry");
+    assert_eq!(py.interpreter, PathBuf::from(DEFAULT_PYTHON));
+    // Relative to the policy directory, made absolute.
+    assert!(
+        py.path[0].is_absolute() && py.path[0].ends_with("python"),
+        "{py:?}"
+    );
+    assert_eq!(ext.command.written()[0], DEFAULT_PYTHON);
+    for (body, want) in [
+        (
+            "entry = \"pkg.mod\"\n",
+            "extra.toml:4:9: entry \"pkg.mod\" must be",
+        ),
+        (
+            "entry = \"pkg:a:b\"\n",
+            "extra.toml:4:9: entry \"pkg:a:b\" must be",
+        ),
+        (
+            "entry = \"pkg.9x:f\"\n",
+            "extra.toml:4:9: entry \"pkg.9x:f\": \"9x\" is not",
+        ),
+        ("entry = \"pkg:\"\n", "is not a Python identifier"),
+        (
+            "entry = \"m:f\"\ncommand = [\"/bin/true\"]\n",
+            "extra.toml:5:11: a python tool has no command",
+        ),
+        (
+            "entry = \"m:f\"\npython = \"python3\"\n",
+            "extra.toml:5:10: python \"python3\" must be an absolute path",
+        ),
+        (
+            "entry = \"m:f\"\npython_path = [\"no/such/dir\"]\n",
+            "extra.toml:5:16: python_path \"no/such/dir\"",
+        ),
+        ("", "extra.toml:3:12: protocol = \"python\" needs entry"),
+    ] {
+        let e = with_tool(&tool(body)).expect_err(body).to_string();
+        assert!(e.contains(want), "{body}: {e}");
+    }
+    // The python keys on another protocol, and a command-less argv tool.
+    let e = with_tool(
+        "name = \"extra\"\ncapability = \"read\"\ncommand = [\"/bin/true\"]\nentry = \"m:f\"\n",
+    )
+    .expect_err("entry on an argv tool")
+    .to_string();
+    assert!(
+        e.contains("extra.toml:4:9: entry is only for protocol = \"python\" tools"),
+        "{e}"
+    );
+    let e = with_tool("name = \"extra\"\ncapability = \"read\"\n")
+        .expect_err("no command")
+        .to_string();
+    assert!(e.contains("extra.toml:1:8: command is missing"), "{e}");
 }
 
 #[test]
@@ -388,7 +455,7 @@ fn output_kinds_load_and_anything_else_is_refused_with_file_and_line() {
         .to_string();
     assert!(
         e.contains(
-            "extra.toml:8:8: parameter \"out\": kind is only for path = \"output\" parameters"
+            "extra.toml:8:8: parameter \"out\": kind is only for path = \"output\" and path = \"inout\" parameters"
         ),
         "{e}"
     );

@@ -17,8 +17,14 @@ struct RawTool {
     title: Option<Spanned<String>>,
     description: Option<String>,
     capability: Capability,
-    command: Spanned<Vec<Spanned<String>>>,
-    protocol: Option<Protocol>,
+    command: Option<Spanned<Vec<Spanned<String>>>>,
+    protocol: Option<Spanned<Protocol>>,
+    /// `protocol = "python"`: `package.module:function`.
+    entry: Option<Spanned<String>>,
+    /// `protocol = "python"`: the interpreter (absolute).
+    python: Option<Spanned<String>>,
+    /// `protocol = "python"`: directories put first on `sys.path`.
+    python_path: Option<Spanned<Vec<Spanned<String>>>>,
     timeout: Option<Spanned<String>>,
     profile: Option<Spanned<String>>,
     #[serde(default)]
@@ -59,6 +65,7 @@ pub(super) type LoadedTool = (Tool, std::ops::Range<usize>, String);
 pub(super) fn load_tool(
     cx: &mut Cx,
     path: &Path,
+    policy_dir: &Path,
     profiles: &BTreeMap<String, std::sync::Arc<Profile>>,
 ) -> Option<LoadedTool> {
     let text = cx.read(path)?;
@@ -97,12 +104,15 @@ pub(super) fn load_tool(
                 ),
             );
         }
-        if rp.path == Some(PathRole::Output) && raw.capability == Capability::Read {
+        if rp.path.is_some_and(PathRole::writes) && raw.capability == Capability::Read {
             cx.at(
                 path,
                 &text,
                 p.span(),
-                format!("output parameter {pname:?} needs capability = \"write\""),
+                format!(
+                    "{} parameter {pname:?} needs capability = \"write\"",
+                    rp.path.map_or("output", PathRole::as_str)
+                ),
             );
         }
         let default = match &rp.default {
@@ -190,56 +200,34 @@ pub(super) fn load_tool(
             },
         );
     }
-    let command: Vec<String> = raw
-        .command
-        .get_ref()
-        .iter()
-        .map(|s| s.get_ref().clone())
-        .collect();
-    match command.first() {
-        None => cx.at(path, &text, raw.command.span(), "command is empty"),
-        Some(exe) if !Path::new(exe).is_absolute() => {
-            cx.at(
-                path,
-                &text,
-                raw.command.get_ref()[0].span(),
-                format!("executable {exe:?} must be an absolute path"),
-            );
-        }
-        Some(_) => {}
-    }
-    // Parsed once, here: the checks below and every call use the same pieces.
-    let template = Command::parse(&command);
-    for (part, pieces) in raw.command.get_ref().iter().zip(template.elements()) {
-        for ph in pieces.iter().filter_map(|p| match p {
-            Piece::Param(n) => Some(n.as_str()),
-            Piece::Lit(_) => None,
-        }) {
-            let known =
-                params.contains_key(ph) || (ph == "session" && raw.capability == Capability::Write);
-            if !known {
+    let protocol = raw
+        .protocol
+        .as_ref()
+        .map_or(Protocol::Argv, |p| *p.get_ref());
+    let (template, python) = if protocol == Protocol::Python {
+        let python = python_entry(cx, path, &text, &raw, policy_dir);
+        let template = python
+            .as_ref()
+            .map(crate::exec::python_command)
+            .unwrap_or_default();
+        (template, python)
+    } else {
+        for (key, span) in [
+            ("entry", raw.entry.as_ref().map(|e| e.span())),
+            ("python", raw.python.as_ref().map(|e| e.span())),
+            ("python_path", raw.python_path.as_ref().map(|e| e.span())),
+        ] {
+            if let Some(span) = span {
                 cx.at(
                     path,
                     &text,
-                    part.span(),
-                    format!("placeholder {{{ph}}} names no parameter"),
-                );
-            }
-            if params.get(ph).is_some_and(|p: &Param| p.secret) {
-                cx.at(
-                    path,
-                    &text,
-                    part.span(),
-                    format!(
-                        "placeholder {{{ph}}} puts secret parameter {ph:?} on the command line, \
-                         which every local user can read in /proc/PID/cmdline while the worker \
-                         runs; pass it in the worker's environment instead (env = \"NAME\" under \
-                         [params.{ph}]), or use protocol = \"json\" (the request on stdin holds it)"
-                    ),
+                    span,
+                    format!("{key} is only for protocol = \"python\" tools"),
                 );
             }
         }
-    }
+        (command_template(cx, path, &text, &raw, &params), None)
+    };
     let timeout = match &raw.timeout {
         None => Duration::from_secs(30),
         Some(t) => match parse_duration(t.get_ref()) {
@@ -330,9 +318,10 @@ pub(super) fn load_tool(
         capability: raw.capability,
         kind: ToolKind::External(ExternalTool {
             command: template,
-            protocol: raw.protocol.unwrap_or(Protocol::Argv),
+            protocol,
             timeout,
             profile: resolved?,
+            python,
         }),
         params,
         annotations,
@@ -341,9 +330,203 @@ pub(super) fn load_tool(
     Some((tool, raw.name.span(), text))
 }
 
+/// An `argv` or `json` tool's `command`: present, its executable absolute, every placeholder
+/// naming a parameter (or `session` for a write tool), no secret on the command line.
+fn command_template(
+    cx: &mut Cx,
+    path: &Path,
+    text: &str,
+    raw: &RawTool,
+    params: &BTreeMap<String, Param>,
+) -> Command {
+    let Some(raw_command) = &raw.command else {
+        cx.at(
+            path,
+            text,
+            raw.name.span(),
+            "command is missing (an argv or json tool runs a command; a python tool names \
+             its entry with protocol = \"python\")",
+        );
+        return Command::default();
+    };
+    let command: Vec<String> = raw_command
+        .get_ref()
+        .iter()
+        .map(|s| s.get_ref().clone())
+        .collect();
+    match command.first() {
+        None => cx.at(path, text, raw_command.span(), "command is empty"),
+        Some(exe) if !Path::new(exe).is_absolute() => {
+            cx.at(
+                path,
+                text,
+                raw_command.get_ref()[0].span(),
+                format!("executable {exe:?} must be an absolute path"),
+            );
+        }
+        Some(_) => {}
+    }
+    // Parsed once, here: the checks below and every call use the same pieces.
+    let template = Command::parse(&command);
+    for (part, pieces) in raw_command.get_ref().iter().zip(template.elements()) {
+        for ph in pieces.iter().filter_map(|p| match p {
+            Piece::Param(n) => Some(n.as_str()),
+            Piece::Lit(_) => None,
+        }) {
+            let known =
+                params.contains_key(ph) || (ph == "session" && raw.capability == Capability::Write);
+            if !known {
+                cx.at(
+                    path,
+                    text,
+                    part.span(),
+                    format!("placeholder {{{ph}}} names no parameter"),
+                );
+            }
+            if params.get(ph).is_some_and(|p: &Param| p.secret) {
+                cx.at(
+                    path,
+                    text,
+                    part.span(),
+                    format!(
+                        "placeholder {{{ph}}} puts secret parameter {ph:?} on the command line, \
+                         which every local user can read in /proc/PID/cmdline while the worker \
+                         runs; pass it in the worker's environment instead (env = \"NAME\" under \
+                         [params.{ph}]), or use protocol = \"json\" (the request on stdin holds it)"
+                    ),
+                );
+            }
+        }
+    }
+    template
+}
+
+/// A `protocol = "python"` tool's `entry`, `python` and `python_path`, checked: no
+/// `command`, an entry of dotted identifiers with one colon, an absolute interpreter, and
+/// each `python_path` an existing directory (a relative one is beneath the policy
+/// directory). `None` after reporting what is wrong.
+fn python_entry(
+    cx: &mut Cx,
+    path: &Path,
+    text: &str,
+    raw: &RawTool,
+    policy_dir: &Path,
+) -> Option<PythonEntry> {
+    let before = cx.diags.len();
+    if let Some(c) = &raw.command {
+        cx.at(
+            path,
+            text,
+            c.span(),
+            "a python tool has no command: airlock runs its entry with its own runner \
+             (remove command, or use protocol = \"json\")",
+        );
+    }
+    let entry = match &raw.entry {
+        None => {
+            let span = raw.protocol.as_ref().map_or(raw.name.span(), |p| p.span());
+            cx.at(
+                path,
+                text,
+                span,
+                "protocol = \"python\" needs entry = \"package.module:function\"",
+            );
+            String::new()
+        }
+        Some(e) => {
+            if let Err(err) = check_entry(e.get_ref()) {
+                cx.at(path, text, e.span(), err);
+            }
+            e.get_ref().clone()
+        }
+    };
+    let interpreter = match &raw.python {
+        None => std::path::PathBuf::from(DEFAULT_PYTHON),
+        Some(p) => {
+            let v = std::path::PathBuf::from(p.get_ref());
+            if !v.is_absolute() {
+                cx.at(
+                    path,
+                    text,
+                    p.span(),
+                    format!("python {:?} must be an absolute path", p.get_ref()),
+                );
+            }
+            v
+        }
+    };
+    let mut dirs = Vec::new();
+    for d in raw.python_path.iter().flat_map(|l| l.get_ref()) {
+        let written = std::path::Path::new(d.get_ref());
+        let joined = policy_dir.join(written);
+        match std::fs::canonicalize(&joined) {
+            Ok(abs) if abs.is_dir() => dirs.push(abs),
+            Ok(_) => cx.at(
+                path,
+                text,
+                d.span(),
+                format!("python_path {:?} is not a directory", d.get_ref()),
+            ),
+            Err(e) => cx.at(
+                path,
+                text,
+                d.span(),
+                format!(
+                    "python_path {:?} ({}): {e} (a relative entry is beneath the policy \
+                     directory)",
+                    d.get_ref(),
+                    joined.display()
+                ),
+            ),
+        }
+    }
+    (cx.diags.len() == before).then_some(PythonEntry {
+        entry,
+        interpreter,
+        path: dirs,
+    })
+}
+
+/// Why an `entry` is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EntryError {
+    #[error(
+        "entry {0:?} must be \"package.module:function\": one colon between a module and a name"
+    )]
+    NoColon(String),
+    #[error(
+        "entry {entry:?}: {part:?} is not a Python identifier (letters, digits and '_', not \
+         starting with a digit; parts separated by '.')"
+    )]
+    NotAnIdentifier { entry: String, part: String },
+}
+
+/// `package.module:function`: dotted identifiers on each side of exactly one colon.
+pub fn check_entry(entry: &str) -> Result<(), EntryError> {
+    let Some((module, attr)) = entry.split_once(':') else {
+        return Err(EntryError::NoColon(entry.to_string()));
+    };
+    if attr.contains(':') {
+        return Err(EntryError::NoColon(entry.to_string()));
+    }
+    let identifier = |s: &str| {
+        s.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    for part in module.split('.').chain(attr.split('.')) {
+        if !identifier(part) {
+            return Err(EntryError::NotAnIdentifier {
+                entry: entry.to_string(),
+                part: part.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// An output's `kind = "directory"` (or `"file"`, the default): on an output parameter only.
 pub fn parse_output_kind(s: &str, role: Option<PathRole>) -> Result<OutputKind, KindError> {
-    if role != Some(PathRole::Output) {
+    if !role.is_some_and(PathRole::writes) {
         return Err(KindError::NotAnOutput);
     }
     match s {
@@ -358,7 +541,7 @@ pub fn parse_output_kind(s: &str, role: Option<PathRole>) -> Result<OutputKind, 
 /// Why an output's `kind` is refused; `text` is what was written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KindError {
-    #[error("kind is only for path = \"output\" parameters")]
+    #[error("kind is only for path = \"output\" and path = \"inout\" parameters")]
     NotAnOutput,
     #[error("kind {text:?} is not \"file\" or \"directory\"")]
     Unknown { text: String },
@@ -366,7 +549,7 @@ pub enum KindError {
 
 /// An output's `mode = "0755"`: octal, on an output parameter only, carrying no privilege.
 pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, ModeError> {
-    if role != Some(PathRole::Output) {
+    if !role.is_some_and(PathRole::writes) {
         return Err(ModeError::NotAnOutput);
     }
     let text = || s.to_string();
@@ -386,7 +569,7 @@ pub fn parse_output_mode(s: &str, role: Option<PathRole>) -> Result<u32, ModeErr
 /// Why an output's `mode` is refused; `text` is what was written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ModeError {
-    #[error("mode is only for path = \"output\" parameters")]
+    #[error("mode is only for path = \"output\" and path = \"inout\" parameters")]
     NotAnOutput,
     #[error("mode {text:?} is not an octal mode such as \"0644\"")]
     NotOctal { text: String },

@@ -443,7 +443,7 @@ fn child_runs_a_typical_call() {
     match (std::env::var(CHILD_ROOT), std::env::var(CHILD_MARKER)) {
         (Ok(root), Ok(marker)) => match run_call(Path::new(&root), Path::new(&marker), true) {
             Ok(()) => println!("CHILD-RESULT ok"),
-            Err(e) => println!("CHILD-RESULT err {e}"),
+            Err(e) => println!("CHILD-RESULT err {}", crate::report::chain(&e)),
         },
         (Err(VarError::NotPresent), Err(VarError::NotPresent)) => {
             let s = Scenario::new();

@@ -66,6 +66,9 @@ fn spec(id: &str, targets: &[&str]) -> JobSpec {
         modes: Vec::new(),
         kinds: Vec::new(),
         stage_owner: None,
+        staging_limits: None,
+        hash_limit: None,
+        inout: Vec::new(),
     }
 }
 

@@ -141,8 +141,7 @@ fn staging_usage_is_counted_and_limited() {
         matches!(
             &e,
             PublishError::StagingLimit {
-                key: "staging_files",
-                ..
+                limit: StagingLimit::Files { max: 7 }
             }
         ),
         "{e}"
@@ -152,8 +151,7 @@ fn staging_usage_is_counted_and_limited() {
         matches!(
             &e,
             PublishError::StagingLimit {
-                key: "staging_size",
-                ..
+                limit: StagingLimit::Bytes { max: 1048576 }
             }
         ),
         "{e}"

@@ -9,9 +9,9 @@ use std::time::Duration;
 pub enum CgroupError {
     #[error("job id {0:?} cannot name a cgroup")]
     BadJobId(String),
-    #[error("cannot create the cgroup {path}: {source}")]
+    #[error("cannot create the cgroup {path}")]
     Create { path: PathBuf, source: io::Error },
-    #[error("cannot write {value} to {path}: {source}")]
+    #[error("cannot write {value} to {path}")]
     Write {
         path: PathBuf,
         value: u64,
@@ -79,7 +79,7 @@ pub(crate) async fn cgroup_remove(path: &Path) {
             Ok(()) => return,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return,
             Err(e) if attempt == 49 => {
-                tracing::warn!(cgroup = %path.display(), "cannot remove the worker's cgroup: {e}");
+                tracing::warn!(cgroup = %path.display(), "cannot remove the worker's cgroup: {}", crate::report::chain(&e));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
         }

@@ -72,8 +72,8 @@ pub enum IdentityError {
     OwnUid { first: u32, last: u32, uid: u32 },
     #[error("every worker uid of {first}-{last} is in use")]
     Exhausted { first: u32, last: u32 },
-    #[error("cannot read the daemon's capabilities: {0}")]
-    Caps(String),
+    #[error("cannot read the daemon's capabilities")]
+    Caps(#[source] caps::errors::CapsError),
     #[error(
         "worker_uid_lock_dir {dir}: {path} {fault}; the worker uid leases must be in a \
          directory that only root or the daemon's uid {euid} can write, reached through no \
@@ -85,14 +85,14 @@ pub enum IdentityError {
         fault: LeaseDirFault,
         euid: u32,
     },
-    #[error("worker_uid_lock_dir {dir}: cannot {op} {path}: {source}")]
+    #[error("worker_uid_lock_dir {dir}: cannot {op} {path}")]
     LeaseDirIo {
         dir: PathBuf,
         op: &'static str,
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot lease worker uid {uid}: cannot {op} {path}: {source}")]
+    #[error("cannot lease worker uid {uid}: cannot {op} {path}")]
     LeaseFile {
         uid: u32,
         op: &'static str,
@@ -241,8 +241,7 @@ impl Identities {
 
 /// The capabilities of [`NEEDED_CAPS`] the daemon's effective set lacks.
 fn missing_caps() -> Result<Vec<String>, IdentityError> {
-    let effective =
-        caps::read(None, CapSet::Effective).map_err(|e| IdentityError::Caps(e.to_string()))?;
+    let effective = caps::read(None, CapSet::Effective).map_err(IdentityError::Caps)?;
     Ok(NEEDED_CAPS
         .iter()
         .filter(|c| !effective.contains(c))
@@ -285,7 +284,7 @@ impl Pool {
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!("{e}");
+                    tracing::warn!("{}", crate::report::chain(&e));
                     failed.get_or_insert(e);
                 }
             }

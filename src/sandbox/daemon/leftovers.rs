@@ -33,6 +33,31 @@ use serde::{Deserialize, Serialize};
 use super::identity::Pool;
 use super::procfs::{all_processes, read_stat, ProcStat};
 
+/// Why the registry could not be opened or a worker recorded in it.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("create {path}")]
+    Create {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot read /proc/{pgid}/stat")]
+    NoStat { pgid: i32 },
+    #[error("encode the record of worker group {pgid}")]
+    Encode {
+        pgid: i32,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("write {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
 /// The directory of live-worker records.
 #[derive(Debug, Clone)]
 pub struct Registry {
@@ -65,13 +90,16 @@ impl Drop for Entry {
 
 impl Registry {
     /// Opens (creating, 0700) the registry directory.
-    pub fn open(dir: &Path) -> io::Result<Registry> {
+    pub fn open(dir: &Path) -> Result<Registry, RegistryError> {
         use std::os::unix::fs::DirBuilderExt;
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", dir.display())))?;
+            .map_err(|source| RegistryError::Create {
+                path: dir.to_path_buf(),
+                source,
+            })?;
         Ok(Registry {
             dir: dir.to_path_buf(),
         })
@@ -79,9 +107,8 @@ impl Registry {
 
     /// Records the worker whose leader is `pgid` (already forked, not yet running the tool),
     /// with the uid it leased if it has one of its own.
-    pub(crate) fn record(&self, pgid: i32, uid: Option<u32>) -> io::Result<Entry> {
-        let stat = read_stat(pgid)
-            .ok_or_else(|| io::Error::other(format!("cannot read /proc/{pgid}/stat")))?;
+    pub(crate) fn record(&self, pgid: i32, uid: Option<u32>) -> Result<Entry, RegistryError> {
+        let stat = read_stat(pgid).ok_or(RegistryError::NoStat { pgid })?;
         let rec = Record {
             pgid,
             sid: stat.session,
@@ -89,9 +116,12 @@ impl Registry {
             uid,
         };
         let path = self.dir.join(pgid.to_string());
-        let bytes = serde_json::to_vec(&rec).map_err(io::Error::other)?;
-        std::fs::write(&path, bytes)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        let bytes =
+            serde_json::to_vec(&rec).map_err(|source| RegistryError::Encode { pgid, source })?;
+        std::fs::write(&path, bytes).map_err(|source| RegistryError::Write {
+            path: path.clone(),
+            source,
+        })?;
         Ok(Entry { path })
     }
 
@@ -149,7 +179,7 @@ impl Registry {
                         "another process holds the lease of uid {uid} (another daemon's worker \
                          may run under it)"
                     ))),
-                    Err(e) => lines.push(spared(e.to_string())),
+                    Err(e) => lines.push(spared(crate::report::chain(&e).to_string())),
                 },
             }
         }
@@ -242,7 +272,7 @@ pub fn sweep_cgroups(parent: &Path) -> Vec<String> {
                 }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => break,
                 Err(e) if Instant::now() > deadline => {
-                    tracing::warn!(cgroup = %path.display(), "cannot remove a leftover worker cgroup: {e}");
+                    tracing::warn!(cgroup = %path.display(), "cannot remove a leftover worker cgroup: {}", crate::report::chain(&e));
                     break;
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),

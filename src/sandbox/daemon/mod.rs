@@ -55,7 +55,7 @@ pub use cgroup::CgroupError;
 pub use explain::explain;
 pub use filters::Filters;
 pub use identity::{Identities, IdentityError, Lease, LeaseDir, LeaseDirFault, Pool, NEEDED_CAPS};
-pub use leftovers::{sweep_cgroups, Registry};
+pub use leftovers::{sweep_cgroups, Registry, RegistryError};
 pub use progress::{ProgressSender, WorkerProgress, PROGRESS_FD_ENV};
 pub use seccomp::SeccompError;
 
@@ -105,20 +105,20 @@ pub enum SandboxError {
         errno: i32,
         message: String,
     },
-    #[error("cannot start the launcher {exe}: {source}")]
+    #[error("cannot start the launcher {exe}")]
     Spawn {
         exe: PathBuf,
         source: std::io::Error,
     },
     /// The launch request itself is unusable (checked before any fork).
-    #[error("invalid launch: {0}")]
-    Invalid(InvalidLaunch),
+    #[error("invalid launch")]
+    Invalid(#[source] InvalidLaunch),
     #[error(transparent)]
     Seccomp(#[from] SeccompError),
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
     /// Talking to the launcher, or waiting for the worker, failed.
-    #[error("worker {pid}: cannot {what}: {source}")]
+    #[error("worker {pid}: cannot {what}")]
     Io {
         pid: u32,
         what: &'static str,
@@ -130,12 +130,12 @@ pub enum SandboxError {
     /// `Sandbox::start` a second time in this process.
     #[error("the sandbox is started once per process")]
     StartedTwice,
-    #[error("cannot start the orphan reaper: PR_SET_CHILD_SUBREAPER: {0}")]
-    Subreaper(rustix::io::Errno),
-    #[error("cannot start the orphan reaper: {0}")]
-    Reaper(std::io::Error),
-    #[error("cannot start the spawner: {0}")]
-    Spawner(std::io::Error),
+    #[error("cannot start the orphan reaper: PR_SET_CHILD_SUBREAPER")]
+    Subreaper(#[source] rustix::io::Errno),
+    #[error("cannot start the orphan reaper")]
+    Reaper(#[source] std::io::Error),
+    #[error("cannot start the spawner")]
+    Spawner(#[source] std::io::Error),
     /// `finish` called on a worker already finished.
     #[error("worker {pid} is already finished")]
     AlreadyFinished { pid: u32 },
@@ -151,8 +151,8 @@ pub enum InvalidLaunch {
     EmptyArgv,
     #[error("argv[0] {0:?} is not an absolute path")]
     RelativeProgram(String),
-    #[error("unencodable spec: {0}")]
-    Unencodable(serde_json::Error),
+    #[error("unencodable spec")]
+    Unencodable(#[source] serde_json::Error),
 }
 
 /// How a worker ended.
@@ -440,7 +440,11 @@ impl Worker {
             None => None,
             Some(Ok(entry)) => Some(entry),
             Some(Err(e)) => {
-                tracing::warn!(pid, "cannot record the worker for the next start: {e}");
+                tracing::warn!(
+                    pid,
+                    "cannot record the worker for the next start: {}",
+                    crate::report::chain(&e)
+                );
                 None
             }
         };

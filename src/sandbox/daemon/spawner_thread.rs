@@ -87,7 +87,10 @@ impl SpawnerThread {
                     match req {
                         Request::WarmUp => {
                             if let Err(e) = running(&mut process, &exe, &leaders) {
-                                tracing::warn!("cannot start the spawner process: {e}");
+                                tracing::warn!(
+                                    "cannot start the spawner process: {}",
+                                    crate::report::chain(&e)
+                                );
                             }
                         }
                         Request::Spawn {
@@ -370,7 +373,10 @@ fn spawn_now(
             Err(Failed::Undelivered(e)) if !retried => e,
             Err(Failed::Undelivered(e) | Failed::Lost(e)) => {
                 drop(leaders);
-                tracing::warn!("the spawner process is gone or stuck ({e}); replacing it");
+                tracing::warn!(
+                    "the spawner process is gone or stuck ({}); replacing it",
+                    crate::report::chain(&e)
+                );
                 if let Some(old) = process.take() {
                     old.stop();
                 }

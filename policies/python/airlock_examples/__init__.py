@@ -1,0 +1,1 @@
+"""airlock's example Python-callable tools (policies/tools/word_count.toml)."""
