@@ -257,31 +257,6 @@ async fn inout_edits_deletions_and_no_ops_strict_profile_unprivileged() {
     edits_deletions_and_no_ops("strict", As::Nobody).await;
 }
 
-/// The failpoint index of `name` in an `edit_inout` call with `action` on `docs/a.txt`, from a
-/// reference run.
-async fn point_index(tool: &str, args: &Value, name: &str) -> u64 {
-    let mut d = Daemon::new();
-    prepare(&d);
-    let log = d.dir.path().join("points.log");
-    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
-    d.start();
-    let c = d.client().await;
-    session(&c, "r").await;
-    std::fs::write(&log, "").unwrap();
-    let mut a = args.clone();
-    a["session"] = "r".into();
-    let r = call(&c, tool, a).await;
-    assert!(!is_error(&r), "{r}");
-    let text = std::fs::read_to_string(&log).unwrap();
-    let line = text
-        .lines()
-        .find(|l| l.ends_with(&format!(" {name}")))
-        .unwrap_or_else(|| {
-            panic!("no failpoint {name} in:\n{text}\n(built without --features failpoints?)")
-        });
-    line.split_whitespace().next().unwrap().parse().unwrap()
-}
-
 /// Someone else edits the target while the call is paused at `point`: the call fails with
 /// CONFLICT, that edit survives, the session keeps its version, nothing is left behind.
 async fn outside_edit_is_a_conflict(action: &str, point: &str, edit: impl FnOnce(&Path)) {
@@ -308,7 +283,7 @@ fn prepare(d: &Daemon) {
 /// the call must be a CONFLICT naming `args["path"]` or `args["dir"]`, the session unmoved,
 /// nothing left behind.
 async fn conflict_at(tool: &str, args: Value, point: &str, edit: impl FnOnce(&Path)) -> Daemon {
-    let index = point_index(tool, &args, point).await;
+    let index = crate::race::point_index(tool, &args, prepare, point).await;
     let mut d = Daemon::new();
     prepare(&d);
     let log = d.dir.path().join("points.log");

@@ -86,7 +86,9 @@ pub(super) fn seed_tree(
         owner: spec.stage_owner,
         max_entries,
         max_bytes,
-        hash_limit: spec.hash_limit.unwrap_or(crate::publish::DEFAULT_HASH_LIMIT),
+        hash_limit: spec
+            .hash_limit
+            .unwrap_or(crate::publish::DEFAULT_HASH_LIMIT),
         top_mode: declared_mode
             .unwrap_or(st.st_mode & 0o7777 & !crate::policy::FORBIDDEN_OUTPUT_BITS),
     };
