@@ -241,6 +241,7 @@ impl Job {
                         base,
                         &slot_path.join(base),
                         spec.stage_owner,
+                        spec.staging_limits.map(|(_, bytes)| bytes),
                     )?
                 } else {
                     (None, None)

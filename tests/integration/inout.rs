@@ -545,3 +545,74 @@ async fn an_outside_edit_deep_in_an_inout_directory_is_a_conflict() {
     .await;
     assert_eq!(d.read("tree/sub/theirs.txt").as_deref(), Some("theirs"));
 }
+
+/// An in-out file over the profile's `staging_size`, or a tree over its `staging_files`, is
+/// refused before it is copied: nothing is created, the worker never runs, the daemon serves.
+#[tokio::test]
+async fn an_inout_target_over_the_staging_limits_is_refused_before_the_copy() {
+    let mut d = Daemon::new();
+    let default = std::fs::read_to_string(d.policies.join("profiles/default.toml")).unwrap();
+    let tiny: String = default
+        .lines()
+        .map(|l| match l.split('=').next().unwrap_or("").trim() {
+            "staging_size" => "staging_size = \"4KiB\"".to_string(),
+            "staging_files" => "staging_files = 5".to_string(),
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(tiny.contains("staging_size = \"4KiB\""), "{tiny}");
+    std::fs::write(d.policies.join("profiles/tiny.toml"), tiny).unwrap();
+    for tool in ["edit_inout", "edit_tree"] {
+        let src = std::fs::read_to_string(repo().join(format!("tests/tools/{tool}.toml"))).unwrap();
+        d.add_tool(
+            tool,
+            &src.replace(
+                "capability = \"write\"",
+                "capability = \"write\"\nprofile = \"tiny\"",
+            ),
+        );
+    }
+    d.write("big.txt", &"x".repeat(8192));
+    for i in 0..10 {
+        d.write(&format!("many/f{i}"), "f");
+    }
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(
+        &c,
+        "edit_inout",
+        json!({"session": "s", "path": "big.txt", "action": "keep"}),
+    )
+    .await;
+    assert_eq!(code(&r), "PATH_REJECTED", "{r}");
+    assert!(
+        text(&r).contains("8192 bytes") && text(&r).contains("staging_size"),
+        "{r}"
+    );
+    let r = call(
+        &c,
+        "edit_tree",
+        json!({"session": "s", "dir": "many", "action": "keep"}),
+    )
+    .await;
+    assert_eq!(code(&r), "PATH_REJECTED", "{r}");
+    assert!(text(&r).contains("staging_files"), "{r}");
+    let events = audit(&c).await;
+    let worker_ran = |e: &Value| {
+        e["kind"] == "start" && e["tool"].as_str().is_some_and(|t| t.starts_with("edit_"))
+    };
+    assert!(!events.iter().any(worker_ran), "a worker ran: {events:?}");
+    assert_eq!(version(&c, "s").await, 0);
+    assert_clean(&d);
+    // Within the limits, the same tools run.
+    let r = call(
+        &c,
+        "edit_inout",
+        json!({"session": "s", "path": "many/f0", "action": "append:g"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("many/f0").as_deref(), Some("fg"));
+}

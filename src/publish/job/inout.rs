@@ -16,6 +16,7 @@ pub(super) fn seed_copy(
     base: &OsStr,
     staged_abs: &Path,
     owner: Option<(u32, u32)>,
+    max_bytes: Option<u64>,
 ) -> Result<(Option<Origin>, Option<Origin>), PublishError> {
     let changed = |reason: Change| PublishError::TargetChanged {
         path: target_abs.to_path_buf(),
@@ -32,6 +33,16 @@ pub(super) fn seed_copy(
         return Err(changed(Change::NowA(describe(file_type(&st)))));
     }
     let origin = Origin::of(&st);
+    // The copy counts against staging: refuse one over the limit before making it.
+    if let Some(max) = max_bytes.filter(|max| origin.size > *max) {
+        return Err(PublishError::InOutCopy {
+            path: target_abs.to_path_buf(),
+            refusal: copy::CopyRefusal::FileTooLarge {
+                size: origin.size,
+                max,
+            },
+        });
+    }
     let src = open_beneath(root, target, OFlags::RDONLY | OFlags::NONBLOCK)
         .map_err(|e| io("open in-out target", target_abs, e))?;
     let now =
@@ -57,7 +68,7 @@ pub(super) fn seed_copy(
 /// Gives in-out directory `target` to the worker: a private copy of the tree in its slot
 /// ([`copy::copy_tree`]), bounded by the spec's staging limits. `None` when the target does
 /// not exist (the worker finds nothing at the staged path). A tree that cannot be copied is
-/// [`PublishError::InOutTree`].
+/// [`PublishError::InOutCopy`].
 #[allow(clippy::too_many_arguments)]
 pub(super) fn seed_tree(
     root: BorrowedFd<'_>,
@@ -94,7 +105,7 @@ pub(super) fn seed_tree(
     };
     match copy::copy_tree(src.as_fd(), target_abs, slot, base, staged_abs, &how) {
         Ok(t) => Ok(Some(t)),
-        Err(Ok(refusal)) => Err(PublishError::InOutTree {
+        Err(Ok(refusal)) => Err(PublishError::InOutCopy {
             path: target_abs.to_path_buf(),
             refusal,
         }),
