@@ -3,21 +3,37 @@
 
 use super::*;
 
+/// Where an in-out target is, and where its copy goes.
+pub(super) struct Seed<'a> {
+    pub root: BorrowedFd<'a>,
+    /// Relative to the workspace root.
+    pub target: &'a Path,
+    pub target_abs: PathBuf,
+    /// The target's staging slot, and the copy's name in it.
+    pub slot: BorrowedFd<'a>,
+    pub base: &'a OsStr,
+    pub staged_abs: PathBuf,
+}
+
 /// Gives in-out target `target` (`target_abs` for messages) to the worker: a private copy of
 /// it in its staging slot under its own name, owned by the worker (`owner`) or the daemon,
 /// mode 0600 plus the original's execute bits. Returns the target's snapshot, taken before
 /// the copy, and the copy's, taken once it is the worker's; `(None, None)` when the target
 /// does not exist (the worker finds nothing at the staged path).
 pub(super) fn seed_copy(
-    root: BorrowedFd<'_>,
-    target_abs: &Path,
-    target: &Path,
-    slot: BorrowedFd<'_>,
-    base: &OsStr,
-    staged_abs: &Path,
-    owner: Option<(u32, u32)>,
-    max_bytes: Option<u64>,
+    s: &Seed<'_>,
+    spec: &JobSpec,
 ) -> Result<(Option<Origin>, Option<Origin>), PublishError> {
+    let Seed {
+        root,
+        target,
+        slot,
+        base,
+        ..
+    } = *s;
+    let (target_abs, staged_abs) = (s.target_abs.as_path(), s.staged_abs.as_path());
+    let owner = spec.stage_owner;
+    let max_bytes = spec.staging_limits.map(|(_, bytes)| bytes);
     let changed = |reason: Change| PublishError::TargetChanged {
         path: target_abs.to_path_buf(),
         reason,
@@ -69,17 +85,19 @@ pub(super) fn seed_copy(
 /// ([`copy::copy_tree`]), bounded by the spec's staging limits. `None` when the target does
 /// not exist (the worker finds nothing at the staged path). A tree that cannot be copied is
 /// [`PublishError::InOutCopy`].
-#[allow(clippy::too_many_arguments)]
 pub(super) fn seed_tree(
-    root: BorrowedFd<'_>,
-    target_abs: &Path,
-    target: &Path,
-    slot: BorrowedFd<'_>,
-    base: &OsStr,
-    staged_abs: &Path,
+    s: &Seed<'_>,
     spec: &JobSpec,
     declared_mode: Option<u32>,
 ) -> Result<Option<copy::TreeOrigin>, PublishError> {
+    let Seed {
+        root,
+        target,
+        slot,
+        base,
+        ..
+    } = *s;
+    let (target_abs, staged_abs) = (s.target_abs.as_path(), s.staged_abs.as_path());
     let src = match open_dir_beneath(root, target) {
         Ok(fd) => fd,
         Err(Errno::NOENT) => return Ok(None),
