@@ -728,6 +728,8 @@ fn which(cmd: &str) -> Option<String> {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let short = args.iter().any(|a| a == "--short");
+    // `--real-tools`: only the real tools' rows (edit_file, a tree extracted, an in-out tree).
+    let only_tools = args.iter().any(|a| a == "--real-tools");
     let plan = Plan::new(short);
     machine();
     println!(
@@ -753,6 +755,11 @@ fn main() {
     let mut c = Conn::open(&d);
     c.call("session_create", json!({"id": "bench"}));
 
+    if only_tools {
+        real_tools(&mut t, &plan, &d, &mut c);
+        t.print();
+        return;
+    }
     let bare = Series::measure(plan.iters, bare_fork_exec);
     t.row("bare fork/exec/wait of /bin/true", &bare, "", "");
     let bwrap = which("bwrap").map(|bw| {

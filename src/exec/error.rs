@@ -185,7 +185,7 @@ impl CallError {
             CallError::Timeout { .. } => ErrorCode::ToolTimeout,
             CallError::ToolFailed(_) | CallError::ToolReported { .. } => ErrorCode::ToolFailed,
             CallError::Staging(PublishError::StagingLimit { .. }) => ErrorCode::ToolFailed,
-            CallError::Job(PublishError::InOutTree { .. }) => ErrorCode::PathRejected,
+            CallError::Job(PublishError::InOutCopy { .. }) => ErrorCode::PathRejected,
             CallError::Job(_) | CallError::Staging(_) | CallError::Publish { .. } => {
                 ErrorCode::PublishFailed
             }

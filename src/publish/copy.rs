@@ -178,9 +178,9 @@ pub(super) struct TreeOrigin {
     pub manifest: Option<String>,
 }
 
-/// Why an in-out directory cannot be copied for the worker.
+/// Why an in-out target cannot be copied for the worker.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum TreeRefusal {
+pub enum CopyRefusal {
     #[error("its entry {} is {kind}; an in-out directory holds regular files, directories and symlinks that stay inside it", crate::text::shown(entry))]
     Special { entry: String, kind: &'static str },
     #[error(
@@ -197,6 +197,8 @@ pub enum TreeRefusal {
     TooManyEntries { max: u64 },
     #[error("it holds more than {max} bytes of files, over the profile's [limits] staging_size")]
     TooLarge { max: u64 },
+    #[error("it is {size} bytes, over the profile's [limits] staging_size ({max} bytes)")]
+    FileTooLarge { size: u64, max: u64 },
 }
 
 /// Bounds and settings of one tree copy.
@@ -222,7 +224,7 @@ pub(super) fn copy_tree(
     name: &OsStr,
     staged_abs: &Path,
     how: &TreeCopy,
-) -> Result<TreeOrigin, Result<TreeRefusal, PublishError>> {
+) -> Result<TreeOrigin, Result<CopyRefusal, PublishError>> {
     let st = rustix::fs::fstat(src).map_err(|e| Err(io("stat in-out directory", src_abs, e)))?;
     let dir_mode = |m: u32| (m & 0o755) | 0o700;
     mutate("publish.copy_inout", staged_abs, || {
@@ -276,7 +278,7 @@ struct CopyCx<'a> {
     all_hashed: bool,
 }
 
-type CopyResult<T> = Result<T, Result<TreeRefusal, PublishError>>;
+type CopyResult<T> = Result<T, Result<CopyRefusal, PublishError>>;
 
 /// Owner (when the worker has its own uid), then mode, of the open entry `fd`.
 fn give(
@@ -311,7 +313,7 @@ fn copy_level(
     use rustix::fs::{FileType, OFlags};
     use std::os::unix::ffi::OsStrExt;
     if depth >= MAX_TREE_DEPTH {
-        return Err(Ok(TreeRefusal::TooDeep));
+        return Err(Ok(CopyRefusal::TooDeep));
     }
     let mut names = Vec::new();
     let dup = rustix::fs::openat(
@@ -347,7 +349,7 @@ fn copy_level(
         };
         cx.entries.push((rel.clone(), Origin::of(&st)));
         if cx.entries.len() as u64 > cx.how.max_entries + 1 {
-            return Err(Ok(TreeRefusal::TooManyEntries {
+            return Err(Ok(CopyRefusal::TooManyEntries {
                 max: cx.how.max_entries,
             }));
         }
@@ -379,7 +381,7 @@ fn copy_level(
                 cx.files += 1;
                 cx.bytes = cx.bytes.saturating_add(size);
                 if cx.bytes > cx.how.max_bytes {
-                    return Err(Ok(TreeRefusal::TooLarge {
+                    return Err(Ok(CopyRefusal::TooLarge {
                         max: cx.how.max_bytes,
                     }));
                 }
@@ -402,7 +404,7 @@ fn copy_level(
                     .map_err(|e| Err(io("read symlink", &sabs, e)))?;
                 let target = target.as_bytes();
                 if !super::staged_tree::link_stays_inside(target, depth) {
-                    return Err(Ok(TreeRefusal::EscapingSymlink {
+                    return Err(Ok(CopyRefusal::EscapingSymlink {
                         entry: shown(),
                         target: String::from_utf8_lossy(target).into_owned(),
                     }));
@@ -429,7 +431,7 @@ fn copy_level(
                 ));
             }
             ft => {
-                return Err(Ok(TreeRefusal::Special {
+                return Err(Ok(CopyRefusal::Special {
                     entry: shown(),
                     kind: super::sys::describe(ft),
                 }))

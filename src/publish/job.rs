@@ -26,7 +26,7 @@ mod inout;
 mod rollback;
 mod validate;
 
-use inout::{check_origin, current, seed_copy, seed_tree};
+use inout::{check_origin, current, seed_copy, seed_tree, Seed};
 pub use rollback::Unreached;
 pub(super) use rollback::{rollback, unreachable_targets, Rolled};
 
@@ -213,35 +213,28 @@ impl Job {
                     }
                 }
                 let mut tree = None;
-                let (origin, copy) = if inout && kind == OutputKind::Directory {
+                let (origin, copy) = if inout {
                     let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
                         .map_err(|e| io("open staging dir", &slot_path, e))?;
-                    let top_mode = spec.modes.get(i).copied().flatten();
-                    let t = seed_tree(
-                        root.as_fd(),
-                        &ws.root().join(target),
+                    let seed = Seed {
+                        root: root.as_fd(),
                         target,
-                        slot_fd.as_fd(),
+                        target_abs: ws.root().join(target),
+                        slot: slot_fd.as_fd(),
                         base,
-                        &slot_path.join(base),
-                        &spec,
-                        top_mode,
-                    )?;
-                    let origin = t.as_ref().and_then(|t| t.entries.first()).map(|(_, o)| *o);
-                    tree = t;
-                    (origin, None)
-                } else if inout {
-                    let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
-                        .map_err(|e| io("open staging dir", &slot_path, e))?;
-                    seed_copy(
-                        root.as_fd(),
-                        &ws.root().join(target),
-                        target,
-                        slot_fd.as_fd(),
-                        base,
-                        &slot_path.join(base),
-                        spec.stage_owner,
-                    )?
+                        staged_abs: slot_path.join(base),
+                    };
+                    if kind == OutputKind::Directory {
+                        let declared = spec.modes.get(i).copied().flatten();
+                        tree = seed_tree(&seed, &spec, declared)?;
+                        let origin = tree
+                            .as_ref()
+                            .and_then(|t| t.entries.first())
+                            .map(|(_, o)| *o);
+                        (origin, None)
+                    } else {
+                        seed_copy(&seed, &spec)?
+                    }
                 } else {
                     (None, None)
                 };

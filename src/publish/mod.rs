@@ -52,7 +52,7 @@ mod testsim;
 use std::path::PathBuf;
 
 pub use crate::policy::OutputKind;
-pub use copy::{Conflict, TreeRefusal};
+pub use copy::{Conflict, CopyRefusal};
 pub use job::Job;
 pub use job::Unreached;
 pub use journal::Phase;
@@ -126,11 +126,11 @@ pub enum PublishError {
     /// its publication: publishing would lose that change, so nothing is published.
     #[error("{path} was changed by someone else while the tool edited its copy ({what}); nothing was published")]
     Conflict { path: PathBuf, what: Conflict },
-    /// An in-out directory cannot be given to the worker as a copy: nothing ran.
-    #[error("in-out directory {path} cannot be copied for the tool: {refusal}")]
-    InOutTree {
+    /// An in-out target cannot be given to the worker as a copy: nothing ran.
+    #[error("in-out target {path} cannot be copied for the tool: {refusal}")]
+    InOutCopy {
         path: PathBuf,
-        refusal: copy::TreeRefusal,
+        refusal: copy::CopyRefusal,
     },
     /// Publication failed and so did the rollback: the targets may be mixed until startup
     /// recovery runs; the job dir and its journal are kept for it.

@@ -257,31 +257,6 @@ async fn inout_edits_deletions_and_no_ops_strict_profile_unprivileged() {
     edits_deletions_and_no_ops("strict", As::Nobody).await;
 }
 
-/// The failpoint index of `name` in an `edit_inout` call with `action` on `docs/a.txt`, from a
-/// reference run.
-async fn point_index(tool: &str, args: &Value, name: &str) -> u64 {
-    let mut d = Daemon::new();
-    prepare(&d);
-    let log = d.dir.path().join("points.log");
-    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
-    d.start();
-    let c = d.client().await;
-    session(&c, "r").await;
-    std::fs::write(&log, "").unwrap();
-    let mut a = args.clone();
-    a["session"] = "r".into();
-    let r = call(&c, tool, a).await;
-    assert!(!is_error(&r), "{r}");
-    let text = std::fs::read_to_string(&log).unwrap();
-    let line = text
-        .lines()
-        .find(|l| l.ends_with(&format!(" {name}")))
-        .unwrap_or_else(|| {
-            panic!("no failpoint {name} in:\n{text}\n(built without --features failpoints?)")
-        });
-    line.split_whitespace().next().unwrap().parse().unwrap()
-}
-
 /// Someone else edits the target while the call is paused at `point`: the call fails with
 /// CONFLICT, that edit survives, the session keeps its version, nothing is left behind.
 async fn outside_edit_is_a_conflict(action: &str, point: &str, edit: impl FnOnce(&Path)) {
@@ -308,7 +283,7 @@ fn prepare(d: &Daemon) {
 /// the call must be a CONFLICT naming `args["path"]` or `args["dir"]`, the session unmoved,
 /// nothing left behind.
 async fn conflict_at(tool: &str, args: Value, point: &str, edit: impl FnOnce(&Path)) -> Daemon {
-    let index = point_index(tool, &args, point).await;
+    let index = crate::race::point_index(tool, &args, prepare, point).await;
     let mut d = Daemon::new();
     prepare(&d);
     let log = d.dir.path().join("points.log");
@@ -569,4 +544,75 @@ async fn an_outside_edit_deep_in_an_inout_directory_is_a_conflict() {
     )
     .await;
     assert_eq!(d.read("tree/sub/theirs.txt").as_deref(), Some("theirs"));
+}
+
+/// An in-out file over the profile's `staging_size`, or a tree over its `staging_files`, is
+/// refused before it is copied: nothing is created, the worker never runs, the daemon serves.
+#[tokio::test]
+async fn an_inout_target_over_the_staging_limits_is_refused_before_the_copy() {
+    let mut d = Daemon::new();
+    let default = std::fs::read_to_string(d.policies.join("profiles/default.toml")).unwrap();
+    let tiny: String = default
+        .lines()
+        .map(|l| match l.split('=').next().unwrap_or("").trim() {
+            "staging_size" => "staging_size = \"4KiB\"".to_string(),
+            "staging_files" => "staging_files = 5".to_string(),
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(tiny.contains("staging_size = \"4KiB\""), "{tiny}");
+    std::fs::write(d.policies.join("profiles/tiny.toml"), tiny).unwrap();
+    for tool in ["edit_inout", "edit_tree"] {
+        let src = std::fs::read_to_string(repo().join(format!("tests/tools/{tool}.toml"))).unwrap();
+        d.add_tool(
+            tool,
+            &src.replace(
+                "capability = \"write\"",
+                "capability = \"write\"\nprofile = \"tiny\"",
+            ),
+        );
+    }
+    d.write("big.txt", &"x".repeat(8192));
+    for i in 0..10 {
+        d.write(&format!("many/f{i}"), "f");
+    }
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(
+        &c,
+        "edit_inout",
+        json!({"session": "s", "path": "big.txt", "action": "keep"}),
+    )
+    .await;
+    assert_eq!(code(&r), "PATH_REJECTED", "{r}");
+    assert!(
+        text(&r).contains("8192 bytes") && text(&r).contains("staging_size"),
+        "{r}"
+    );
+    let r = call(
+        &c,
+        "edit_tree",
+        json!({"session": "s", "dir": "many", "action": "keep"}),
+    )
+    .await;
+    assert_eq!(code(&r), "PATH_REJECTED", "{r}");
+    assert!(text(&r).contains("staging_files"), "{r}");
+    let events = audit(&c).await;
+    let worker_ran = |e: &Value| {
+        e["kind"] == "start" && e["tool"].as_str().is_some_and(|t| t.starts_with("edit_"))
+    };
+    assert!(!events.iter().any(worker_ran), "a worker ran: {events:?}");
+    assert_eq!(version(&c, "s").await, 0);
+    assert_clean(&d);
+    // Within the limits, the same tools run.
+    let r = call(
+        &c,
+        "edit_inout",
+        json!({"session": "s", "path": "many/f0", "action": "append:g"}),
+    )
+    .await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("many/f0").as_deref(), Some("fg"));
 }

@@ -11,12 +11,16 @@ use serde_json::{json, Value};
 
 use crate::harness::*;
 
-/// The index of the first failpoint named `name` in a call of `tool`, from a reference run.
-async fn point_index(args: &Value, pre: &[(&str, &str)], name: &str) -> u64 {
+/// The index of the first failpoint named `name` in a call of `tool` with `args` (its
+/// `session` added), from a reference run on a daemon `prepare` set up.
+pub(crate) async fn point_index(
+    tool: &str,
+    args: &Value,
+    prepare: impl FnOnce(&Daemon),
+    name: &str,
+) -> u64 {
     let mut d = Daemon::new();
-    for (p, c) in pre {
-        d.write(p, c);
-    }
+    prepare(&d);
     let log = d.dir.path().join("points.log");
     d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
     d.start();
@@ -25,7 +29,7 @@ async fn point_index(args: &Value, pre: &[(&str, &str)], name: &str) -> u64 {
     std::fs::write(&log, "").unwrap();
     let mut a = args.clone();
     a["session"] = "r".into();
-    let r = call(&c, "two_outputs", a).await;
+    let r = call(&c, tool, a).await;
     assert!(!is_error(&r), "{r}");
     let text = std::fs::read_to_string(&log).unwrap();
     let line = text
@@ -52,7 +56,17 @@ async fn run_race(
     point_name: &str,
     attack: impl FnOnce(&Path, &Path),
 ) -> (Race, Value) {
-    let index = point_index(&args, pre, point_name).await;
+    let index = point_index(
+        "two_outputs",
+        &args,
+        |d| {
+            for (p, c) in pre {
+                d.write(p, c);
+            }
+        },
+        point_name,
+    )
+    .await;
     let mut d = Daemon::new();
     for (p, c) in pre {
         d.write(p, c);

@@ -3,20 +3,37 @@
 
 use super::*;
 
+/// Where an in-out target is, and where its copy goes.
+pub(super) struct Seed<'a> {
+    pub root: BorrowedFd<'a>,
+    /// Relative to the workspace root.
+    pub target: &'a Path,
+    pub target_abs: PathBuf,
+    /// The target's staging slot, and the copy's name in it.
+    pub slot: BorrowedFd<'a>,
+    pub base: &'a OsStr,
+    pub staged_abs: PathBuf,
+}
+
 /// Gives in-out target `target` (`target_abs` for messages) to the worker: a private copy of
 /// it in its staging slot under its own name, owned by the worker (`owner`) or the daemon,
 /// mode 0600 plus the original's execute bits. Returns the target's snapshot, taken before
 /// the copy, and the copy's, taken once it is the worker's; `(None, None)` when the target
 /// does not exist (the worker finds nothing at the staged path).
 pub(super) fn seed_copy(
-    root: BorrowedFd<'_>,
-    target_abs: &Path,
-    target: &Path,
-    slot: BorrowedFd<'_>,
-    base: &OsStr,
-    staged_abs: &Path,
-    owner: Option<(u32, u32)>,
+    s: &Seed<'_>,
+    spec: &JobSpec,
 ) -> Result<(Option<Origin>, Option<Origin>), PublishError> {
+    let Seed {
+        root,
+        target,
+        slot,
+        base,
+        ..
+    } = *s;
+    let (target_abs, staged_abs) = (s.target_abs.as_path(), s.staged_abs.as_path());
+    let owner = spec.stage_owner;
+    let max_bytes = spec.staging_limits.map(|(_, bytes)| bytes);
     let changed = |reason: Change| PublishError::TargetChanged {
         path: target_abs.to_path_buf(),
         reason,
@@ -32,6 +49,16 @@ pub(super) fn seed_copy(
         return Err(changed(Change::NowA(describe(file_type(&st)))));
     }
     let origin = Origin::of(&st);
+    // The copy counts against staging: refuse one over the limit before making it.
+    if let Some(max) = max_bytes.filter(|max| origin.size > *max) {
+        return Err(PublishError::InOutCopy {
+            path: target_abs.to_path_buf(),
+            refusal: copy::CopyRefusal::FileTooLarge {
+                size: origin.size,
+                max,
+            },
+        });
+    }
     let src = open_beneath(root, target, OFlags::RDONLY | OFlags::NONBLOCK)
         .map_err(|e| io("open in-out target", target_abs, e))?;
     let now =
@@ -57,18 +84,20 @@ pub(super) fn seed_copy(
 /// Gives in-out directory `target` to the worker: a private copy of the tree in its slot
 /// ([`copy::copy_tree`]), bounded by the spec's staging limits. `None` when the target does
 /// not exist (the worker finds nothing at the staged path). A tree that cannot be copied is
-/// [`PublishError::InOutTree`].
-#[allow(clippy::too_many_arguments)]
+/// [`PublishError::InOutCopy`].
 pub(super) fn seed_tree(
-    root: BorrowedFd<'_>,
-    target_abs: &Path,
-    target: &Path,
-    slot: BorrowedFd<'_>,
-    base: &OsStr,
-    staged_abs: &Path,
+    s: &Seed<'_>,
     spec: &JobSpec,
     declared_mode: Option<u32>,
 ) -> Result<Option<copy::TreeOrigin>, PublishError> {
+    let Seed {
+        root,
+        target,
+        slot,
+        base,
+        ..
+    } = *s;
+    let (target_abs, staged_abs) = (s.target_abs.as_path(), s.staged_abs.as_path());
     let src = match open_dir_beneath(root, target) {
         Ok(fd) => fd,
         Err(Errno::NOENT) => return Ok(None),
@@ -94,7 +123,7 @@ pub(super) fn seed_tree(
     };
     match copy::copy_tree(src.as_fd(), target_abs, slot, base, staged_abs, &how) {
         Ok(t) => Ok(Some(t)),
-        Err(Ok(refusal)) => Err(PublishError::InOutTree {
+        Err(Ok(refusal)) => Err(PublishError::InOutCopy {
             path: target_abs.to_path_buf(),
             refusal,
         }),
