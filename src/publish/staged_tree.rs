@@ -13,7 +13,10 @@
 //! * Sealed as single outputs are: the daemon's euid/egid, the mode less setuid, setgid,
 //!   sticky and group/other write, plus owner read (and owner rwx for a directory); the top
 //!   directory gets the declared or replaced mode.
-//! * Each regular file's data and each directory is fsynced (`publish.fsync_output`).
+//! * Made durable with one `syncfs` of the workspace's filesystem once every entry is judged
+//!   (`publish.syncfs_tree`), not an fsync per entry: on ext4 each fsync is a journal commit,
+//!   so a tree of 10,000 files cost 10,000 commits; `syncfs` writes the dirty data and commits
+//!   the journal once, and reports a writeback error of any file (Linux 5.8+).
 
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -24,8 +27,7 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
 use super::sys::{
-    chmod_nofollow, describe, file_type, io, mutate, nlink, open_beneath, stat_at, sync_point,
-    FileId,
+    chmod_nofollow, describe, file_type, io, mutate, nlink, open_beneath, stat_at, FileId,
 };
 use super::tree::{scan, Walk};
 use super::{OutputFault, PublishError, NAME_MAX, PATH_MAX};
@@ -112,7 +114,7 @@ pub(super) fn link_stays_inside(target: &[u8], depth: usize) -> bool {
     up <= depth
 }
 
-/// Checks, seals and fsyncs the tree `name` in `slot` (`abs` for messages).
+/// Checks and seals the tree `name` in `slot` (`abs` for messages), then makes it durable.
 /// `published_len`: the length of the published path of the tree (workspace root, `/`,
 /// target). `top_mode`: the top directory's mode. Files are hashed while their total size
 /// stays within `hash_limit`.
@@ -188,7 +190,6 @@ pub(super) fn check_tree(
             if let Some(f) = fault {
                 return Err(f);
             }
-            sync_point("publish.fsync_output", fd, &here)?;
             if let Some(l) = walk.stack.last_mut() {
                 l.pending = subdirs;
             }
@@ -204,6 +205,9 @@ pub(super) fn check_tree(
             }
         }
     }
+    // Every file's data and every directory of the tree durable, with one writeback of the
+    // filesystem (the tree is sealed: nothing writes to it any more).
+    mutate("publish.syncfs_tree", abs, || rustix::fs::syncfs(slot))?;
     let manifest = sum.all_hashed.then(|| {
         use sha2::Digest;
         sum.records.sort_by(|a, b| a.0.cmp(&b.0));
@@ -297,7 +301,6 @@ fn check_entry(
             if FileId::of(&now) != FileId::of(&st) {
                 return Err(entry(rel, EntryFault::Replaced));
             }
-            sync_point("publish.fsync_output", fd.as_fd(), &abs())?;
             #[allow(clippy::unnecessary_cast)]
             let size = now.st_size.max(0) as u64;
             sum.files += 1;
