@@ -212,10 +212,11 @@ pub enum ToolFailure {
     /// A `python` tool's function returned what its runner cannot send.
     #[error("{tool}: {fault}; nothing was published and the session is unchanged")]
     Unsendable { tool: String, fault: String },
-    #[error("{tool}: output `{param}` is refused ({}): {fault}; nothing was published and the session is unchanged", fault.expected())]
+    #[error("{tool}: output `{param}` is refused ({}): {fault}; nothing was published and the session is unchanged", crate::publish::OutputFault::expected(*kind))]
     BadOutput {
         tool: String,
         param: String,
+        kind: crate::policy::OutputKind,
         fault: crate::publish::OutputFault,
     },
 }

@@ -553,6 +553,7 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
         return CallError::ToolFailed(super::protocol::ToolFailure::BadOutput {
             tool: tool.name.clone(),
             param: param.to_string(),
+            kind: tool.params.get(param).map(|p| p.kind).unwrap_or_default(),
             fault: reason.clone(),
         })
         .into();

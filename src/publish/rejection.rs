@@ -218,14 +218,14 @@ pub enum OutputFault {
 }
 
 impl OutputFault {
-    /// What the output had to be, for messages.
-    pub fn expected(&self) -> &'static str {
-        match self {
-            OutputFault::NotADirectory(_) | OutputFault::Entry { .. } => {
+    /// What an output of `kind` had to be, for messages.
+    pub fn expected(kind: crate::policy::OutputKind) -> &'static str {
+        match kind {
+            crate::policy::OutputKind::Directory => {
                 "a directory output holds regular files with one link, directories and \
                  symlinks staying inside it"
             }
-            _ => "a file output must be a regular file with one link",
+            crate::policy::OutputKind::File => "a file output must be a regular file with one link",
         }
     }
 }

@@ -331,6 +331,11 @@ async fn hostile_trees_fail_cleanly_and_the_next_start_is_clean() {
             deep_escape.into(),
             "it is a symlink to",
         ),
+        (
+            "the directory replaced by a file",
+            "rmdir \"$1\" && echo x > \"$1\"".into(),
+            "(a directory output holds regular files with one link, directories and symlinks staying inside it): the tool left a regular file there, not a directory",
+        ),
     ];
     for (profile, nobody) in MATRIX {
         let mut d = daemon(profile);
