@@ -444,12 +444,15 @@ fn copy_level(
 
 /// The snapshot of every entry of the directory open as `dir` (read-only, the same walk as
 /// the copy's), compared with `origin`: the first difference, naming the entry, if any.
-/// `ctime` is left out when `ignore_ctime` (a rename changes the moved directory's ctime).
+/// `moved`: the tree was just renamed to another parent, which changes the ctime of what
+/// moved and, on some filesystems, the top directory's mtime and size (its `..` entry is
+/// rewritten): those are left out; every entry is still compared by identity, and the
+/// entries beneath the top by size and mtime.
 pub(super) fn tree_differs(
     dir: BorrowedFd<'_>,
     abs: &Path,
     origin: &TreeOrigin,
-    ignore_ctime: bool,
+    moved: bool,
 ) -> Result<Option<Conflict>, PublishError> {
     let st = rustix::fs::fstat(dir).map_err(|e| io("stat in-out directory", abs, e))?;
     let mut now = vec![(b".".to_vec(), Origin::of(&st))];
@@ -459,14 +462,19 @@ pub(super) fn tree_differs(
             change: Box::new(Conflict::Modified),
         }));
     }
-    let strip = |o: &Origin| Origin {
-        ctime: if ignore_ctime { (0, 0) } else { o.ctime },
-        ..*o
+    let strip = |p: &[u8], o: &Origin| {
+        let top = moved && p == b".";
+        Origin {
+            ctime: if moved { (0, 0) } else { o.ctime },
+            mtime: if top { (0, 0) } else { o.mtime },
+            size: if top { 0 } else { o.size },
+            ..*o
+        }
     };
     let mut want: std::collections::BTreeMap<&[u8], Origin> = origin
         .entries
         .iter()
-        .map(|(p, o)| (p.as_slice(), strip(o)))
+        .map(|(p, o)| (p.as_slice(), strip(p, o)))
         .collect();
     for (p, o) in &now {
         let shown = || String::from_utf8_lossy(p).into_owned();
@@ -478,7 +486,7 @@ pub(super) fn tree_differs(
                 }))
             }
             Some(w) => {
-                if let Some(c) = w.differs(&strip(o)) {
+                if let Some(c) = w.differs(&strip(p, o)) {
                     return Ok(Some(if p.as_slice() == b"." {
                         c
                     } else {
