@@ -4,7 +4,6 @@
 //! `authz.rs`); the other is the test process (root).
 
 use std::collections::BTreeMap;
-use std::process::Command;
 
 use serde_json::{json, Value};
 
@@ -61,20 +60,6 @@ fn kinds(events: &[Value]) -> Vec<&str> {
         .iter()
         .map(|e| e["kind"].as_str().unwrap_or(""))
         .collect()
-}
-
-fn verify_audit(d: &Daemon) {
-    let out = Command::new(BIN)
-        .args(["audit", "verify", "--log"])
-        .arg(d.state.join("audit.jsonl"))
-        .output()
-        .expect("airlock audit verify");
-    assert!(
-        out.status.success(),
-        "airlock audit verify: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// The session files on disk and their owners (tombstones included, marked).
@@ -230,7 +215,7 @@ async fn sessions_past_a_principal_bound_are_refused_with_quota_exceeded_and_rec
     drop(a);
     drop(root);
     assert!(d.stop().success());
-    verify_audit(&d);
+    d.assert_audit_verifies("the audit log");
 }
 
 /// `{"a":[1,1,...]}` of about `n` bytes: the state that takes the most memory parsed.
@@ -507,7 +492,7 @@ async fn a_flood_past_the_share_is_refused_and_another_uid_is_served(
     wait_no_process("slow_read").await;
     drop(reader);
     assert!(d.stop().success());
-    verify_audit(&d);
+    d.assert_audit_verifies("the audit log");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

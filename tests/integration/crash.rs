@@ -199,16 +199,7 @@ async fn check_consistent(
         words[0].0,
         std::fs::read_to_string(d.state.join("audit.jsonl")).unwrap_or_default()
     );
-    let v = Command::new(BIN)
-        .args(["audit", "verify", "--log"])
-        .arg(d.state.join("audit.jsonl"))
-        .output()
-        .unwrap();
-    assert!(
-        v.status.success(),
-        "{what}: audit verify: {}",
-        String::from_utf8_lossy(&v.stderr)
-    );
+    d.assert_audit_verifies(what);
     outcome
 }
 
@@ -594,19 +585,6 @@ fn audit_events(d: &Daemon) -> Vec<Value> {
         .collect()
 }
 
-fn audit_verifies(d: &Daemon, what: &str) {
-    let v = Command::new(BIN)
-        .args(["audit", "verify", "--log"])
-        .arg(d.state.join("audit.jsonl"))
-        .output()
-        .unwrap();
-    assert!(
-        v.status.success(),
-        "{what}: audit verify: {}",
-        String::from_utf8_lossy(&v.stderr)
-    );
-}
-
 /// Crashes a call replacing `x/a.txt` and `y.txt` after both renames, before the commit
 /// point (each target holds its uncommitted new file, the job dir the only old copies),
 /// applies `harm`, then restarts (the daemon, or `airlock recover` first when `offline`) and
@@ -773,7 +751,7 @@ async fn kept_when_not_provably_disposable(harm: Harm, unprivileged: bool, offli
             .any(|e| e["job"] == id.as_str() && e["kind"] == "commit"),
         "{what}"
     );
-    audit_verifies(&d, &what);
+    d.assert_audit_verifies(&what);
 
     // Later recoveries never touch it: `airlock recover`, then two daemon restarts.
     let (ok, stdout, stderr) = recover_as(&d);
@@ -810,7 +788,7 @@ async fn kept_when_not_provably_disposable(harm: Harm, unprivileged: bool, offli
         later, first,
         "{what}: later recoveries recorded the job again"
     );
-    audit_verifies(&d, &what);
+    d.assert_audit_verifies(&what);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -243,16 +243,7 @@ async fn a_directory_output_is_published_whole_and_replaces_an_old_tree() {
         assert!(d.job_dirs().is_empty(), "{what}: {:?}", d.job_dirs());
         drop(c);
         d.stop();
-        let v = std::process::Command::new(BIN)
-            .args(["audit", "verify", "--log"])
-            .arg(d.state.join("audit.jsonl"))
-            .output()
-            .unwrap();
-        assert!(
-            v.status.success(),
-            "{what}: {}",
-            String::from_utf8_lossy(&v.stderr)
-        );
+        d.assert_audit_verifies(&what);
     }
 }
 

@@ -72,16 +72,7 @@ async fn last_commit(c: &rmcp::service::RunningService<rmcp::RoleClient, ()>) ->
 /// Nothing of the call is left: no job dir, and the log verifies.
 fn assert_clean(d: &Daemon) {
     assert!(d.job_dirs().is_empty(), "job dirs left: {:?}", d.job_dirs());
-    let v = std::process::Command::new(&*BIN)
-        .args(["audit", "verify", "--log"])
-        .arg(d.state.join("audit.jsonl"))
-        .output()
-        .unwrap();
-    assert!(
-        v.status.success(),
-        "audit verify: {}",
-        String::from_utf8_lossy(&v.stdout)
-    );
+    d.assert_audit_verifies("in-out");
 }
 
 async fn edits_deletions_and_no_ops(profile: &str, who: As) {

@@ -363,16 +363,7 @@ async fn exercise(d: &Daemon, ctx: &str) {
             && l.contains("\"exception_type\":\"ValueError\"")),
         "{ctx}: no exception_type in the durable log"
     );
-    let status = std::process::Command::new(BIN)
-        .args(["audit", "verify", "--log"])
-        .arg(d.state.join("audit.jsonl"))
-        .output()
-        .expect("audit verify");
-    assert!(
-        status.status.success(),
-        "{ctx}: {}",
-        String::from_utf8_lossy(&status.stdout)
-    );
+    d.assert_audit_verifies(ctx);
     assert!(d.job_dirs().is_empty(), "{ctx}: {:?}", d.job_dirs());
 }
 

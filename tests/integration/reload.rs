@@ -5,7 +5,7 @@
 //! uid (`setpriv` + `airlock connect`), so the daemon sees it in SO_PEERCRED.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -124,23 +124,6 @@ fn revoke(d: &Daemon, grant: &str) {
     std::fs::write(&path, text.replace(grant, "")).expect("write airlock.toml");
 }
 
-/// `airlock audit verify` on the daemon's log: its exit code and output.
-fn verify_audit(d: &Daemon) -> (Option<i32>, String) {
-    let out = Command::new(BIN)
-        .args(["audit", "verify", "--log"])
-        .arg(d.state.join("audit.jsonl"))
-        .output()
-        .expect("airlock audit verify");
-    (
-        out.status.code(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_audit_subscription_the_reload_revokes_hears_nothing_more() {
     let grant = format!("[[grant]]\nuids = [{OTHER}]\ncapabilities = [\"audit\"]\n");
@@ -224,7 +207,7 @@ async fn an_audit_subscription_the_reload_revokes_hears_nothing_more() {
     let (r, heard) = other.response(5);
     assert_eq!(r["error"]["data"]["code"], json!("AUDIT_FORBIDDEN"), "{r}");
     assert!(!heard.iter().any(is_audit_update), "{heard:?}");
-    let (code, out) = verify_audit(&d);
+    let (code, out) = d.audit_verify();
     assert_eq!(code, Some(0), "airlock audit verify: {out}");
 }
 
@@ -424,7 +407,7 @@ async fn queued_calls_are_checked_again_where_they_start(unprivileged: bool) {
         k.contains(&"commit".to_string()),
         "the control call: {ev:#?}"
     );
-    let (code, out) = verify_audit(&d);
+    let (code, out) = d.audit_verify();
     assert_eq!(code, Some(0), "airlock audit verify: {out}");
 }
 

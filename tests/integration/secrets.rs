@@ -119,14 +119,8 @@ async fn secrets_printed_at_every_cut_leave_no_fragment(profile: &str, user: Opt
     }
     assert!(durable.contains("secret_stderr"), "{durable}");
     assert_no_fragment("the durable audit files", &durable);
-    let out = Command::new(BIN)
-        .args(["audit", "verify", "--log"])
-        .arg(d.state.join("audit.jsonl"))
-        .output()
-        .expect("airlock audit verify");
-    let said =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && said.starts_with("ok: "), "{said}");
+    let (code, said) = d.audit_verify();
+    assert!(code == Some(0) && said.starts_with("ok: "), "{said}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

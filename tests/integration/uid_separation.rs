@@ -1218,12 +1218,7 @@ path = "input"
     // Nothing left behind: no job dir, and the audit chain verifies.
     assert!(d.job_dirs().is_empty(), "{:?}", d.job_dirs());
     d.stop();
-    let v = std::process::Command::new(BIN)
-        .args(["audit", "verify", "--log"])
-        .arg(d.state.join("audit.jsonl"))
-        .output()
-        .expect("audit verify");
-    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
+    d.assert_audit_verifies("uid separation");
 }
 
 #[tokio::test]

@@ -412,6 +412,26 @@ impl Daemon {
         std::fs::read_to_string(self.workspace.join(rel)).ok()
     }
 
+    /// `airlock audit verify` on this daemon's log (`<state>/audit.jsonl`): its exit code and
+    /// what it printed (stdout, then stderr).
+    pub fn audit_verify(&self) -> (Option<i32>, String) {
+        let out = Command::new(BIN)
+            .args(["audit", "verify", "--log"])
+            .arg(self.state.join("audit.jsonl"))
+            .output()
+            .expect("airlock audit verify");
+        let said = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code(), said)
+    }
+
+    /// Fails the test, naming `what`, unless `airlock audit verify` passes on this daemon's
+    /// log.
+    pub fn assert_audit_verifies(&self, what: &str) {
+        let (code, said) = self.audit_verify();
+        assert_eq!(code, Some(0), "{what}: airlock audit verify: {said}");
+    }
+
     /// `airlock recover` on this daemon's policy dir, workspace and state dir, as `user`
     /// when set (see [`Daemon::recover_in`]).
     pub fn recover(&self, user: Option<(u32, u32)>) -> Command {
