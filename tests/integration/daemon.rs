@@ -966,11 +966,27 @@ async fn serve_with_no_flags_uses_the_checkout_layout() {
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
+    // Every line is one JSON event; the startup line says what it serves.
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let first = stderr.lines().next().expect("a log line");
-    let v: Value = serde_json::from_str(first)
-        .unwrap_or_else(|e| panic!("--log-format json printed {first:?}: {e}"));
-    assert!(v["fields"]["message"].is_string(), "{v}");
+    let events: Vec<Value> = stderr
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("--log-format json printed {line:?}: {e}\n{stderr}"))
+        })
+        .collect();
+    assert!(
+        events
+            .iter()
+            .all(|v| v["level"].is_string() && v["fields"].is_object()),
+        "{stderr}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|v| v["fields"]["message"] == "airlock serving" && v["fields"]["tools"].is_u64()),
+        "no 'airlock serving' event:\n{stderr}"
+    );
 }
 
 #[tokio::test]
