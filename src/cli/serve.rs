@@ -190,6 +190,11 @@ pub(super) async fn serve(
         tools = policy.tools.len(),
         "airlock serving"
     );
+    // What the rest needs of the start's policy, so that it is not held for the daemon's
+    // life: a reload's old profiles (and their worker templates) go once nothing holds them.
+    let socket_path = d.socket.clone();
+    let shutdown_timeout = d.shutdown_timeout;
+    drop(policy);
     // Installed before the first client can connect, so no signal finds the default action.
     let signals = match Signals::install() {
         Ok(s) => s,
@@ -212,7 +217,6 @@ pub(super) async fn serve(
         notify: notify.clone(),
     };
     let stop = shutdown.clone();
-    let shutdown_timeout = d.shutdown_timeout;
     let stopping = notify.clone();
     tokio::spawn(async move {
         signals.wait_for_stop(&reload).await;
@@ -231,7 +235,7 @@ pub(super) async fn serve(
     }
     crate::mcp::run(listener, exec, shutdown).await;
     if !activated {
-        let _ = std::fs::remove_file(&d.socket);
+        let _ = std::fs::remove_file(&socket_path);
     }
     tracing::info!("stopped");
     Exit::Ok

@@ -189,10 +189,17 @@ impl Default for AcceptBackoff {
 /// line, then EOF) instead of waiting in the backlog: past `max_connections` in total or
 /// `max_connections_per_uid` for its peer's uid.
 pub async fn run(listener: UnixListener, exec: Arc<Executor>, shutdown: CancellationToken) {
-    let policy = exec.policy();
-    let d = &policy.daemon;
-    let (max_total, max_per_uid) = (d.max_connections, d.max_connections_per_uid);
-    let shutdown_timeout = d.shutdown_timeout;
+    // Settings that need a restart: read once, without holding on to the start's policy (a
+    // reload's old profiles, and their worker templates, go once nothing holds them).
+    let (max_total, max_per_uid, shutdown_timeout) = {
+        let policy = exec.policy();
+        let d = &policy.daemon;
+        (
+            d.max_connections,
+            d.max_connections_per_uid,
+            d.shutdown_timeout,
+        )
+    };
     let counts = Arc::new(Mutex::new(Counts::default()));
     let tasks = TaskTracker::new();
     let mut backoff = AcceptBackoff::default();

@@ -17,11 +17,36 @@ fn stat(pid: i32) -> Option<(i32, i32, char)> {
     Some((pid, ppid, state))
 }
 
-/// The live spawner processes of the daemon `daemon` (its children in spawner mode).
-fn spawners_of(daemon: i32) -> Vec<i32> {
+/// A process's name (`/proc/PID/comm`).
+fn comm(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .unwrap_or_default()
+        .trim_end()
+        .to_string()
+}
+
+/// The daemon's live children forked from its spawner process (command line of spawner
+/// mode): the spawner, and the worker templates (named `airlock-tmpl`).
+fn spawner_mode_children(daemon: i32) -> Vec<i32> {
     processes_with("__airlock-spawner")
         .into_iter()
         .filter(|&p| matches!(stat(p), Some((_, ppid, st)) if ppid == daemon && st != 'Z'))
+        .collect()
+}
+
+/// The live spawner processes of the daemon `daemon` (its children in spawner mode).
+fn spawners_of(daemon: i32) -> Vec<i32> {
+    spawner_mode_children(daemon)
+        .into_iter()
+        .filter(|&p| comm(p) != "airlock-tmpl")
+        .collect()
+}
+
+/// The live worker templates of the daemon `daemon`.
+fn templates_of(daemon: i32) -> Vec<i32> {
+    spawner_mode_children(daemon)
+        .into_iter()
+        .filter(|&p| comm(p) == "airlock-tmpl")
         .collect()
 }
 
@@ -241,4 +266,196 @@ async fn a_spawner_that_cannot_start_fails_each_call_clearly_and_the_daemon_keep
     assert!(!is_error(&r), "{r}");
     assert_eq!(r["structuredContent"]["version"], 0, "{r}");
     assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none());
+}
+
+/// The daemon's templates once there is at least one.
+async fn some_templates(daemon: i32) -> Vec<i32> {
+    wait_until("a worker template", || !templates_of(daemon).is_empty()).await;
+    templates_of(daemon)
+}
+
+#[tokio::test]
+async fn a_template_is_out_of_a_workers_reach() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    // The first call of each tool's profile makes its template.
+    works(&c, "first.txt").await;
+    let _ = py(&c, "print('warm')").await;
+    let templates = some_templates(daemon).await;
+    for t in &templates {
+        // The template is the daemon's child (CLONE_PARENT), like the workers it forks.
+        assert_eq!(stat(*t).map(|s| s.1), Some(daemon), "template {t}");
+        // Signals: refused (Landlock's signal scope; another uid when the worker has one).
+        let r = sh(
+            &c,
+            &format!("kill -STOP {t} 2>&1; kill -KILL {t} 2>&1; kill -TERM {t} 2>&1; echo end"),
+        )
+        .await;
+        assert_eq!(
+            text(&r).matches("Operation not permitted").count(),
+            3,
+            "{r}"
+        );
+        // ptrace, and the files ptrace guards (environ, mem, fd).
+        let r = py(
+            &c,
+            &format!(
+                "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nr = libc.ptrace(16, {t}, 0, 0)\nprint('attach', r, ctypes.get_errno())\nfor f in ('environ', 'mem', 'fd/0', 'fd/3'):\n    try:\n        open('/proc/{t}/' + f, 'rb').read(1)\n        print('read', f)\n    except OSError as e:\n        print('denied', f, e.errno)\n"
+            ),
+        )
+        .await;
+        let out = text(&r);
+        assert!(out.contains("attach -1 1"), "{out}");
+        for f in ["environ", "mem", "fd/0", "fd/3"] {
+            assert!(
+                out.contains(&format!("denied {f}")) && !out.contains(&format!("read {f}")),
+                "{out}"
+            );
+        }
+    }
+    // The same templates are alive, still the daemon's children, and still forking.
+    works(&c, "after.txt").await;
+    assert_eq!(d.read("after.txt").as_deref(), Some("ok"));
+    for t in &templates {
+        assert!(
+            matches!(stat(*t), Some((_, ppid, st)) if ppid == daemon && st != 'Z'),
+            "template {t} did not survive its workers"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_killed_template_is_replaced_and_the_next_call_works() {
+    require_root();
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    works(&c, "one.txt").await;
+    let first = some_templates(daemon).await;
+    assert_eq!(first.len(), 1, "one profile used, one template: {first:?}");
+    let spawner = the_spawner(daemon).await;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(first[0]).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill the template");
+    wait_until("the killed template dead", || {
+        stat(first[0]).is_none_or(|(_, _, st)| st == 'Z')
+    })
+    .await;
+    // The next call is served by a new template of the same spawner; the dead one is
+    // reaped by the daemon.
+    works(&c, "two.txt").await;
+    assert_eq!(d.read("two.txt").as_deref(), Some("ok"));
+    let second = some_templates(daemon).await;
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert_ne!(second, first);
+    assert_eq!(spawners_of(daemon), vec![spawner]);
+    wait_until(
+        "the dead template reaped",
+        || !matches!(stat(first[0]), Some((_, ppid, _)) if ppid == daemon),
+    )
+    .await;
+    // A template stopped (not dead) fails no more than the call it holds: that call fails
+    // after the template's timeout, the stopped template is killed, and the next call works.
+    let pid = rustix::process::Pid::from_raw(second[0]).expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("stop");
+    let r = call(
+        &c,
+        "run_sh",
+        json!({"session": "h", "script": "printf no > \"$1\"", "out": "stuck.txt"}),
+    )
+    .await;
+    assert!(is_error(&r), "{r}");
+    assert_eq!(d.read("stuck.txt"), None);
+    works(&c, "three.txt").await;
+    assert_eq!(d.read("three.txt").as_deref(), Some("ok"));
+    wait_until(
+        "the stopped template killed and reaped",
+        || !matches!(stat(second[0]), Some((_, ppid, _)) if ppid == daemon),
+    )
+    .await;
+    assert_eq!(spawners_of(daemon), vec![spawner]);
+    assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none());
+}
+
+#[tokio::test]
+async fn templates_die_with_their_spawner_and_with_the_daemon() {
+    require_root();
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    works(&c, "one.txt").await;
+    let first = some_templates(daemon).await;
+    // A killed spawner takes its templates with it (they see its end of their socket close).
+    let spawner = the_spawner(daemon).await;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(spawner).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill the spawner");
+    wait_until("the spawner's templates gone", || {
+        first
+            .iter()
+            .all(|t| !matches!(stat(*t), Some((_, ppid, st)) if ppid == daemon && st != 'Z'))
+    })
+    .await;
+    works(&c, "two.txt").await;
+    let second = some_templates(daemon).await;
+    assert!(second.iter().all(|t| !first.contains(t)));
+    // A daemon killed with SIGKILL takes them too (PDEATHSIG).
+    d.kill9();
+    wait_until("the templates gone with the daemon", || {
+        second
+            .iter()
+            .all(|t| stat(*t).is_none_or(|(_, _, st)| st == 'Z'))
+    })
+    .await;
+    drop(c);
+}
+
+#[tokio::test]
+async fn a_reloaded_profile_gets_a_new_template_and_its_rules_take_effect() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    let r = sh(&c, "uname -s 2>&1; echo rc=$?").await;
+    assert!(
+        text(&r).contains("Linux") && text(&r).contains("rc=0"),
+        "{r}"
+    );
+    let before = some_templates(daemon).await;
+    // The default profile now denies uname: SIGHUP.
+    let path = d.policies.join("profiles/default.toml");
+    let profile = std::fs::read_to_string(&path).expect("default.toml");
+    assert!(profile.contains("\"setsid\", \"setpgid\","));
+    std::fs::write(
+        &path,
+        profile.replace(
+            "\"setsid\", \"setpgid\",",
+            "\"setsid\", \"setpgid\", \"uname\",",
+        ),
+    )
+    .expect("write default.toml");
+    // SAFETY: kill(2) on the test's own child.
+    assert_eq!(unsafe { libc::kill(daemon, libc::SIGHUP) }, 0);
+    wait_until("the reload", || d.log_text().contains("now serving")).await;
+    let r = sh(&c, "uname -s 2>&1; echo rc=$?").await;
+    let out = text(&r);
+    assert!(
+        out.contains("Operation not permitted") && !out.contains("rc=0"),
+        "uname still works after the reload: {r}"
+    );
+    // The old profile's template is stopped once the old policy is gone; a new one forks.
+    wait_until("the old template stopped", || {
+        before
+            .iter()
+            .all(|t| !matches!(stat(*t), Some((_, ppid, st)) if ppid == daemon && st != 'Z'))
+    })
+    .await;
+    let after = some_templates(daemon).await;
+    assert!(after.iter().all(|t| !before.contains(t)), "{after:?}");
+    works(&c, "after.txt").await;
+    assert_eq!(d.read("after.txt").as_deref(), Some("ok"));
 }

@@ -77,9 +77,10 @@ pub(super) trait Kernel {
     ) -> Result<Self::Exec, nix::errno::Errno>;
 }
 
-/// The real kernel, with the daemon's channel.
+/// The real kernel, with the daemon's channel (none in a template, whose steps report
+/// nothing on it).
 pub(super) struct Linux<'a> {
-    pub channel: &'a mut UnixStream,
+    pub channel: Option<&'a mut UnixStream>,
 }
 
 impl Kernel for Linux<'_> {
@@ -223,11 +224,17 @@ impl Kernel for Linux<'_> {
     }
 
     fn report(&mut self, line: &[u8]) -> io::Result<()> {
-        self.channel.write_all(line)
+        match self.channel.as_mut() {
+            Some(channel) => channel.write_all(line),
+            None => Err(io::Error::from_raw_os_error(libc::EBADF)),
+        }
     }
 
     fn channel_cloexec(&mut self) -> Result<(), Errno> {
-        rustix::io::fcntl_setfd(&*self.channel, rustix::io::FdFlags::CLOEXEC)
+        match self.channel.as_ref() {
+            Some(channel) => rustix::io::fcntl_setfd(&**channel, rustix::io::FdFlags::CLOEXEC),
+            None => Err(Errno::BADF),
+        }
     }
 
     fn execve(

@@ -1,6 +1,13 @@
-//! The pre-exec child (the launcher): runs in a worker's leader just forked by the
-//! single-threaded spawner process ([`crate::sandbox::spawner`]), turns it into the sandboxed
-//! worker and `execve`s the tool.
+//! The pre-exec child (the launcher): runs in a worker's leader just forked from its
+//! profile's template (a single-threaded child of the spawner process,
+//! [`crate::sandbox::spawner`]), turns it into the sandboxed worker and `execve`s the tool.
+//!
+//! The work is split in two ([`plan`]): what is the same for every worker of a profile runs
+//! once, in the template ([`template`]: parent death, the capability lock and the empty
+//! bounding set, no_new_privs, the profile's seccomp stack with the launcher's own calls
+//! carved out), and every forked worker inherits it; what differs per call runs in the
+//! worker ([`run`]), ending with the seal that puts the carved calls back as the profile
+//! decides them, so the tool's filters are exactly the profile's.
 //!
 //! Like Firecracker's jailer, it first reads and validates everything ([`Plan::new`]), so
 //! that every later step is a plain system call, then runs the steps in a fixed order
@@ -8,7 +15,7 @@
 //! failure writes one `{step, errno, message}` report ([`Step`]) to the channel and exits 126.
 //!
 //! Invariants (each checked by the plan's unit tests, over the recording fake):
-//! - the steps run in the order of [`plan`], seccomp last before the report and `execve`;
+//! - the steps run in the order of [`plan`], the seal last before the report and `execve`;
 //! - a failing step stops the plan, and its report names that step;
 //! - after a uid switch, PDEATHSIG is set again and the parent checked again (the switch
 //!   cleared it), so a daemon that died in between leaves no unbounded worker.
@@ -25,7 +32,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::net::UnixStream;
 
-use super::wire::{self, Report, Spec, Step, SETUP_FAILED};
+use super::wire::{Report, Spec, Step, SETUP_FAILED};
 
 /// A failed step.
 #[derive(Debug)]
@@ -70,13 +77,29 @@ impl Failure {
     }
 }
 
-/// Runs the launcher in a freshly forked worker leader (see [`crate::sandbox::spawner`]),
-/// with the daemon's channel and, when the caller asked for progress, the progress pipe's
-/// write end; never returns: it `execve`s the tool or reports the failed step and exits.
-pub(crate) fn run(mut channel: UnixStream, progress: Option<OwnedFd>) -> ! {
-    let failure = match Plan::new(&mut channel, progress) {
+/// The template's own steps ([`plan::template_steps`]), in the template just forked by the
+/// spawner: `daemon` is the daemon's pid, `stack` the profile's filters with the launcher's
+/// calls carved out. A failure names its step.
+pub(crate) fn template(
+    daemon: i32,
+    stack: &[seccompiler::BpfProgram],
+) -> Result<(), (Step, i32, String)> {
+    plan::template_steps(&mut kernel::Linux { channel: None }, daemon, stack)
+        .map_err(|f| (f.step, f.errno, f.message))
+}
+
+/// Runs the launcher in a worker leader just forked from its template (see
+/// [`crate::sandbox::spawner`]), with the daemon's channel, when the caller asked for
+/// progress the progress pipe's write end, and the template's `seal`; never returns: it
+/// `execve`s the tool or reports the failed step and exits.
+pub(crate) fn run(
+    mut channel: UnixStream,
+    progress: Option<OwnedFd>,
+    seal: &[seccompiler::BpfProgram],
+) -> ! {
+    let failure = match Plan::new(&mut channel, progress, seal) {
         Ok(plan) => match plan.run(&mut kernel::Linux {
-            channel: &mut channel,
+            channel: Some(&mut channel),
         }) {
             Ok(never) => match never {},
             Err(f) => f,
@@ -104,6 +127,8 @@ struct Plan {
     exe: CString,
     argv: Vec<CString>,
     env: Vec<CString>,
+    /// The seal (from the template): the profile's rules for the calls the template's stack
+    /// leaves to it.
     seccomp: Vec<seccompiler::BpfProgram>,
     channel_fd: RawFd,
     /// The progress pipe's write end, and where the tool finds it (3, or 4 if the channel
@@ -112,19 +137,28 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(channel: &mut UnixStream, progress: Option<OwnedFd>) -> Result<Plan, Failure> {
+    fn new(
+        channel: &mut UnixStream,
+        progress: Option<OwnedFd>,
+        seal: &[seccompiler::BpfProgram],
+    ) -> Result<Plan, Failure> {
         let mut bytes = Vec::with_capacity(64 * 1024);
         channel
             .read_to_end(&mut bytes)
             .map_err(|e| Failure::io(Step::Spec, "cannot read the spec from the daemon", e))?;
         let spec: Spec = serde_json::from_slice(&bytes)
             .map_err(|e| Failure::new(Step::Spec, libc::EINVAL, format!("unreadable spec: {e}")))?;
-        Plan::check(spec, channel.as_raw_fd(), progress)
+        Plan::check(spec, channel.as_raw_fd(), progress, seal.to_vec())
     }
 
     /// The checks of [`Plan::new`], on a spec already read; `channel_fd` is the channel's
     /// descriptor, which the close-fds step keeps.
-    fn check(spec: Spec, channel_fd: RawFd, progress: Option<OwnedFd>) -> Result<Plan, Failure> {
+    fn check(
+        spec: Spec,
+        channel_fd: RawFd,
+        progress: Option<OwnedFd>,
+        seccomp: Vec<seccompiler::BpfProgram>,
+    ) -> Result<Plan, Failure> {
         let cstring = |what: &str, s: &[u8]| {
             CString::new(s).map_err(|_| {
                 Failure::new(
@@ -183,11 +217,6 @@ impl Plan {
             env.push(cstring("an environment variable", &kv)?);
         }
 
-        let seccomp = spec
-            .seccomp
-            .iter()
-            .map(|p| wire::launch::decode_program(p))
-            .collect::<Vec<_>>();
         if seccomp.iter().any(|p| p.is_empty() || p.len() > 4096) {
             return Err(Failure::new(
                 Step::Spec,

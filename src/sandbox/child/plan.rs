@@ -1,8 +1,23 @@
-//! The launcher's steps, in their fixed order, over [`Kernel`]: [`Plan::run`].
+//! The launcher's steps, in their fixed order, over [`Kernel`]: [`template_steps`] once per
+//! template, then [`Plan::run`] in each worker forked from it.
 //!
-//! Order: process group, parent death, cgroup, signals, close fds, rlimits, chdir, Landlock,
-//! capabilities (lock), identity (with PDEATHSIG re-armed and the parent re-checked),
-//! capabilities (drop), no_new_privs, seccomp, report, execve.
+//! Template (inherited by every worker forked from it): parent death, capabilities (lock:
+//! securebits, empty bounding set, no ambient), no_new_privs, seccomp (the profile's stack,
+//! the launcher's own calls carved out).
+//!
+//! Worker: process group, parent death, cgroup, signals, close fds, rlimits, chdir, Landlock,
+//! identity (with PDEATHSIG re-armed and the parent re-checked), capabilities (drop),
+//! seccomp (the seal: the carved calls as the profile decides them), report, execve.
+//!
+//! Why this split keeps the worker exactly as strict: what the template does is the same for
+//! every call and irreversible in the right direction (a dropped bounding capability, a
+//! locked securebit, no_new_privs and a filter are inherited over fork and never come back);
+//! the per-call steps need calls the profile may deny (the uid switch, Landlock, capset,
+//! setpgid), so the template's stack allows exactly those (`TEMPLATE_CARVED` in the daemon's
+//! `seccomp.rs`) and the seal
+//! denies them again as the profile does; between the two, only this launcher's code runs
+//! (the tool is exec'd after the seal). The equivalence of template stack + seal and the
+//! whole stack is tested syscall by syscall over a BPF interpreter (`seccomp.rs`).
 
 use std::os::fd::{AsFd, AsRawFd, IntoRawFd};
 
@@ -109,10 +124,7 @@ impl Plan {
             .landlock(&self.spec.landlock)
             .map_err(|f| Failure::new(Step::Landlock, f.errno, f.message))?;
 
-        // 9. Capabilities, the part that needs CAP_SETPCAP: lock the securebits (uid 0 can
-        //    never regain capabilities, and the uid switch below does not drop them behind
-        //    our back) and empty the bounding set. CAP_SETUID/CAP_SETGID stay for step 10.
-        lock_capabilities(k)?;
+        // 9. (The capability lock and the empty bounding set came from the template.)
 
         // 10. Identity: a worker with a uid of its own switches to it (and to the gid of the
         //     same number, with no supplementary groups). From here, file permissions protect
@@ -127,12 +139,10 @@ impl Plan {
         // 11. Capabilities: drop what is left of the five sets, and read them all back.
         drop_capabilities(k)?;
 
-        // 12. no_new_privs: no setuid bit or file capability can give anything back; seccomp
-        //     requires it as well.
-        k.set_no_new_privs()
-            .map_err(|e| Failure::errno(Step::NoNewPrivs, "PR_SET_NO_NEW_PRIVS", e))?;
+        // 12. (no_new_privs came from the template.)
 
-        // 13. seccomp last: the filters may forbid calls the steps above make.
+        // 13. The seal last: it denies, as the profile does, the calls the steps above make
+        //     and the template's stack left to it.
         for (i, program) in self.seccomp.iter().enumerate() {
             k.seccomp(program).map_err(|e| {
                 let errno = match &e {
@@ -144,7 +154,7 @@ impl Plan {
                 Failure::new(
                     Step::Seccomp,
                     errno,
-                    format!("cannot install filter {i}: {e}"),
+                    format!("cannot install seal filter {i}: {e}"),
                 )
             })?;
         }
@@ -168,6 +178,53 @@ impl Plan {
             )
         })
     }
+}
+
+/// The template's steps, once: what every worker of a profile starts with. `stack` is the
+/// profile's seccomp stack with the launcher's calls carved out.
+pub(super) fn template_steps<K: Kernel>(
+    k: &mut K,
+    daemon: i32,
+    stack: &[seccompiler::BpfProgram],
+) -> Result<(), Failure> {
+    // T1. Die with the daemon (our parent, through CLONE_PARENT), and check it is still it.
+    k.set_parent_death_kill()
+        .map_err(|e| Failure::errno(Step::ParentDeath, "PR_SET_PDEATHSIG", e))?;
+    let parent = k.getppid();
+    if parent != daemon {
+        return Err(Failure::new(
+            Step::ParentDeath,
+            libc::ESRCH,
+            format!("the parent is pid {parent}, expected the daemon, pid {daemon}"),
+        ));
+    }
+    // T2. Capabilities, the part that needs CAP_SETPCAP: lock the securebits (uid 0 can
+    //     never regain capabilities, and a worker's uid switch does not drop them behind its
+    //     back) and empty the bounding set. The permitted set stays (CAP_SETUID/CAP_SETGID
+    //     for the workers' uid switch); each worker empties it.
+    lock_capabilities(k)?;
+    // T3. no_new_privs: no setuid bit or file capability can give anything back; seccomp
+    //     requires it as well.
+    k.set_no_new_privs()
+        .map_err(|e| Failure::errno(Step::NoNewPrivs, "PR_SET_NO_NEW_PRIVS", e))?;
+    // T4. The profile's stack, the launcher's calls carved out: converted and JIT-compiled
+    //     once here, shared by every worker forked from us.
+    for (i, program) in stack.iter().enumerate() {
+        k.seccomp(program).map_err(|e| {
+            let errno = match &e {
+                seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => {
+                    io.raw_os_error().unwrap_or(0)
+                }
+                _ => libc::EINVAL,
+            };
+            Failure::new(
+                Step::Seccomp,
+                errno,
+                format!("cannot install template filter {i}: {e}"),
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Step 6. RLIMIT_NPROC counts the tasks of the whole real uid, not the worker's. A worker
@@ -204,7 +261,7 @@ fn set_rlimits<K: Kernel>(
     Ok(())
 }
 
-/// Step 9. With CAP_SETPCAP (a root daemon): securebits that stop uid 0 from regaining
+/// Template step T2. With CAP_SETPCAP (a root daemon): securebits that stop uid 0 from regaining
 /// capabilities on execve and keep the uid switch from touching them, then an empty
 /// bounding set. Without it (an unprivileged daemon) neither is possible nor needed: its
 /// permitted set is emptied in step 11 and no_new_privs follows. Ambient goes either way.
@@ -285,7 +342,7 @@ fn rearm_parent_death<K: Kernel>(k: &mut K, expected: i32) -> Result<(), Failure
     Ok(())
 }
 
-/// Step 11. Empties the permitted, effective and inheritable sets (ambient went in step 9),
+/// Step 11. Empties the permitted, effective and inheritable sets (ambient went in T2),
 /// then reads all five back: every one must be empty (the bounding set only where step 9
 /// could empty it).
 fn drop_capabilities<K: Kernel>(k: &mut K) -> Result<(), Failure> {

@@ -41,6 +41,8 @@ struct Fake {
     capset_is_noop: bool,
     /// setresuid succeeds but changes nothing.
     setresuid_is_noop: bool,
+    /// The parent a worker forked from the template sees (the daemon died in between).
+    parent_in_worker: Option<i32>,
 }
 
 impl Fake {
@@ -58,6 +60,7 @@ impl Fake {
             bounding: u64::MAX >> 23,
             tasks: 0,
             capset_is_noop: false,
+            parent_in_worker: None,
             setresuid_is_noop: false,
         }
     }
@@ -270,12 +273,22 @@ fn spec(identity: Option<(u32, u32)>, cgroup: bool) -> Spec {
             writable: vec![PathBuf::from("/staging/job")],
             readable: vec![],
         },
-        // Two programs of one instruction each (RET ALLOW).
-        seccomp: vec![
-            vec![(0x06, 0, 0, 0x7fff_0000)],
-            vec![(0x06, 0, 0, 0x7fff_0000)],
-        ],
     }
+}
+
+/// One instruction (RET ALLOW).
+fn allow() -> seccompiler::BpfProgram {
+    vec![seccompiler::sock_filter {
+        code: 0x06,
+        jt: 0,
+        jf: 0,
+        k: 0x7fff_0000,
+    }]
+}
+
+/// The template's steps over `fake`: a stack of two programs.
+fn template(fake: &mut Fake) -> Result<(), Failure> {
+    super::plan::template_steps(fake, DAEMON, &[allow(), allow()])
 }
 
 /// The plan of `spec` with the channel at fd 5, run over `fake`.
@@ -289,10 +302,17 @@ fn run_at(
     progress: Option<OwnedFd>,
     fake: &mut Fake,
 ) -> Result<(), Failure> {
-    let plan = match Plan::check(spec, channel_fd, progress) {
+    // The seal: one program.
+    let plan = match Plan::check(spec, channel_fd, progress, vec![allow()]) {
         Ok(plan) => plan,
         Err(f) => panic!("the spec is refused: {f:?}"),
     };
+    template(fake)?;
+    // The worker is forked from the template: it inherits its state.
+    fake.calls.push("fork()".into());
+    if let Some(parent) = fake.parent_in_worker {
+        fake.parent = parent;
+    }
     plan.run(fake)
 }
 
@@ -303,6 +323,19 @@ fn a_root_daemon_worker_with_its_own_uid_runs_every_step_in_order() {
     let mut fake = Fake::root();
     run(spec(Some((61000, 61000)), true), None, &mut fake).expect("every step succeeds");
     let expected = [
+        // The template, once: parent death, the lock (CAP_SETPCAP held, so securebits and
+        // the bounding set), no_new_privs, the carved stack.
+        "pdeathsig(SIGKILL)",
+        "getppid()",
+        "capget()",
+        "set_securebits(0xef)",
+        "bounding_drop_all()",
+        "ambient_clear()",
+        "no_new_privs()",
+        "seccomp(1)",
+        "seccomp(1)",
+        // Each worker, forked from it.
+        "fork()",
         "getpgrp()",
         "getpid()",
         "pdeathsig(SIGKILL)",
@@ -322,11 +355,6 @@ fn a_root_daemon_worker_with_its_own_uid_runs_every_step_in_order() {
         "setrlimit(Core, 0)",
         "chdir(/staging/job)",
         "landlock(6)",
-        // Lock: CAP_SETPCAP held, so securebits and the bounding set.
-        "capget()",
-        "set_securebits(0xef)",
-        "bounding_drop_all()",
-        "ambient_clear()",
         // The switch: groups, gid, uid (last), read back.
         "setgroups([])",
         "setresgid(61000)",
@@ -344,8 +372,7 @@ fn a_root_daemon_worker_with_its_own_uid_runs_every_step_in_order() {
         "ambient_set()",
         "bounding_set()",
         "ids()",
-        "no_new_privs()",
-        "seccomp(1)",
+        // The seal.
         "seccomp(1)",
         &format!("report({OK_LINE})"),
         "channel_cloexec()",
@@ -371,7 +398,8 @@ fn an_unprivileged_daemon_worker_sharing_its_uid_counts_the_uid_tasks_and_skips_
     ] {
         assert!(!names.contains(&absent), "{absent} in {:?}", fake.calls);
     }
-    assert_eq!(names.iter().filter(|n| **n == "pdeathsig").count(), 1);
+    // One PDEATHSIG in the template, one in the worker.
+    assert_eq!(names.iter().filter(|n| **n == "pdeathsig").count(), 2);
     // RLIMIT_NPROC: what the shared uid runs (9) plus the profile's 32.
     assert!(fake.calls.contains(&"tasks_of_uid(1001)".to_string()));
     assert!(fake.calls.contains(&"setrlimit(Nproc, 41)".to_string()));
@@ -403,13 +431,28 @@ fn the_parent_is_checked_again_after_the_uid_switch_and_a_dead_daemon_stops_the_
 }
 
 #[test]
-fn a_daemon_gone_before_the_launcher_started_stops_it_at_the_first_check() {
+fn a_daemon_gone_before_the_template_started_stops_it_at_its_first_check() {
     let mut fake = Fake::root();
     fake.parent = 1;
     let failure = run(spec(None, true), None, &mut fake).expect_err("orphaned");
     assert_eq!(failure.step, Step::ParentDeath);
     assert_eq!(failure.errno, libc::ESRCH);
-    assert_eq!(fake.names(), ["getpgrp", "getpid", "pdeathsig", "getppid"]);
+    assert_eq!(fake.names(), ["pdeathsig", "getppid"]);
+}
+
+#[test]
+fn a_daemon_gone_before_the_worker_was_forked_stops_it_at_the_first_check() {
+    let mut fake = Fake::root();
+    fake.parent_in_worker = Some(1);
+    let failure = run(spec(None, true), None, &mut fake).expect_err("orphaned");
+    assert_eq!(failure.step, Step::ParentDeath);
+    assert_eq!(failure.errno, libc::ESRCH);
+    let names = fake.names();
+    let fork = names.iter().position(|n| *n == "fork").expect("forked");
+    assert_eq!(
+        &names[fork..],
+        ["fork", "getpgrp", "getpid", "pdeathsig", "getppid"]
+    );
 }
 
 #[test]
@@ -418,7 +461,8 @@ fn a_launcher_that_does_not_lead_its_group_stops_at_once() {
     fake.pgrp = 1;
     let failure = run(spec(None, true), None, &mut fake).expect_err("not a group leader");
     assert_eq!(failure.step, Step::ProcessGroup);
-    assert_eq!(fake.names(), ["getpgrp", "getpid"]);
+    let names = fake.names();
+    assert_eq!(names[names.len() - 3..], ["fork", "getpgrp", "getpid"]);
 }
 
 /// Each call the plan makes, the step its failure is reported as.
@@ -503,7 +547,14 @@ fn capabilities_left_after_the_drop_fail_the_capabilities_step() {
         "{}",
         failure.message
     );
-    assert!(!fake.names().contains(&"no_new_privs"));
+    // The worker stops there: no seal, no report, no execve.
+    let names = fake.names();
+    let fork = names.iter().position(|n| *n == "fork").expect("forked");
+    assert_eq!(
+        names.iter().skip(fork).filter(|n| **n == "seccomp").count(),
+        0
+    );
+    assert!(!names.contains(&"report") && !names.contains(&"execve"));
 }
 
 #[test]
@@ -542,7 +593,7 @@ fn the_progress_pipe_goes_to_the_lowest_number_the_channel_leaves_and_is_kept() 
 #[test]
 fn the_progress_variable_names_where_the_pipe_goes() {
     let (_read, write) = rustix::pipe::pipe().expect("pipe");
-    let plan = Plan::check(spec(None, false), 3, Some(write)).expect("valid");
+    let plan = Plan::check(spec(None, false), 3, Some(write), vec![allow()]).expect("valid");
     let var = format!("{}=4", crate::sandbox::PROGRESS_FD_ENV);
     assert!(plan.env.iter().any(|e| e.to_bytes() == var.as_bytes()));
 }
@@ -578,16 +629,14 @@ fn bad_specs_are_refused_before_any_step() {
             },
             "bad variable name",
         ),
-        (
-            Spec {
-                seccomp: vec![vec![]],
-                ..spec(None, false)
-            },
-            "empty or oversized seccomp program",
-        ),
     ];
+    // A seal the template holds is checked too.
+    match Plan::check(spec(None, false), 5, None, vec![vec![]]) {
+        Ok(_) => panic!("accepted an empty seal program"),
+        Err(f) => assert!(f.message.contains("empty or oversized seccomp program")),
+    }
     for (spec, says) in cases {
-        match Plan::check(spec, 5, None) {
+        match Plan::check(spec, 5, None, vec![allow()]) {
             Ok(_) => panic!("accepted a spec that is {says}"),
             Err(f) => {
                 assert_eq!(f.step, Step::Spec);

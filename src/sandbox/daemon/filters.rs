@@ -16,9 +16,19 @@ use crate::policy::Profile;
 
 use super::seccomp::{self, SeccompError};
 
-/// A profile's filters, compiled and encoded as the launcher takes them, in installation order.
+/// A profile's filters, compiled and encoded, in installation order: what its worker
+/// template installs once (`template`) and the seal each worker forked from it installs
+/// last (`seal`); see [`seccomp::build_split`]. `id` names the template in the spawner,
+/// unique in the process (a reloaded profile is a new id, hence a new template).
 #[derive(Debug)]
-pub(crate) struct Programs(pub(crate) Vec<Vec<(u16, u8, u8, u32)>>);
+pub(crate) struct Programs {
+    pub(crate) id: u64,
+    pub(crate) template: Vec<Vec<(u16, u8, u8, u32)>>,
+    pub(crate) seal: Vec<Vec<(u16, u8, u8, u32)>>,
+}
+
+/// The next [`Programs::id`] (never 0).
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 struct Entry {
     profile: Arc<Profile>,
@@ -32,6 +42,9 @@ struct Entry {
 pub struct Filters {
     entries: Mutex<Vec<Entry>>,
     compilations: AtomicU64,
+    /// Ids of programs forgotten since the last [`Filters::take_forgotten`]: their templates
+    /// are to be stopped.
+    forgotten: Mutex<Vec<u64>>,
 }
 
 impl std::fmt::Debug for Filters {
@@ -60,7 +73,7 @@ impl Filters {
         profiles: impl IntoIterator<Item = &'a Arc<Profile>>,
         shared_uid: bool,
     ) -> Result<(), SeccompError> {
-        self.lock().retain(|e| Arc::strong_count(&e.profile) > 1);
+        self.sweep();
         let mut first = None;
         for p in profiles {
             if let Err(e) = self.get(p, shared_uid) {
@@ -87,12 +100,12 @@ impl Filters {
             return Ok(p);
         }
         // Compiled outside the lock: spawns of other profiles do not wait for it.
-        let programs = Arc::new(Programs(
-            seccomp::build(profile, shared_uid)?
-                .iter()
-                .map(seccomp::encode)
-                .collect(),
-        ));
+        let (template, seal) = seccomp::build_split(profile, shared_uid)?;
+        let programs = Arc::new(Programs {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            template: template.iter().map(seccomp::encode).collect(),
+            seal: seal.iter().map(seccomp::encode).collect(),
+        });
         self.compilations.fetch_add(1, Ordering::Relaxed);
         let mut entries = self.lock();
         if let Some(p) = find(&entries) {
@@ -104,6 +117,31 @@ impl Filters {
             programs: programs.clone(),
         });
         Ok(programs)
+    }
+
+    /// Forgets the programs of profiles nothing else holds any more (an old policy whose
+    /// last call is gone), keeping their ids for [`Filters::take_forgotten`].
+    fn sweep(&self) {
+        let mut gone = Vec::new();
+        self.lock().retain(|e| {
+            let kept = Arc::strong_count(&e.profile) > 1;
+            if !kept {
+                gone.push(e.programs.id);
+            }
+            kept
+        });
+        self.forgotten
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(gone);
+    }
+
+    /// The ids of the programs forgotten since the last call (checked now: a reload's
+    /// `prepare` runs while the old policy is still current), whose templates can go. A few
+    /// entries at most: called at every spawn.
+    pub(crate) fn take_forgotten(&self) -> Vec<u64> {
+        self.sweep();
+        std::mem::take(&mut *self.forgotten.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// How many programs were compiled so far (each profile once per uid mode, unless
@@ -147,16 +185,16 @@ mod tests {
         }
         filters.get(&b, true).unwrap();
         assert_eq!(filters.compilations(), 2, "no compilation per call");
-        // The same program as a fresh build.
-        let fresh: Vec<_> = seccomp::build(&a, true)
-            .unwrap()
-            .iter()
-            .map(seccomp::encode)
-            .collect();
-        assert_eq!(first.0, fresh);
-        // Another uid mode is another program, compiled once too.
+        // The same programs as a fresh build.
+        let (template, seal) = seccomp::build_split(&a, true).unwrap();
+        let encoded =
+            |v: Vec<seccompiler::BpfProgram>| -> Vec<_> { v.iter().map(seccomp::encode).collect() };
+        assert_eq!(first.template, encoded(template));
+        assert_eq!(first.seal, encoded(seal));
+        // Another uid mode is another program (and template), compiled once too.
         let other = filters.get(&a, false).unwrap();
-        assert_ne!(other.0, first.0);
+        assert_ne!(other.template, first.template);
+        assert_ne!(other.id, first.id);
         filters.get(&a, false).unwrap();
         assert_eq!(filters.compilations(), 3);
         // Preparing the same policy again compiles nothing.
@@ -177,9 +215,14 @@ mod tests {
         // A call still on the old policy finds its program without compiling.
         assert!(Arc::ptr_eq(&filters.get(&old, true).unwrap(), &in_flight));
         assert_eq!(filters.len(), 2);
-        // Once the old policy is gone, the next prepare forgets its program.
+        assert!(filters.take_forgotten().is_empty());
+        assert_eq!(filters.len(), 2);
+        // Once the old policy is gone, the next spawn's look forgets its program, and names
+        // it once for its template to be stopped.
+        let old_id = in_flight.id;
         drop(old);
-        filters.prepare([&new], true).unwrap();
+        assert_eq!(filters.take_forgotten(), vec![old_id]);
+        assert!(filters.take_forgotten().is_empty());
         assert_eq!(filters.len(), 1);
         assert_eq!(filters.compilations(), 2);
     }

@@ -67,9 +67,29 @@ pub(crate) struct Leaders {
     set: Mutex<BTreeSet<Pgid>>,
     /// Wakes the orphan reaper for what no SIGCHLD announces: a leader handed over unreaped.
     reap_now: tokio::sync::Notify,
+    /// The spawner thread's tid (0 until it runs): the spawner and the worker templates are
+    /// its children, listed under it, not under the main thread.
+    spawner_thread: std::sync::atomic::AtomicI32,
 }
 
 impl Leaders {
+    /// Records the spawner thread (see [`Leaders::spawner_thread`]).
+    pub(crate) fn set_spawner_thread(&self, tid: i32) {
+        self.spawner_thread
+            .store(tid, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The spawner thread's tid, once it runs.
+    pub(crate) fn spawner_thread(&self) -> Option<i32> {
+        match self
+            .spawner_thread
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => None,
+            tid => Some(tid),
+        }
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, BTreeSet<Pgid>> {
         // The set stays consistent even if a holder panicked: every update is one
         // insert/remove.
@@ -142,7 +162,12 @@ fn group_is_empty(leaders: &Leaders, group: Pgid, me: i32) -> bool {
 /// `None` when that list cannot be read: then the whole of `/proc` is scanned. (A worker exists
 /// only through a started [`super::Sandbox`], which made the daemon the subreaper.)
 pub(crate) fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
-    let children = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")).ok()?;
+    thread_children(me, me)
+}
+
+/// The children of thread `tid` of the daemon `me`, as [`orphan_candidates`] reads them.
+pub(crate) fn thread_children(me: i32, tid: i32) -> Option<Vec<ProcStat>> {
+    let children = std::fs::read_to_string(format!("/proc/{me}/task/{tid}/children")).ok()?;
     Some(
         children
             .split_ascii_whitespace()

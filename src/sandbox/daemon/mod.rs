@@ -317,7 +317,7 @@ impl Worker {
         }
         // A worker that keeps the daemon's uid owns what the daemon owns: seccomp then denies
         // every mode and time change too, since file permissions cannot.
-        let seccomp = filters.get(&profile, identity.is_none())?;
+        let programs = filters.get(&profile, identity.is_none())?;
         let limits = &profile.limits;
         let spec = wire::Spec {
             argv,
@@ -355,7 +355,6 @@ impl Worker {
                 writable,
                 readable,
             },
-            seccomp: seccomp.0.clone(),
         };
         // Serialize before creating anything that would need cleaning up.
         let probe = serde_json::to_vec(&spec)
@@ -383,6 +382,7 @@ impl Worker {
             cgroup.clone(),
             cgroup_limits,
             (identity, registry, progress),
+            (programs, filters.take_forgotten()),
         )
         .await;
         if started.is_err() {
@@ -403,6 +403,7 @@ impl Worker {
         cgroup: Option<PathBuf>,
         cgroup_limits: Vec<String>,
         (lease, registry, progress): (Option<Lease>, Option<Registry>, Option<ProgressSender>),
+        (programs, forget): (Arc<filters::Programs>, Vec<u64>),
     ) -> Result<Worker, SandboxError> {
         let exe = sandbox.spawner.exe.clone();
         let spawn_error = |source| SandboxError::Spawn {
@@ -424,7 +425,7 @@ impl Worker {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
         let spawned = sandbox
             .spawner
-            .spawn_launcher(OwnedFd::from(theirs), progress_fd)
+            .spawn_launcher(programs, forget, OwnedFd::from(theirs), progress_fd)
             .await
             .map_err(|source| SandboxError::Spawn {
                 exe: exe.clone(),

@@ -6,7 +6,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::group::{orphan_candidates, Leaders, Pgid};
+use super::group::{orphan_candidates, thread_children, Leaders, Pgid};
 use super::procfs::{all_processes, ProcStat};
 
 /// Starts the orphan reaper task on `handle`'s runtime (the daemon is already the child
@@ -35,8 +35,9 @@ pub(crate) fn start_reaper(
     Ok(())
 }
 
-/// Reaps every zombie child of the daemon that is neither the leader of a live worker nor a
-/// member of its group (its worker's kill-and-confirm reaps those, and counts on seeing them
+/// Reaps every zombie child of the daemon (of its main thread, where orphans go, and of the
+/// spawner thread, whose children the spawner and the worker templates are) that is neither
+/// the leader of a live worker nor a member of its group (its worker's kill-and-confirm reaps those, and counts on seeing them
 /// until it does). Orphans are reparented to the daemon's main thread, so its list of
 /// children is read, not the whole of `/proc` (one pass over the host's processes per
 /// SIGCHLD was most of a call's daemon-side cost); the whole of `/proc` only when that list
@@ -44,7 +45,15 @@ pub(crate) fn start_reaper(
 pub(crate) fn reap_orphans(leaders: &Leaders) -> usize {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let live_groups = leaders.lock().clone();
-    let candidates = orphan_candidates(me).unwrap_or_else(all_processes);
+    let mut candidates = orphan_candidates(me).unwrap_or_else(all_processes);
+    // The spawner thread's children: a worker template that died (killed, or stopped after
+    // its profile was forgotten) is a zombie there, in no worker's group.
+    if let Some(children) = leaders
+        .spawner_thread()
+        .and_then(|t| thread_children(me, t))
+    {
+        candidates.extend(children);
+    }
     orphans(me, &candidates, &live_groups)
         .filter(|pid| leaders.reap_if_not_leader(*pid))
         .count()

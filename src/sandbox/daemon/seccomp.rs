@@ -210,10 +210,120 @@ impl Rules {
     }
 }
 
+/// The syscalls a worker's template and the launcher's per-call steps make after the
+/// template installed the profile's stack (the template's loop: receive, fork, answer; the
+/// launcher: process group, parent check, cgroup, signals, descriptors, rlimits, chdir,
+/// Landlock, capabilities, uid switch, the seal, report, execve). They are carved out of
+/// the stack the template installs and put back, exactly as the profile decides them, by the
+/// seal the launcher installs last ([`build_split`]). Names absent on this architecture are
+/// skipped. None of them is in [`ENOSYS_ALWAYS`].
+pub(crate) const TEMPLATE_CARVED: &[&str] = &[
+    // the template's loop
+    "recvmsg",
+    "sendmsg",
+    "clone",
+    "close",
+    "exit",
+    "exit_group",
+    "read",
+    "write",
+    // the per-call steps
+    "setpgid",
+    "getpgrp",
+    "getpgid",
+    "getpid",
+    "getppid",
+    "prctl",
+    "dup2",
+    "dup3",
+    "fcntl",
+    "close_range",
+    "openat",
+    "rt_sigaction",
+    "rt_sigprocmask",
+    "rt_sigreturn",
+    "sigaltstack",
+    "getuid",
+    "geteuid",
+    "getgid",
+    "getegid",
+    "prlimit64",
+    "setrlimit",
+    "getdents64",
+    "newfstatat",
+    "fstat",
+    "statx",
+    "lseek",
+    "chdir",
+    "landlock_create_ruleset",
+    "landlock_add_rule",
+    "landlock_restrict_self",
+    "capget",
+    "capset",
+    "setgroups",
+    "setresgid",
+    "setresuid",
+    "seccomp",
+    "execve",
+    "mmap",
+    "munmap",
+    "brk",
+    "mremap",
+    "madvise",
+    "futex",
+];
+
+/// Which part of a profile's stack [`build_with`] compiles. (The whole stack is no worker's
+/// any more: it is what the split is tested against.)
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(test), allow(dead_code))]
+enum Part {
+    /// The whole stack, as one process installs it.
+    Whole,
+    /// What a template installs once: the whole stack, but every syscall of
+    /// [`TEMPLATE_CARVED`] allowed.
+    Template,
+    /// What the launcher installs last in a worker forked from a template: the profile's and
+    /// the containment rules for the carved syscalls only, every other syscall allowed.
+    Seal,
+}
+
 /// The filters for `profile`, in installation order. `shared_uid`: the worker runs with the
 /// daemon's own uid (an unprivileged daemon without CAP_SETUID), so every mode and time
 /// change is denied too.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn build(profile: &Profile, shared_uid: bool) -> Result<Vec<BpfProgram>, SeccompError> {
+    build_with(profile, shared_uid, Part::Whole)
+}
+
+/// The stack of [`build`] split in two: what a template installs once (`.0`), and the seal
+/// a worker forked from it installs as its last step (`.1`). Installed one after the other,
+/// they decide every syscall exactly as [`build`]'s stack does (the kernel keeps the most
+/// restrictive action, and among errnos the most recent filter's; the seal's filters come
+/// in the whole stack's order and decide the carved syscalls alone, the template's decide
+/// the rest alone). Tested on every syscall by `a_template_and_its_seal_decide_as_the_whole_stack`.
+pub(crate) fn build_split(
+    profile: &Profile,
+    shared_uid: bool,
+) -> Result<(Vec<BpfProgram>, Vec<BpfProgram>), SeccompError> {
+    Ok((
+        build_with(profile, shared_uid, Part::Template)?,
+        build_with(profile, shared_uid, Part::Seal)?,
+    ))
+}
+
+fn carved() -> std::collections::BTreeSet<i64> {
+    TEMPLATE_CARVED
+        .iter()
+        .filter_map(|name| syscall_number(name))
+        .collect()
+}
+
+fn build_with(
+    profile: &Profile,
+    shared_uid: bool,
+    part: Part,
+) -> Result<Vec<BpfProgram>, SeccompError> {
     let arch = target_arch()?;
     // Resolved at load: the policy holds numbers.
     let errno = profile.seccomp.errno.number() as u32;
@@ -234,9 +344,11 @@ pub(crate) fn build(profile: &Profile, shared_uid: bool) -> Result<Vec<BpfProgra
                     message: e.to_string(),
                 })
         };
+    let carved = carved();
+    let seal = part == Part::Seal;
 
     let mut programs = Vec::with_capacity(4);
-    if arch == TargetArch::x86_64 {
+    if arch == TargetArch::x86_64 && !seal {
         programs.push(x32_guard());
     }
 
@@ -251,6 +363,11 @@ pub(crate) fn build(profile: &Profile, shared_uid: bool) -> Result<Vec<BpfProgra
                 if let Some(nr) = syscall_number(name) {
                     listed.remove(&nr);
                 }
+            }
+            match part {
+                Part::Whole => {}
+                Part::Template => listed.retain(|nr, _| !carved.contains(nr)),
+                Part::Seal => listed.retain(|nr, _| carved.contains(nr)),
             }
             if !listed.is_empty() {
                 programs.push(compile(
@@ -267,37 +384,73 @@ pub(crate) fn build(profile: &Profile, shared_uid: bool) -> Result<Vec<BpfProgra
             for name in ALLOW_LIST_ALWAYS {
                 listed.insert(number(name)?, Vec::new());
             }
-            programs.push(compile(
-                "profile",
-                listed,
-                SeccompAction::Errno(errno),
-                SeccompAction::Allow,
-            )?);
+            match part {
+                Part::Whole => {}
+                Part::Template => {
+                    for nr in &carved {
+                        listed.insert(*nr, Vec::new());
+                    }
+                }
+                Part::Seal => {
+                    // The carved calls the list leaves out, denied; everything else allowed.
+                    let denied: BTreeMap<i64, Vec<SeccompRule>> = carved
+                        .iter()
+                        .filter(|nr| !listed.contains_key(*nr))
+                        .map(|nr| (*nr, Vec::new()))
+                        .collect();
+                    if !denied.is_empty() {
+                        programs.push(compile(
+                            "profile",
+                            denied,
+                            SeccompAction::Allow,
+                            SeccompAction::Errno(errno),
+                        )?);
+                    }
+                    listed.clear();
+                }
+            }
+            if !seal {
+                programs.push(compile(
+                    "profile",
+                    listed,
+                    SeccompAction::Errno(errno),
+                    SeccompAction::Allow,
+                )?);
+            }
         }
     }
 
-    let mut enosys = Rules::default();
-    for name in ENOSYS_ALWAYS {
-        enosys.always(number(name)?);
+    if !seal {
+        let mut enosys = Rules::default();
+        for name in ENOSYS_ALWAYS {
+            enosys.always(number(name)?);
+        }
+        programs.push(compile(
+            "enosys",
+            enosys.map,
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::ENOSYS as u32),
+        )?);
     }
-    programs.push(compile(
-        "enosys",
-        enosys.map,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-    )?);
 
-    let rules = containment_rules(profile, shared_uid).map_err(|e| SeccompError::Compile {
+    let mut rules = containment_rules(profile, shared_uid).map_err(|e| SeccompError::Compile {
         profile: profile.name.clone(),
         filter: "containment",
         message: e.to_string(),
     })?;
-    programs.push(compile(
-        "containment",
-        rules.map,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::EPERM as u32),
-    )?);
+    match part {
+        Part::Whole => {}
+        Part::Template => rules.map.retain(|nr, _| !carved.contains(nr)),
+        Part::Seal => rules.map.retain(|nr, _| carved.contains(nr)),
+    }
+    if !rules.map.is_empty() {
+        programs.push(compile(
+            "containment",
+            rules.map,
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::EPERM as u32),
+        )?);
+    }
     Ok(programs)
 }
 
@@ -852,6 +1005,84 @@ pub(crate) mod tests {
         let progs = build(&p, false).unwrap();
         let verdict = run(&progs, libc::SYS_ptrace, [0; 6]);
         assert_eq!(verdict, libc::SECCOMP_RET_ERRNO | libc::EACCES as u32);
+    }
+
+    #[test]
+    fn a_template_and_its_seal_decide_as_the_whole_stack() {
+        for name in ENOSYS_ALWAYS {
+            assert!(!TEMPLATE_CARVED.contains(name), "{name} is carved");
+        }
+        // Argument patterns that reach every conditional rule: namespace flags, modes with
+        // setuid bits, O_CREAT, socket domains and types, inode-flag ioctls.
+        let mut patterns = vec![[0u64; 6], [u64::MAX; 6]];
+        for v in [
+            libc::CLONE_NEWUSER as u64,
+            0x80,
+            libc::S_ISUID as u64,
+            libc::S_ISGID as u64,
+            libc::S_ISVTX as u64,
+            libc::O_CREAT as u64 | libc::S_ISUID as u64,
+            libc::AF_INET as u64,
+            libc::AF_UNIX as u64,
+            libc::SOCK_DGRAM as u64,
+            0x4008_6602,
+            MFD_NOEXEC_SEAL,
+        ] {
+            for arg in 0..4 {
+                let mut a = [0u64; 6];
+                a[arg] = v;
+                patterns.push(a);
+                let mut b = [v; 6];
+                b[arg] = 0;
+                patterns.push(b);
+            }
+        }
+        let mut strict = profile(
+            SeccompMode::Allow,
+            &[
+                "read",
+                "write",
+                "openat",
+                "exit_group",
+                "clone",
+                "prctl",
+                "chdir",
+            ],
+            false,
+        );
+        strict.seccomp.errno = crate::syscalls::Errno::resolve("EACCES").unwrap();
+        let mut profiles = both_profiles().to_vec();
+        profiles.push(strict);
+        profiles.push(profile(
+            SeccompMode::Deny,
+            &["setresuid", "landlock_create_ruleset", "ptrace"],
+            true,
+        ));
+        for p in &profiles {
+            for shared_uid in [false, true] {
+                let whole = build(p, shared_uid).unwrap();
+                let (template, seal) = build_split(p, shared_uid).unwrap();
+                let stacked: Vec<BpfProgram> = template.iter().chain(&seal).cloned().collect();
+                for (name, nr) in SYSCALLS {
+                    for args in &patterns {
+                        assert_eq!(
+                            run(&stacked, *nr, *args),
+                            run(&whole, *nr, *args),
+                            "{name} {args:?} (mode {:?}, shared_uid {shared_uid})",
+                            p.seccomp.mode
+                        );
+                    }
+                }
+                // The carved calls are allowed in the template, whatever the profile says.
+                for name in TEMPLATE_CARVED {
+                    if let Some(nr) = syscall_number(name) {
+                        assert_eq!(run(&template, nr, [0; 6]), ALLOW, "{name}");
+                    }
+                }
+                // And the seal is small: that is its point.
+                assert!(seal.iter().map(Vec::len).sum::<usize>() < 400);
+            }
+        }
     }
 
     #[test]

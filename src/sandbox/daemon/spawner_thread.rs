@@ -14,6 +14,7 @@
 //! starts a new spawner. A spawner that does not answer within [`ANSWER_TIMEOUT`] (2 s) is
 //! killed and replaced the same way.
 
+use std::collections::HashSet;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
@@ -29,9 +30,10 @@ use rustix::net::{
 };
 use rustix::process::{Pid, PidfdFlags, Signal};
 
+use super::filters::Programs;
 use super::group::{signal_group, Leaders, Pgid};
 use crate::sandbox::spawner::SPAWNER_ARG;
-use crate::sandbox::wire::spawn_request::{self, Reply, MAX_FDS, REPLY_LEN, SPAWN};
+use crate::sandbox::wire::spawn_request::{self, Reply, MAX_FDS, REPLY_LEN};
 
 /// A launcher just started.
 pub(crate) struct Spawned {
@@ -46,6 +48,10 @@ enum Request {
     /// Start the spawner now, if it is not running.
     WarmUp,
     Spawn {
+        /// The profile's programs: which template forks the worker.
+        programs: Arc<Programs>,
+        /// Templates of forgotten profiles, to be stopped first.
+        forget: Vec<u64>,
         channel: OwnedFd,
         /// The write end of the progress pipe, when the caller asked for progress.
         progress: Option<OwnedFd>,
@@ -82,6 +88,7 @@ impl SpawnerThread {
             .name("airlock-spawner".into())
             .spawn(move || {
                 let (exe, leaders) = (thread_exe, leaders);
+                leaders.set_spawner_thread(rustix::thread::gettid().as_raw_nonzero().get());
                 let mut process: Option<Process> = None;
                 for req in rx {
                     match req {
@@ -94,11 +101,23 @@ impl SpawnerThread {
                             }
                         }
                         Request::Spawn {
+                            programs,
+                            forget,
                             channel,
                             progress,
                             reply,
                         } => {
-                            let result = spawn_now(&mut process, &exe, &leaders, channel, progress);
+                            if let Some(p) = process.as_mut() {
+                                p.forget(&forget);
+                            }
+                            let result = spawn_now(
+                                &mut process,
+                                &exe,
+                                &leaders,
+                                &programs,
+                                channel,
+                                progress,
+                            );
                             if let Err(Ok(orphan)) = reply.send(result) {
                                 // The caller went away: the launcher must not outlive the
                                 // request.
@@ -129,11 +148,15 @@ impl SpawnerThread {
     /// tool keeps.
     pub(crate) async fn spawn_launcher(
         &self,
+        programs: Arc<Programs>,
+        forget: Vec<u64>,
         channel: OwnedFd,
         progress: Option<OwnedFd>,
     ) -> io::Result<Spawned> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         self.send(Request::Spawn {
+            programs,
+            forget,
             channel,
             progress,
             reply,
@@ -149,6 +172,8 @@ struct Process {
     sock: OwnedFd,
     pidfd: OwnedFd,
     pid: i32,
+    /// The templates this spawner has the programs of.
+    templates: HashSet<u64>,
 }
 
 impl Process {
@@ -195,6 +220,7 @@ impl Process {
             sock: ours,
             pidfd: pidfd?,
             pid,
+            templates: HashSet::new(),
         };
         let timeout = |t| {
             rustix::net::sockopt::set_socket_timeout(
@@ -227,22 +253,45 @@ impl Process {
         }
     }
 
-    /// One request: the worker's pid and pidfd.
+    /// Stops the templates of `ids` (forgotten profiles); nothing to answer. A spawner that
+    /// is gone took them with it.
+    fn forget(&mut self, ids: &[u64]) {
+        for id in ids {
+            if self.templates.remove(id) {
+                let _ = rustix::net::send(
+                    &self.sock,
+                    &spawn_request::forget_message(*id),
+                    SendFlags::NOSIGNAL,
+                );
+            }
+        }
+    }
+
+    /// One request: the worker's pid and pidfd, forked from the template of `programs`
+    /// (whose programs go to the spawner first, once).
     fn spawn(
-        &self,
+        &mut self,
+        programs: &Programs,
         channel: &OwnedFd,
         stdin: &OwnedFd,
         stdout: &OwnedFd,
         stderr: &OwnedFd,
         progress: Option<&OwnedFd>,
     ) -> Result<(Pgid, OwnedFd), Failed> {
+        if !self.templates.contains(&programs.id) {
+            let message =
+                spawn_request::template_message(programs.id, &programs.template, &programs.seal);
+            rustix::net::send(&self.sock, &message, SendFlags::NOSIGNAL)
+                .map_err(|e| Failed::Undelivered(e.into()))?;
+            self.templates.insert(programs.id);
+        }
         let fds = spawn_request::request_fds(channel, stdin, stdout, stderr, progress);
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
         let mut control = SendAncillaryBuffer::new(&mut space);
         control.push(SendAncillaryMessage::ScmRights(&fds));
         rustix::net::sendmsg(
             &self.sock,
-            &[IoSlice::new(&[SPAWN])],
+            &[IoSlice::new(&spawn_request::spawn_message(programs.id))],
             &mut control,
             SendFlags::NOSIGNAL,
         )
@@ -329,12 +378,12 @@ fn running<'a>(
     process: &'a mut Option<Process>,
     exe: &Path,
     leaders: &Leaders,
-) -> io::Result<&'a Process> {
+) -> io::Result<&'a mut Process> {
     if process.is_none() {
         *process = Some(Process::start(exe, leaders)?);
     }
     process
-        .as_ref()
+        .as_mut()
         .ok_or_else(|| io::Error::other("no spawner process"))
 }
 
@@ -342,6 +391,7 @@ fn spawn_now(
     process: &mut Option<Process>,
     exe: &Path,
     registry: &Leaders,
+    programs: &Programs,
     channel: OwnedFd,
     progress: Option<OwnedFd>,
 ) -> io::Result<Spawned> {
@@ -352,8 +402,14 @@ fn spawn_now(
     loop {
         let spawner = running(process, exe, registry)?;
         let mut leaders = registry.lock();
-        let error = match spawner.spawn(&channel, &stdin_r, &stdout_w, &stderr_w, progress.as_ref())
-        {
+        let error = match spawner.spawn(
+            programs,
+            &channel,
+            &stdin_r,
+            &stdout_w,
+            &stderr_w,
+            progress.as_ref(),
+        ) {
             Ok((leader, pidfd)) => {
                 leaders.insert(leader);
                 return Ok(Spawned {

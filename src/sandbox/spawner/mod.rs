@@ -1,31 +1,57 @@
 //! The spawner process: a single-threaded copy of the daemon's binary, started once (argv
-//! `[exe, SPAWNER_ARG, DAEMON_PID]`), that forks every worker and runs the launcher in the
-//! child, so no worker costs an `execve` of the daemon.
+//! `[exe, SPAWNER_ARG, DAEMON_PID]`), that keeps one worker template per profile (and uid
+//! mode) and has every worker forked from its template, so no worker costs an `execve` of
+//! the daemon, nor the conversion and JIT compilation of its seccomp stack.
 //!
 //! It speaks the protocol of [`crate::sandbox::wire::spawn_request`] over a `SOCK_SEQPACKET`
 //! pair that is its stdin at start.
 //!
-//! The worker is created with `clone3(CLONE_PARENT | CLONE_PIDFD)`: its parent is the daemon
-//! (the thread that started the spawner), not the spawner, so the daemon reaps it by pidfd,
-//! it is covered by the daemon's subreaper and kill-and-confirm exactly as before, and its
-//! PDEATHSIG follows the daemon. The child closes the spawner's socket, takes the three
-//! streams as 0, 1 and 2, leads a new process group, and runs [`child::run`], whose first
-//! step re-checks all of that, and whose close-range step leaves the tool nothing else (but
-//! the progress pipe, moved to fd 3 or 4 and named by `$AIRLOCK_PROGRESS_FD`).
+//! A template is forked from the spawner with `clone(CLONE_PARENT | CLONE_PIDFD)`: its parent
+//! is the daemon (the thread that started the spawner). It keeps only its socket to the
+//! spawner, runs the template steps ([`child::template`]: PDEATHSIG + parent check, the
+//! capability lock and empty bounding set, no_new_privs, the profile's seccomp stack with the
+//! launcher's calls carved out), says it is ready, and forks each worker the same way
+//! (`CLONE_PARENT | CLONE_PIDFD`: the worker is the daemon's child too, covered by its
+//! subreaper and kill-and-confirm, its PDEATHSIG following the daemon), passing the pidfd
+//! back with the pid. The spawner forwards the daemon's request and the template's answer.
+//!
+//! A template is created at the first worker of its profile, stopped (SIGKILL through its
+//! pidfd; the daemon's orphan reaper reaps it) when the daemon forgets its profile after a
+//! reload, and replaced when it is found dead: a request it could not take is retried once
+//! on a new template; one it took but never answered fails that call only. A template exits
+//! when the spawner's end of its socket closes (the spawner died) and, by PDEATHSIG, when the
+//! daemon dies.
+//!
+//! The worker's leader closes the template's socket, takes the three streams as 0, 1 and 2,
+//! leads a new process group, and runs [`child::run`], whose first step re-checks all of
+//! that, and whose close-range step leaves the tool nothing else (but the progress pipe,
+//! moved to fd 3 or 4 and named by `$AIRLOCK_PROGRESS_FD`).
 
+use std::collections::HashMap;
 use std::io::{IoSlice, IoSliceMut, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::time::Duration;
 
+use rustix::io::Errno;
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
 };
+use rustix::process::Signal;
+use seccompiler::BpfProgram;
 
 use super::child;
-use super::wire::spawn_request::{self, Reply, SpawnFds, MAX_FDS, READY};
+use super::wire::launch::decode_program;
+use super::wire::spawn_request::{
+    self, Reply, Request, SpawnFds, MAX_FDS, MAX_REQUEST, READY, REPLY_LEN,
+};
 use super::wire::Step;
+
+/// How long a template may take to start, or to answer one request, before it is replaced
+/// (the daemon gives the spawner 2 s for the whole request).
+const TEMPLATE_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// `argv[1]` that makes `main` run [`spawner_main`].
 pub const SPAWNER_ARG: &str = "__airlock-spawner";
@@ -66,13 +92,14 @@ fn serve() -> std::io::Result<()> {
     drop(null);
     rustix::net::send(&sock, &[READY], SendFlags::NOSIGNAL)?;
 
+    let mut templates: HashMap<u64, Template> = HashMap::new();
+    let mut message = vec![0u8; MAX_REQUEST];
     loop {
-        let mut tag = [0u8; 1];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let got = rustix::net::recvmsg(
             &sock,
-            &mut [IoSliceMut::new(&mut tag)],
+            &mut [IoSliceMut::new(&mut message)],
             &mut control,
             RecvFlags::CMSG_CLOEXEC,
         );
@@ -91,14 +118,38 @@ fn serve() -> std::io::Result<()> {
                 fds.extend(received);
             }
         }
-        let reply = if !spawn_request::is_spawn_request(tag[0], fds.len()) {
-            Err(rustix::io::Errno::INVAL)
+        let request = if got.flags.contains(rustix::net::ReturnFlags::TRUNC) {
+            None
         } else {
-            match clone_parent() {
-                Ok(Forked::Child) => child(sock, fds),
-                Ok(Forked::Parent(pid, pidfd)) => Ok((pid, pidfd)),
-                Err(errno) => Err(errno),
+            spawn_request::decode_request(&message[..got.bytes], fds.len())
+        };
+        let reply = match request {
+            Some(Request::Template { id, stack, seal }) => {
+                let programs = |p: Vec<spawn_request::Encoded>| -> Vec<BpfProgram> {
+                    p.iter().map(|p| decode_program(p)).collect()
+                };
+                let new = Template {
+                    stack: programs(stack),
+                    seal: programs(seal),
+                    running: None,
+                };
+                if let Some(old) = templates.insert(id, new) {
+                    old.stop();
+                }
+                continue;
             }
+            Some(Request::Forget(id)) => {
+                if let Some(old) = templates.remove(&id) {
+                    old.stop();
+                }
+                continue;
+            }
+            Some(Request::Spawn(id)) => match templates.get_mut(&id) {
+                Some(template) => template.spawn(daemon, &fds),
+                // The daemon sends a template before its first worker: this one is unknown.
+                None => Err(Errno::NOENT),
+            },
+            None => Err(Errno::INVAL),
         };
         match reply {
             Ok((pid, pidfd)) => {
@@ -123,6 +174,266 @@ fn serve() -> std::io::Result<()> {
     }
 }
 
+/// One profile's template, as the spawner knows it.
+struct Template {
+    /// The profile's stack with the launcher's calls carved out, which the template installs.
+    stack: Vec<BpfProgram>,
+    /// What each worker installs last.
+    seal: Vec<BpfProgram>,
+    running: Option<Running>,
+}
+
+/// A live template process.
+struct Running {
+    sock: OwnedFd,
+    pidfd: OwnedFd,
+}
+
+/// How forwarding a request to a template failed.
+enum Forward {
+    /// The template forked nothing and said why: it stays.
+    Refused(Errno),
+    /// Not delivered (the template is gone): safe to retry on a new one.
+    Undelivered(Errno),
+    /// Delivered, but no answer: the call fails.
+    Lost(Errno),
+}
+
+impl Template {
+    /// Has the template fork a worker with `fds`: its pid and pidfd. A template found dead
+    /// before it took the request is replaced and the request retried once.
+    fn spawn(&mut self, daemon: i32, fds: &[OwnedFd]) -> Result<(i32, OwnedFd), Errno> {
+        let mut retried = false;
+        loop {
+            let running = match &self.running {
+                Some(r) => r,
+                None => self
+                    .running
+                    .insert(start_template(daemon, &self.stack, &self.seal)?),
+            };
+            match forward(running, fds) {
+                Ok(spawned) => return Ok(spawned),
+                Err(Forward::Refused(e)) => return Err(e),
+                Err(Forward::Undelivered(_)) if !retried => {
+                    self.stop_running();
+                    retried = true;
+                }
+                Err(Forward::Undelivered(e) | Forward::Lost(e)) => {
+                    self.stop_running();
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn stop_running(&mut self) {
+        if let Some(r) = self.running.take() {
+            r.stop();
+        }
+    }
+
+    fn stop(mut self) {
+        self.stop_running();
+    }
+}
+
+impl Running {
+    /// SIGKILL through the pidfd (never a recycled pid). The template is the daemon's child:
+    /// the daemon's orphan reaper reaps it.
+    fn stop(self) {
+        let _ = rustix::process::pidfd_send_signal(&self.pidfd, Signal::KILL);
+    }
+}
+
+/// Forks a template (the daemon's child, through CLONE_PARENT) and waits for its word.
+fn start_template(
+    daemon: i32,
+    stack: &[BpfProgram],
+    seal: &[BpfProgram],
+) -> Result<Running, Errno> {
+    let (ours, theirs) = rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let (_, pidfd) = match clone_parent()? {
+        Forked::Child => template_main(theirs, daemon, stack, seal),
+        Forked::Parent(pid, pidfd) => (pid, pidfd),
+    };
+    drop(theirs);
+    let running = Running { sock: ours, pidfd };
+    let ready = rustix::net::sockopt::set_socket_timeout(
+        &running.sock,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(TEMPLATE_TIMEOUT),
+    )
+    .and_then(|()| {
+        let mut answer = [0u8; REPLY_LEN];
+        let n = recv_retrying(&running.sock, &mut answer)?;
+        match (n, Reply::decode(&answer[..n])) {
+            (1, _) if answer[0] == READY => Ok(()),
+            (_, Some(Reply::Refused(errno))) => Err(Errno::from_raw_os_error(errno)),
+            // Exited (EOF) or said something else.
+            _ => Err(Errno::PIPE),
+        }
+    });
+    match ready {
+        Ok(()) => Ok(running),
+        Err(e) => {
+            running.stop();
+            Err(e)
+        }
+    }
+}
+
+fn recv_retrying(sock: &OwnedFd, buf: &mut [u8]) -> Result<usize, Errno> {
+    loop {
+        match rustix::net::recv(sock, &mut *buf, RecvFlags::empty()) {
+            Err(Errno::INTR) => continue,
+            other => return other.map(|(n, _)| n),
+        }
+    }
+}
+
+/// One worker request to a running template, and its answer.
+fn forward(t: &Running, fds: &[OwnedFd]) -> Result<(i32, OwnedFd), Forward> {
+    let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    control.push(SendAncillaryMessage::ScmRights(&borrowed));
+    rustix::net::sendmsg(
+        &t.sock,
+        &[IoSlice::new(&spawn_request::spawn_message(0))],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .map_err(Forward::Undelivered)?;
+    let mut answer = [0u8; REPLY_LEN];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = loop {
+        match rustix::net::recvmsg(
+            &t.sock,
+            &mut [IoSliceMut::new(&mut answer)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Err(Errno::INTR) => continue,
+            other => break other,
+        }
+    }
+    .map_err(Forward::Lost)?;
+    let mut pidfd = None;
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = message {
+            for fd in received {
+                pidfd.get_or_insert(fd);
+            }
+        }
+    }
+    match (Reply::decode(&answer[..got.bytes.min(REPLY_LEN)]), pidfd) {
+        (Some(Reply::Spawned(pid)), Some(pidfd)) => Ok((pid, pidfd)),
+        (Some(Reply::Refused(errno)), _) => Err(Forward::Refused(Errno::from_raw_os_error(errno))),
+        // EOF (it died with the request) or garbage.
+        _ => Err(Forward::Lost(Errno::PIPE)),
+    }
+}
+
+/// The template process, just forked from the spawner: never returns.
+fn template_main(sock: OwnedFd, daemon: i32, stack: &[BpfProgram], seal: &[BpfProgram]) -> ! {
+    // Only our socket is ours: the daemon's socket, the other templates' sockets and pidfds
+    // and the descriptors of the request in flight are the spawner's. (Their owners in the
+    // spawner's frames are never dropped here: this function never returns.)
+    let fd = sock.as_raw_fd() as u32;
+    let closed = (|| {
+        if fd > 3 {
+            super::sys::close_range(3, fd - 1)?;
+        }
+        super::sys::close_range(fd + 1, u32::MAX)
+    })();
+    let say = |reply: Reply| {
+        let _ = rustix::net::send(&sock, &reply.encode(), SendFlags::NOSIGNAL);
+    };
+    if let Err(e) = closed {
+        say(Reply::Refused(e.raw_os_error().unwrap_or(libc::EBADF)));
+        std::process::exit(super::wire::SETUP_FAILED);
+    }
+    // Its name in /proc/PID/comm: its command line is the spawner's.
+    let _ = rustix::thread::set_name(c"airlock-tmpl");
+    if let Err((step, errno, message)) = child::template(daemon, stack) {
+        let _ = writeln!(
+            std::io::stderr(),
+            "airlock template: {}: {message}",
+            step.as_str()
+        );
+        say(Reply::Refused(errno));
+        std::process::exit(super::wire::SETUP_FAILED);
+    }
+    if rustix::net::send(&sock, &[READY], SendFlags::NOSIGNAL).is_err() {
+        std::process::exit(0);
+    }
+    let mut tag = [0u8; 9];
+    loop {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = match rustix::net::recvmsg(
+            &sock,
+            &mut [IoSliceMut::new(&mut tag)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(got) => got,
+            Err(Errno::INTR) => continue,
+            Err(_) => std::process::exit(0),
+        };
+        if got.bytes == 0 {
+            // The spawner is gone, or forgot us.
+            std::process::exit(0);
+        }
+        let mut fds: Vec<OwnedFd> = Vec::with_capacity(MAX_FDS);
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received) = message {
+                fds.extend(received);
+            }
+        }
+        let reply = match spawn_request::decode_request(&tag[..got.bytes], fds.len()) {
+            Some(Request::Spawn(_)) => match clone_parent() {
+                Ok(Forked::Child) => worker(sock, fds, seal),
+                Ok(Forked::Parent(pid, pidfd)) => Ok((pid, pidfd)),
+                Err(errno) => Err(errno),
+            },
+            _ => Err(Errno::INVAL),
+        };
+        drop(fds);
+        let sent = match reply {
+            Ok((pid, pidfd)) => {
+                let message = Reply::Spawned(pid).encode();
+                let fds = [pidfd.as_fd()];
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut control = SendAncillaryBuffer::new(&mut space);
+                control.push(SendAncillaryMessage::ScmRights(&fds));
+                rustix::net::sendmsg(
+                    &sock,
+                    &[IoSlice::new(&message)],
+                    &mut control,
+                    SendFlags::NOSIGNAL,
+                )
+                .map(drop)
+            }
+            Err(errno) => rustix::net::send(
+                &sock,
+                &Reply::Refused(errno.raw_os_error()).encode(),
+                SendFlags::NOSIGNAL,
+            )
+            .map(drop),
+        };
+        if sent.is_err() {
+            std::process::exit(0);
+        }
+    }
+}
+
 enum Forked {
     Child,
     Parent(i32, OwnedFd),
@@ -130,7 +441,8 @@ enum Forked {
 
 /// `clone3(CLONE_PARENT | CLONE_PIDFD)`, fork-like (no new stack), or the legacy `clone`
 /// with the same flags where clone3 is filtered out (systemd's `RestrictNamespaces=` makes it
-/// fail with ENOSYS, since a filter cannot read clone3's flags). A failure goes back to the
+/// fail with ENOSYS, since a filter cannot read clone3's flags; so does the seccomp stack of
+/// a template, which forks its workers here too). A failure goes back to the
 /// daemon as the reply; the spawner goes on.
 fn clone_parent() -> Result<Forked, rustix::io::Errno> {
     let flags = (libc::CLONE_PARENT | libc::CLONE_PIDFD) as u64;
@@ -145,7 +457,7 @@ fn clone_parent() -> Result<Forked, rustix::io::Errno> {
     //
     // SAFETY: with no stack given, clone3 duplicates this process like fork: the child runs
     // on a copy of our memory and returns here with 0. The spawner is single-threaded (a
-    // fresh exec, no runtime, no thread started), so no lock of the allocator or of std is
+    // fresh exec, no runtime, no thread started; a template is a fork of it and starts none), so no lock of the allocator or of std is
     // held by another thread at the copy, and the child only runs the launcher, then execs
     // or exits. The kernel reads `args` and writes the pidfd into `pidfd`, both outliving
     // the call.
@@ -187,9 +499,9 @@ fn clone_parent() -> Result<Forked, rustix::io::Errno> {
     Ok(Forked::Parent(rc as i32, pidfd))
 }
 
-/// In the worker's leader, right after the clone: never returns.
-fn child(sock: OwnedFd, fds: Vec<OwnedFd>) -> ! {
-    // The spawner's socket is the one descriptor of ours that must never reach the tool.
+/// In the worker's leader, right after the clone from its template: never returns.
+fn worker(sock: OwnedFd, fds: Vec<OwnedFd>, seal: &[BpfProgram]) -> ! {
+    // The template's socket is the one descriptor of ours that must never reach the tool.
     drop(sock);
     let Some(SpawnFds {
         channel,
@@ -218,5 +530,5 @@ fn child(sock: OwnedFd, fds: Vec<OwnedFd>) -> ! {
             format!("cannot set up the process group and standard streams: {e}"),
         );
     }
-    child::run(channel, progress)
+    child::run(channel, progress, seal)
 }

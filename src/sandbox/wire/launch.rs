@@ -32,8 +32,8 @@ pub(crate) struct Spec {
     /// The worker's own uid and gid; `None`: it keeps the daemon's.
     pub identity: Option<(u32, u32)>,
     pub landlock: LandlockSpec,
-    /// Classic BPF programs `(code, jt, jf, k)`, in installation order.
-    pub seccomp: Vec<Vec<(u16, u8, u8, u32)>>,
+    // No seccomp programs: the worker's template installed the profile's stack once, and
+    // holds the seal the launcher installs last (see `crate::sandbox::spawner`).
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
