@@ -343,15 +343,31 @@ fn forward(t: &Running, fds: &[OwnedFd]) -> Result<(i32, OwnedFd), Forward> {
 /// The template process, just forked from the spawner: never returns.
 fn template_main(sock: OwnedFd, daemon: i32, stack: &[BpfProgram], seal: &[BpfProgram]) -> ! {
     // Only our socket is ours: the daemon's socket, the other templates' sockets and pidfds
-    // and the descriptors of the request in flight are the spawner's. (Their owners in the
-    // spawner's frames are never dropped here: this function never returns.)
-    let fd = sock.as_raw_fd() as u32;
-    let closed = (|| {
-        if fd > 3 {
-            super::sys::close_range(3, fd - 1)?;
-        }
-        super::sys::close_range(fd + 1, u32::MAX)
-    })();
+    // and the descriptors of the request in flight are the spawner's. The socket moves to 3
+    // (close-on-exec) and everything above is closed, so a worker's descriptors arrive at 4
+    // and up, and its channel is never 3 (the progress pipe gets 3). (The owners of what is
+    // closed, in the spawner's frames, are never dropped here: this function never returns.)
+    let fd = sock.as_raw_fd();
+    let moved = if fd == 3 {
+        0
+    } else {
+        // SAFETY: dup3 takes two integers and touches no memory of ours. Whatever 3 held is
+        // the spawner's (see above) and is replaced here; nothing in this process uses it.
+        unsafe { libc::dup3(fd, 3, libc::O_CLOEXEC) }
+    };
+    if moved < 0 {
+        // Nothing to answer on: the spawner sees our end close.
+        std::process::exit(super::wire::SETUP_FAILED);
+    }
+    let closed = super::sys::close_range(4, u32::MAX);
+    let sock = if fd == 3 {
+        sock
+    } else {
+        // The old number is closed (it was above 3): its owner must not close it again.
+        std::mem::forget(sock);
+        // SAFETY: 3 is the copy dup3 just made, owned by nobody else.
+        unsafe { OwnedFd::from_raw_fd(3) }
+    };
     let say = |reply: Reply| {
         let _ = rustix::net::send(&sock, &reply.encode(), SendFlags::NOSIGNAL);
     };
