@@ -725,11 +725,49 @@ fn which(cmd: &str) -> Option<String> {
     })
 }
 
+/// The external read rows: `cat` of 1 KiB run directly and as an external read call
+/// (`traced`: the call's syscalls traced into the bench output as well).
+fn read_rows(
+    t: &mut Table,
+    plan: &Plan,
+    c: &mut Conn,
+    src: &std::path::Path,
+    traced_pid: Option<u32>,
+) {
+    let direct_cat = Series::measure(plan.iters, || {
+        run_direct(Command::new("/bin/cat").arg("--").arg(src))
+    });
+    t.row("direct run: `cat` of 1 KiB", &direct_cat, "", "");
+    let read = Series::measure(plan.iters, || {
+        timed(|| {
+            c.call("bench_cat", json!({"src": "in-1k"}));
+        })
+    });
+    if let Some(pid) = traced_pid {
+        traced(pid, "external-read", || {
+            for _ in 0..50 {
+                c.call("bench_cat", json!({"src": "in-1k"}));
+            }
+        });
+    }
+    let r = ratio(&read, &direct_cat);
+    let v = t.verdict("external read call within 1.5x of direct", r <= 1.5);
+    t.row(
+        "external read call: `cat` of 1 KiB",
+        &read,
+        &format!("{r:.1}x direct"),
+        &format!("<= 1.5x: {v}"),
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let short = args.iter().any(|a| a == "--short");
     // `--real-tools`: only the real tools' rows (edit_file, a tree extracted, an in-out tree).
     let only_tools = args.iter().any(|a| a == "--real-tools");
+    // `--spawn`: only the spawn rows (bare fork/exec, bwrap, sandboxed spawn) and the
+    // external read of `cat` against the direct run.
+    let only_spawn = args.iter().any(|a| a == "--spawn");
     let plan = Plan::new(short);
     machine();
     println!(
@@ -837,6 +875,11 @@ fn main() {
             &format!(">= 3x: {v}"),
         );
     }
+    if only_spawn {
+        read_rows(&mut t, &plan, &mut c, &src, None);
+        t.print();
+        return;
+    }
 
     // --- Durable write vs direct; external read vs direct.
     let direct_out = d.dir.path().join("direct-out");
@@ -868,28 +911,7 @@ fn main() {
         &format!("{r:.1}x direct"),
         &format!("<= 3x: {v}"),
     );
-    let direct_cat = Series::measure(plan.iters, || {
-        run_direct(Command::new("/bin/cat").arg("--").arg(&src))
-    });
-    t.row("direct run: `cat` of 1 KiB", &direct_cat, "", "");
-    let read = Series::measure(plan.iters, || {
-        timed(|| {
-            c.call("bench_cat", json!({"src": "in-1k"}));
-        })
-    });
-    traced(pid, "external-read", || {
-        for _ in 0..50 {
-            c.call("bench_cat", json!({"src": "in-1k"}));
-        }
-    });
-    let r = ratio(&read, &direct_cat);
-    let v = t.verdict("external read call within 1.5x of direct", r <= 1.5);
-    t.row(
-        "external read call: `cat` of 1 KiB",
-        &read,
-        &format!("{r:.1}x direct"),
-        &format!("<= 1.5x: {v}"),
-    );
+    read_rows(&mut t, &plan, &mut c, &src, Some(pid));
 
     // --- Publication cost, 1 KiB vs big: the call minus the same command run directly.
     let fill = |bytes: u64, iters: usize, c: &mut Conn| {

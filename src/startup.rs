@@ -317,7 +317,9 @@ fn sweep_leftovers(
     d: &DaemonConfig,
     pool: Option<&crate::sandbox::Pool>,
 ) -> Result<Registry, StartupError> {
-    let registry = Registry::open(&d.state_dir.join("workers")).map_err(StartupError::Registry)?;
+    let registry = Registry::open(&d.state_dir.join("workers"))
+        .map_err(StartupError::Registry)?
+        .with_worker_uids(pool);
     let mut lines = registry.sweep(pool);
     if let Some(cg) = &d.cgroup {
         lines.extend(crate::sandbox::sweep_cgroups(cg));

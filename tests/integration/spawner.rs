@@ -459,3 +459,33 @@ async fn a_reloaded_profile_gets_a_new_template_and_its_rules_take_effect() {
     works(&c, "after.txt").await;
     assert_eq!(d.read("after.txt").as_deref(), Some("ok"));
 }
+
+#[tokio::test]
+async fn the_worker_registry_is_one_record_per_spawner_not_one_file_per_worker() {
+    let mut d = hostile_daemon();
+    let c = started(&mut d).await;
+    let daemon = d.pid() as i32;
+    for i in 0..5 {
+        works(&c, &format!("w{i}.txt")).await;
+    }
+    let spawner = the_spawner(daemon).await;
+    let records = || {
+        let mut names: Vec<String> = std::fs::read_dir(d.state.join("workers"))
+            .expect("the registry dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    // Five workers, one record: the spawner's session, which holds them all.
+    assert_eq!(records(), vec![format!("session-{spawner}")]);
+    let sid = std::fs::read_to_string(format!("/proc/{spawner}/stat"))
+        .expect("the spawner's stat")
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(3).map(str::to_string));
+    assert_eq!(
+        sid,
+        Some(spawner.to_string()),
+        "the spawner leads its session"
+    );
+}

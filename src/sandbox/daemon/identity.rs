@@ -310,6 +310,11 @@ impl Pool {
     }
 
     /// Whether `uid` is in the reserved range.
+    /// `(first, last)` of the range.
+    pub(crate) fn bounds(&self) -> (u32, u32) {
+        (self.first, self.last)
+    }
+
     pub(crate) fn contains(&self, uid: u32) -> bool {
         (self.first..=self.last).contains(&uid)
     }

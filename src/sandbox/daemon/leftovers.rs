@@ -6,17 +6,21 @@
 //! records let the next start find and kill every one of them before recovery touches
 //! their job dirs:
 //!
-//! * a registry file per live worker, `<state_dir>/workers/<pgid>`, written after the
-//!   launcher is forked and before it is sent its spec (so before the tool can fork), removed
-//!   once the group is confirmed gone. It holds the group id, the daemon's session id and
-//!   the leader's start time: a survivor is a process of that group and session that started
-//!   no earlier than the leader (setsid and setpgid are denied to workers, so it cannot have
-//!   left either). The files need no fsync: a machine crash leaves no process to kill.
-//!   With workers under their own uids, it also names the worker's uid: a process is a
-//!   survivor only if it runs as that uid, and it is killed only under that uid's lease
-//!   (see [`super::identity::LeaseDir`]), which no other daemon's live worker can be
-//!   running under. A process is never killed merely for running as a uid of the range:
-//!   another daemon on the host may share the range.
+//! * a registry file per spawner process, `<state_dir>/workers/session-<sid>`, written once,
+//!   at the first worker that spawner forks (before that worker is sent its spec, so before
+//!   the tool can fork), not per worker. The spawner starts a session of its own (`setsid`)
+//!   and every worker and template is forked from it, so the session holds exactly the
+//!   spawner, its templates and the workers with all their descendants: setsid is denied to
+//!   workers, and no process can join a session it did not start. The record holds the
+//!   session id (the spawner's pid), the spawner's start time and the uids its workers may
+//!   run as (the daemon's, and the worker range): a survivor is a live process of that
+//!   session, started no earlier than the spawner, running as one of those uids. A session
+//!   id cannot be reused while a process is in the session; once it is empty, a new session
+//!   with that id has its leader alive, with another start time: such a record is left
+//!   alone. The files need no fsync (a machine crash leaves no process to kill) and are
+//!   removed by the next start's sweep.
+//! * the older per-worker records, `<state_dir>/workers/<pgid>` (group, session, leader
+//!   start, worker uid), still swept as before: a daemon upgraded after a crash finds them.
 //!
 //! A delegated cgroup is the third record: each leftover worker cgroup is killed through
 //! `cgroup.kill` and removed.
@@ -62,6 +66,29 @@ pub enum RegistryError {
 #[derive(Debug, Clone)]
 pub struct Registry {
     dir: PathBuf,
+    /// The spawner sessions recorded in this run (a record is written once per session).
+    recorded: std::sync::Arc<std::sync::Mutex<Vec<Session>>>,
+    /// The range workers lease uids from, if they do (for the session records).
+    worker_uids: Option<(u32, u32)>,
+}
+
+/// A spawner's session: the session id (the spawner's pid) and the spawner's start time, in
+/// clock ticks since boot.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct Session {
+    pub sid: i32,
+    pub start: u64,
+}
+
+/// The record of a spawner session (see the module comment).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+struct SessionRecord {
+    session: Session,
+    /// The daemon's uid: workers sharing it run as it.
+    daemon_uid: u32,
+    /// The worker uid range, when workers get uids of their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    worker_uids: Option<(u32, u32)>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -76,12 +103,21 @@ struct Record {
     uid: Option<u32>,
 }
 
-/// Removes its registry file when the worker's group is confirmed gone.
+/// A record file, by kind.
+enum Parsed {
+    Session(SessionRecord),
+    Worker(Record),
+}
+
+/// Removes its registry file when the worker's group is confirmed gone (the per-worker
+/// records of older versions, which the tests still write to check their sweep).
+#[cfg(test)]
 #[derive(Debug)]
 pub(crate) struct Entry {
     path: PathBuf,
 }
 
+#[cfg(test)]
 impl Drop for Entry {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
@@ -102,11 +138,48 @@ impl Registry {
             })?;
         Ok(Registry {
             dir: dir.to_path_buf(),
+            recorded: Default::default(),
+            worker_uids: None,
         })
+    }
+
+    /// The same registry, its session records naming `pool`'s range as the uids workers
+    /// may run as.
+    pub fn with_worker_uids(self, pool: Option<&Pool>) -> Registry {
+        Registry {
+            worker_uids: pool.map(Pool::bounds),
+            ..self
+        }
+    }
+
+    /// Records the spawner session a worker was just forked in (before it is sent its
+    /// spec): a file the first time this run sees the session, nothing after.
+    pub(crate) fn record_session(&self, session: Session) -> Result<(), RegistryError> {
+        let mut recorded = self.recorded.lock().unwrap_or_else(|p| p.into_inner());
+        if recorded.contains(&session) {
+            return Ok(());
+        }
+        let rec = SessionRecord {
+            session,
+            daemon_uid: rustix::process::geteuid().as_raw(),
+            worker_uids: self.worker_uids,
+        };
+        let path = self.dir.join(format!("session-{}", session.sid));
+        let bytes = serde_json::to_vec(&rec).map_err(|source| RegistryError::Encode {
+            pgid: session.sid,
+            source,
+        })?;
+        std::fs::write(&path, bytes).map_err(|source| RegistryError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        recorded.push(session);
+        Ok(())
     }
 
     /// Records the worker whose leader is `pgid` (already forked, not yet running the tool),
     /// with the uid it leased if it has one of its own.
+    #[cfg(test)]
     pub(crate) fn record(&self, pgid: i32, uid: Option<u32>) -> Result<Entry, RegistryError> {
         let stat = read_stat(pgid).ok_or(RegistryError::NoStat { pgid })?;
         let rec = Record {
@@ -130,14 +203,25 @@ impl Registry {
     /// their own uids. Returns one line per process killed or spared, for the log.
     pub fn sweep(&self, pool: Option<&Pool>) -> Vec<String> {
         let mut records = Vec::new();
+        let mut sessions = Vec::new();
+        let mut paths = Vec::new();
         if let Ok(dir) = std::fs::read_dir(&self.dir) {
             for entry in dir.flatten() {
                 let path = entry.path();
-                match std::fs::read(&path)
-                    .ok()
-                    .and_then(|b| serde_json::from_slice::<Record>(&b).ok())
-                {
-                    Some(rec) => records.push((path, rec)),
+                let bytes = std::fs::read(&path).ok();
+                let parsed = bytes.as_ref().and_then(|b| {
+                    if let Ok(rec) = serde_json::from_slice::<SessionRecord>(b) {
+                        Some(Parsed::Session(rec))
+                    } else {
+                        serde_json::from_slice::<Record>(b).ok().map(Parsed::Worker)
+                    }
+                });
+                match parsed {
+                    Some(Parsed::Session(rec)) => {
+                        sessions.push(rec);
+                        paths.push(path);
+                    }
+                    Some(Parsed::Worker(rec)) => records.push((path, rec)),
                     None => {
                         tracing::warn!(file = %path.display(), "unreadable worker record; removed");
                         let _ = std::fs::remove_file(&path);
@@ -146,6 +230,21 @@ impl Registry {
             }
         }
         let mut lines = Vec::new();
+        // A session whose id now belongs to a live leader that is not the recorded spawner
+        // is another session (the number was reused once the old one emptied): left alone.
+        let sessions: Vec<SessionRecord> = sessions
+            .into_iter()
+            .filter(|r| match read_stat(r.session.sid) {
+                Some(leader) if !leader.dead() && leader.start != r.session.start => {
+                    lines.push(format!(
+                        "left alone session {}: its id is another live process's now",
+                        r.session.sid
+                    ));
+                    false
+                }
+                _ => true,
+            })
+            .collect();
         // A record naming a uid is swept only under that uid's lease, held until its
         // survivors are gone: if another daemon holds it, that daemon runs a worker under it
         // right now, and whatever matches the record may be that worker.
@@ -187,9 +286,12 @@ impl Registry {
         let is_leftover = |p: &ProcStat| {
             p.pid != me
                 && !p.dead()
-                && sweepable
+                && (sweepable
                     .iter()
                     .any(|r| survivor_of(r, p) && r.uid.is_none_or(|u| real_uid(p.pid) == Some(u)))
+                    || sessions.iter().any(|r| {
+                        in_session(r, p) && real_uid(p.pid).is_some_and(|u| runs_as_worker(r, u))
+                    }))
         };
         let mut killed = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -220,7 +322,7 @@ impl Registry {
             std::thread::sleep(Duration::from_millis(5));
         }
         drop(uid_locks);
-        for (path, _) in &records {
+        for path in records.iter().map(|(p, _)| p).chain(&paths) {
             let _ = std::fs::remove_file(path);
         }
         lines.extend(killed.into_iter().map(|(pid, pgid)| {
@@ -228,6 +330,16 @@ impl Registry {
         }));
         lines
     }
+}
+
+/// Whether `p` is a process of the recorded spawner session, started since its spawner.
+fn in_session(r: &SessionRecord, p: &ProcStat) -> bool {
+    p.session == r.session.sid && p.start >= r.session.start
+}
+
+/// Whether `uid` is one the recorded session's workers could run as.
+fn runs_as_worker(r: &SessionRecord, uid: u32) -> bool {
+    uid == r.daemon_uid || r.worker_uids.is_some_and(|(a, b)| (a..=b).contains(&uid))
 }
 
 /// Whether `p` is a process of the recorded worker's group.
@@ -386,6 +498,100 @@ mod tests {
                 .count(),
             0
         );
+    }
+
+    /// A process in a session of its own (`setsid`), as a spawner is, running as `uid`.
+    fn session_leader_as(uid: u32) -> std::process::Child {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new("setsid")
+            .args(["sleep", "600"])
+            .uid(uid)
+            .gid(uid)
+            .spawn()
+            .expect("spawn setsid sleep")
+    }
+
+    #[test]
+    fn a_recorded_spawner_session_is_swept_once_and_written_once() {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "this test needs root (its processes run as other uids)"
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let workers = tmp.path().join("workers");
+        let leases = tmp.path().join("uids");
+        let pool = super::super::identity::Pool::new(
+            70600,
+            70601,
+            super::super::identity::LeaseDir::open(&leases).unwrap(),
+        );
+        let reg = Registry::open(&workers)
+            .unwrap()
+            .with_worker_uids(Some(&pool));
+        // `setsid` execs sleep in place when it is not a group leader: the child is the
+        // session leader, pid == sid.
+        let mut worker = session_leader_as(70600);
+        let mut stranger = session_leader_as(70700);
+        let pid = |c: &std::process::Child| i32::try_from(c.id()).unwrap();
+        let stat = |c: &std::process::Child| {
+            let mut tries = 0;
+            loop {
+                let s = read_stat(pid(c)).unwrap();
+                if s.session == pid(c) || tries > 1000 {
+                    break s;
+                }
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        let (w, x) = (stat(&worker), stat(&stranger));
+        assert_eq!(w.session, pid(&worker));
+        // Recorded once, whatever the number of workers forked in the session.
+        let session = Session {
+            sid: w.session,
+            start: w.start,
+        };
+        for _ in 0..3 {
+            reg.record_session(session).unwrap();
+        }
+        assert_eq!(std::fs::read_dir(&workers).unwrap().count(), 1);
+        // A record whose session id is a live process with another start time is not ours.
+        reg.record_session(Session {
+            sid: x.session,
+            start: x.start.saturating_sub(1),
+        })
+        .unwrap();
+        let lines = reg.sweep(Some(&pool));
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("killed process {} ", pid(&worker)))),
+            "{lines:?}"
+        );
+        worker.wait().unwrap();
+        assert!(alive(&mut stranger), "{lines:?}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(&format!("left alone session {}", x.session))),
+            "{lines:?}"
+        );
+        // The records are gone; the stranger, recorded with its own start now, is still
+        // spared: it runs as no uid of the record's.
+        assert_eq!(std::fs::read_dir(&workers).unwrap().count(), 0);
+        let fresh = Registry::open(&workers)
+            .unwrap()
+            .with_worker_uids(Some(&pool));
+        fresh
+            .record_session(Session {
+                sid: x.session,
+                start: x.start,
+            })
+            .unwrap();
+        let lines = fresh.sweep(Some(&pool));
+        assert!(alive(&mut stranger), "{lines:?}");
+        stranger.kill().unwrap();
+        stranger.wait().unwrap();
     }
 
     #[test]

@@ -219,12 +219,11 @@ struct Live {
     held: Held,
 }
 
-/// What a worker holds until its group is confirmed gone: its uid lease and its registry
-/// record.
+/// What a worker holds until its group is confirmed gone: its uid lease. (Its registry
+/// record is its spawner's session's, kept until the next start.)
 #[derive(Debug, Default)]
 struct Held {
     _lease: Option<Lease>,
-    _entry: Option<leftovers::Entry>,
 }
 
 /// How long `finish` keeps draining stdout/stderr once the group is confirmed gone (a write
@@ -435,20 +434,15 @@ impl Worker {
         let pid = leader.as_u32();
         let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };
         // Recorded before the launcher has its spec, so before the tool can fork anything a
-        // restart would have to find.
-        let uid = lease.as_ref().map(Lease::uid);
-        let entry = match registry.as_ref().map(|r| r.record(leader.raw(), uid)) {
-            None => None,
-            Some(Ok(entry)) => Some(entry),
-            Some(Err(e)) => {
-                tracing::warn!(
-                    pid,
-                    "cannot record the worker for the next start: {}",
-                    crate::report::chain(&e)
-                );
-                None
-            }
-        };
+        // restart would have to find: the spawner's session, once per spawner (a file at its
+        // first worker, nothing after), not a file per worker.
+        if let Some(Err(e)) = registry.as_ref().map(|r| r.record_session(spawned.session)) {
+            tracing::warn!(
+                pid,
+                "cannot record the spawner's session for the next start: {}",
+                crate::report::chain(&e)
+            );
+        }
 
         // From here on the worker exists: on any error, dropping it kills the group.
         let pidfd = match sys::watch_pidfd(spawned.pidfd) {
@@ -497,10 +491,7 @@ impl Worker {
                     containment: containment.into(),
                     cgroup_limits,
                 },
-                held: Held {
-                    _lease: lease,
-                    _entry: entry,
-                },
+                held: Held { _lease: lease },
             }),
         };
         if let Some(live) = worker.live.as_mut() {

@@ -18,7 +18,6 @@ use std::collections::HashSet;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
@@ -32,12 +31,15 @@ use rustix::process::{Pid, PidfdFlags, Signal};
 
 use super::filters::Programs;
 use super::group::{signal_group, Leaders, Pgid};
+use super::leftovers::Session;
 use crate::sandbox::spawner::SPAWNER_ARG;
 use crate::sandbox::wire::spawn_request::{self, Reply, MAX_FDS, REPLY_LEN};
 
 /// A launcher just started.
 pub(crate) struct Spawned {
     pub leader: Pgid,
+    /// The session of the spawner the leader was forked in.
+    pub session: Session,
     pub pidfd: OwnedFd,
     pub stdin: OwnedFd,
     pub stdout: OwnedFd,
@@ -172,6 +174,8 @@ struct Process {
     sock: OwnedFd,
     pidfd: OwnedFd,
     pid: i32,
+    /// Its session (it starts one), which every worker and template it forks is in.
+    session: Session,
     /// The templates this spawner has the programs of.
     templates: HashSet<u64>,
 }
@@ -199,7 +203,6 @@ impl Process {
         let child = command
             .arg(SPAWNER_ARG)
             .arg(me.to_string())
-            .process_group(0)
             .stdin(Stdio::from(theirs))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -216,10 +219,14 @@ impl Process {
         // `child` is dropped without waiting: std never reaps on drop; the orphan reaper (or
         // `stop`) reaps the spawner once it exits.
         drop(child);
+        // Its start time, read once: with its pid, its session's record for the next start's
+        // sweep (the pid cannot be recycled while we hold the unreaped child).
+        let start = super::procfs::read_stat(pid).map_or(0, |s| s.start);
         let process = Process {
             sock: ours,
             pidfd: pidfd?,
             pid,
+            session: Session { sid: pid, start },
             templates: HashSet::new(),
         };
         let timeout = |t| {
@@ -414,6 +421,7 @@ fn spawn_now(
                 leaders.insert(leader);
                 return Ok(Spawned {
                     leader,
+                    session: spawner.session,
                     pidfd,
                     stdin: stdin_w,
                     stdout: stdout_r,

@@ -75,6 +75,11 @@ fn serve() -> std::io::Result<()> {
         .nth(2)
         .and_then(|a| a.parse().ok())
         .ok_or_else(|| std::io::Error::other("no daemon pid in argv[2]"))?;
+    // A session of our own: it holds exactly us, our templates and every worker with its
+    // descendants (workers cannot setsid, and nobody can join a session), which is what the
+    // daemon's record of it tells the next start to sweep after a crash. It also takes us out
+    // of the daemon's process group and terminal.
+    rustix::process::setsid()?;
     // Die with the daemon (the thread that started us lives as long as the daemon), and make
     // sure it had not died already.
     rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
