@@ -7,9 +7,11 @@
 //! - [`spawner`]: the spawner process, the daemon's own binary in spawner mode
 //!   ([`SPAWNER_ARG`]), started once and dispatched in `main` before any runtime or thread
 //!   exists, so every fork happens in a single-threaded process, and no worker costs an
-//!   `execve` of the daemon;
-//! - [`child`]: the pre-exec child (the launcher), which runs in the worker's leader just
-//!   forked by the spawner, sets up the sandbox step by step and `execve`s the tool;
+//!   `execve` of the daemon; it keeps a template per profile, which carries the profile's
+//!   seccomp stack, and every worker is forked from its template;
+//! - [`child`]: the launcher: its template steps run once in each template, the rest in the
+//!   worker's leader just forked from it, which sets up the sandbox step by step and
+//!   `execve`s the tool;
 //! - [`wire`]: both protocols between them (daemon <-> spawner requests, daemon -> child spec
 //!   and child -> daemon reports);
 //! - `sys`: the raw system calls the three share.

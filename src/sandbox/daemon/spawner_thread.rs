@@ -3,8 +3,11 @@
 //!
 //! The spawner is started by that thread (at once, by [`SpawnerThread::start`], and again
 //! after one died), because PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, and a runtime's
-//! blocking threads come and go: the spawner and, through `CLONE_PARENT`, every worker are
-//! children of this thread, and die with it only when the daemon dies.
+//! blocking threads come and go: the spawner and, through `CLONE_PARENT`, every worker
+//! template and every worker are children of this thread, and die with it only when the
+//! daemon dies. A profile's seccomp programs go to the spawner once, before its first
+//! worker (the spawner keeps them for its template); templates of profiles a reload made
+//! unused are stopped at the next request.
 //!
 //! The registry lock is held from the request to the registration of the worker's pid, so the
 //! orphan reaper (which reaps under that lock) cannot reap a worker that just exited before
