@@ -18,13 +18,14 @@
 //! Fail closed: the ruleset asks for the rights of the profile's ABI as a hard requirement,
 //! and a kernel below that ABI is refused up front, unless the profile says `best_effort`.
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use crate::sandbox::sys;
 use crate::sandbox::wire::{Applied, LandlockSpec, LandlockStatus};
 use landlock::{
     make_bitflags, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath,
-    PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, Scope, ABI,
+    Ruleset, RulesetAttr, RulesetCreatedAttr, Scope, ABI,
 };
 
 /// A failure, with the errno of the underlying call when there is one.
@@ -188,30 +189,36 @@ pub(crate) fn apply(spec: &LandlockSpec) -> Result<Applied, LandlockFailure> {
 }
 
 /// The rule for one path: its rights, narrowed to file rights when it is not a directory.
-/// `Ok(None)` for an absent optional path.
+/// `Ok(None)` for an absent optional path. The path is walked once (an `O_PATH` open), its
+/// type read from the descriptor.
 fn rule_for(
     path: &Path,
     access: BitFlags<AccessFs>,
     abi: ABI,
     required: bool,
-) -> Result<Option<PathBeneath<PathFd>>, LandlockFailure> {
-    let meta = match std::fs::metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => return Ok(None),
+) -> Result<Option<PathBeneath<OwnedFd>>, LandlockFailure> {
+    use rustix::fs::{FileType, Mode, OFlags};
+    let fd = match rustix::fs::open(path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) if !required => return Ok(None),
         Err(e) => {
             return Err(LandlockFailure::new(
-                e.raw_os_error().unwrap_or(libc::ENOENT),
-                format!("cannot stat {}: {e}", path.display()),
+                e.raw_os_error(),
+                format!("cannot open {}: {e}", path.display()),
             ))
         }
     };
-    let access = if meta.is_dir() {
+    let st = rustix::fs::fstat(&fd).map_err(|e| {
+        LandlockFailure::new(
+            e.raw_os_error(),
+            format!("cannot stat {}: {e}", path.display()),
+        )
+    })?;
+    let access = if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
         access
     } else {
         access & AccessFs::from_file(abi)
     };
-    let fd = PathFd::new(path)
-        .map_err(|e| LandlockFailure::of(format!("cannot open {}", path.display()), &e))?;
     Ok(Some(PathBeneath::new(fd, access)))
 }
 

@@ -346,6 +346,9 @@ fn build_with(
         };
     let carved = carved();
     let seal = part == Part::Seal;
+    // The seal's part of the profile filter: carved calls the profile denies (every call of
+    // them: a profile's rules have no conditions).
+    let mut seal_denied: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
 
     let mut programs = Vec::with_capacity(4);
     if arch == TargetArch::x86_64 && !seal {
@@ -367,7 +370,10 @@ fn build_with(
             match part {
                 Part::Whole => {}
                 Part::Template => listed.retain(|nr, _| !carved.contains(nr)),
-                Part::Seal => listed.retain(|nr, _| carved.contains(nr)),
+                Part::Seal => {
+                    listed.retain(|nr, _| carved.contains(nr));
+                    seal_denied = std::mem::take(&mut listed);
+                }
             }
             if !listed.is_empty() {
                 programs.push(compile(
@@ -393,19 +399,11 @@ fn build_with(
                 }
                 Part::Seal => {
                     // The carved calls the list leaves out, denied; everything else allowed.
-                    let denied: BTreeMap<i64, Vec<SeccompRule>> = carved
+                    seal_denied = carved
                         .iter()
                         .filter(|nr| !listed.contains_key(*nr))
                         .map(|nr| (*nr, Vec::new()))
                         .collect();
-                    if !denied.is_empty() {
-                        programs.push(compile(
-                            "profile",
-                            denied,
-                            SeccompAction::Allow,
-                            SeccompAction::Errno(errno),
-                        )?);
-                    }
                     listed.clear();
                 }
             }
@@ -442,6 +440,23 @@ fn build_with(
         Part::Whole => {}
         Part::Template => rules.map.retain(|nr, _| !carved.contains(nr)),
         Part::Seal => rules.map.retain(|nr, _| carved.contains(nr)),
+    }
+    if seal && !seal_denied.is_empty() {
+        if errno == libc::EPERM as u32 {
+            // Same action as the containment rules (both shipped profiles): one filter, every
+            // call of a denied syscall matching. Each filter costs the kernel a conversion
+            // and a JIT compilation with a fixed part, paid per worker for the seal.
+            for nr in seal_denied.into_keys() {
+                rules.always(nr);
+            }
+        } else {
+            programs.push(compile(
+                "profile",
+                seal_denied,
+                SeccompAction::Allow,
+                SeccompAction::Errno(errno),
+            )?);
+        }
     }
     if !rules.map.is_empty() {
         programs.push(compile(
@@ -1079,8 +1094,12 @@ pub(crate) mod tests {
                         assert_eq!(run(&template, nr, [0; 6]), ALLOW, "{name}");
                     }
                 }
-                // And the seal is small: that is its point.
+                // And the seal is small, one filter where the profile's errno is EPERM: that
+                // is its point.
                 assert!(seal.iter().map(Vec::len).sum::<usize>() < 400);
+                if p.seccomp.errno.number() == libc::EPERM {
+                    assert!(seal.len() <= 1, "{} seal filters", seal.len());
+                }
             }
         }
     }
