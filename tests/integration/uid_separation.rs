@@ -1720,3 +1720,73 @@ async fn an_unsafe_worker_uid_lock_dir_refuses_to_start() {
         assert_eq!(text(&r).trim(), "62940", "[nobody={nobody}] {r}");
     }
 }
+
+/// The daemon's live worker templates (its children named `airlock-tmpl`).
+fn templates_of(daemon: i32) -> Vec<i32> {
+    processes_with("__airlock-spawner")
+        .into_iter()
+        .filter(|&p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.trim() == "airlock-tmpl")
+                && std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+                    s.rsplit_once(')').is_some_and(|(_, rest)| {
+                        let f: Vec<&str> = rest.split_whitespace().collect();
+                        f.first() != Some(&"Z") && f.get(1) == Some(&daemon.to_string().as_str())
+                    })
+                })
+        })
+        .collect()
+}
+
+/// A worker sharing an unprivileged daemon's uid (no uid of its own to keep it off its
+/// template) still cannot stop, kill or read its template (its environment, where its socket
+/// leads): Landlock's scopes, under both shipped profiles. The template survives and forks the next worker.
+#[tokio::test]
+async fn a_template_is_out_of_reach_of_a_worker_sharing_its_uid() {
+    require_root();
+    for profile in ["default", "strict"] {
+        let mut d = daemon(profile);
+        as_nobody(&mut d);
+        d.start();
+        let c = d.client().await;
+        session(&c, "h").await;
+        write_and_check(&c, &d, "first.txt").await;
+        // The attacking tool's profile has its template too.
+        let r = call(&c, "hs", json!({"session": "h", "script": "true"})).await;
+        assert!(!is_error(&r), "[{profile}] {r}");
+        let daemon_pid = d.pid() as i32;
+        wait_until("a worker template", || !templates_of(daemon_pid).is_empty()).await;
+        let templates = templates_of(daemon_pid);
+        for t in &templates {
+            assert_eq!(
+                ruid(*t),
+                Some(65534),
+                "[{profile}] the template runs as the daemon"
+            );
+            let r = call(
+                &c,
+                "hs",
+                json!({"session": "h", "script": format!(
+                    "kill -STOP {t} 2>&1; kill -KILL {t} 2>&1; cat /proc/{t}/environ >/dev/null 2>&1 || echo environ-denied; readlink /proc/{t}/fd/3 >/dev/null 2>&1 || echo fd-denied; echo end"
+                )}),
+            )
+            .await;
+            let out = text(&r);
+            assert_eq!(
+                out.matches("Operation not permitted").count(),
+                2,
+                "[{profile}] {r}"
+            );
+            assert!(
+                out.contains("environ-denied") && out.contains("fd-denied"),
+                "[{profile}] {r}"
+            );
+        }
+        write_and_check(&c, &d, "after.txt").await;
+        let after = templates_of(daemon_pid);
+        assert!(
+            templates.iter().all(|t| after.contains(t)),
+            "[{profile}] a template was replaced: {templates:?} then {after:?}"
+        );
+    }
+}
