@@ -611,3 +611,136 @@ async fn a_crashed_keyed_call_is_settled_by_recovery_and_its_retry_runs_once() {
         d.assert_audit_verifies(&format!("crash at {n}"));
     }
 }
+
+/// `airlock call ARGS... --socket S`: its exit status, stdout and stderr.
+fn cli(d: &Daemon, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(BIN)
+        .args(args)
+        .arg("--socket")
+        .arg(&d.socket)
+        .output()
+        .expect("run airlock");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `airlock call --idempotency-key` runs once and replays; `airlock job get` by id and by
+/// session and key prints the record.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_sends_a_key_and_reads_a_job() {
+    require_program("/usr/bin/python3", "python3");
+    let mut d = Daemon::new();
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let argv = [
+        "call",
+        "counter",
+        "--session",
+        "s",
+        "--idempotency-key",
+        "cli-1",
+    ];
+    let (code1, out1, err1) = cli(&d, &argv);
+    assert_eq!(code1, Some(0), "{err1}");
+    let (code2, out2, err2) = cli(&d, &argv);
+    assert_eq!(code2, Some(0), "{err2}");
+    assert_eq!(out1, out2, "the same result");
+    assert_eq!(counter(&c, "s").await, 1, "ran once");
+    let first: Value = serde_json::from_str(&out1).unwrap();
+    let job = first["structuredContent"]["job"].as_str().unwrap();
+    let (code, out, err) = cli(&d, &["job", "get", job]);
+    assert_eq!(code, Some(0), "{err}");
+    let got: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(got["structuredContent"]["state"], "committed", "{got}");
+    let (code, out, err) = cli(&d, &["job", "get", "--session", "s", "--key", "cli-1"]);
+    assert_eq!(code, Some(0), "{err}");
+    let by_key: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(by_key["structuredContent"]["job"], job);
+    let (code, _, err) = cli(&d, &["job", "get", "no-such-job"]);
+    assert_eq!(code, Some(1), "a tool error: {err}");
+}
+
+/// `airlock call --retry N`: the daemon dies right after the commit point, before the
+/// reply; the client reconnects to the restarted daemon and resends with the same
+/// (generated) key: the recorded result is replayed, `counter` ran once.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_retry_resends_after_a_lost_connection_and_the_call_commits_once() {
+    require_program("/usr/bin/python3", "python3");
+    // The daemon's point just after the commit point, from a reference run of the same
+    // sequence (session_create, then one keyed counter call).
+    let mut d = Daemon::new();
+    let log = d.dir.path().join("points.log");
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let (code, _, err) = cli(
+        &d,
+        &[
+            "call",
+            "counter",
+            "--session",
+            "s",
+            "--idempotency-key",
+            "k",
+        ],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    drop(c);
+    d.stop();
+    let after_commit = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .find(|l| l.ends_with(" jobs.mark_committed"))
+        .expect("the record is marked committed")
+        .split(' ')
+        .next()
+        .unwrap()
+        .to_string();
+
+    let mut d = Daemon::new();
+    d.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), after_commit)];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    drop(c);
+    let child = std::process::Command::new(BIN)
+        .args([
+            "call",
+            "counter",
+            "--session",
+            "s",
+            "--retry",
+            "50",
+            "--socket",
+        ])
+        .arg(&d.socket)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn airlock call");
+    assert!(
+        d.wait_exit(Duration::from_secs(10)).is_some(),
+        "the daemon did not crash after the commit point"
+    );
+    d.env.clear();
+    d.start();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("resending with idempotency key airlock-call-"),
+        "{stderr}"
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["structuredContent"]["version"], 1, "{r}");
+    let c = d.client().await;
+    assert_eq!(counter(&c, "s").await, 1, "committed once");
+    let replays = events(&c, "counter", "replay").await;
+    assert_eq!(replays.len(), 1, "the resend was replayed");
+    assert_eq!(replays[0]["detail"]["job"], r["structuredContent"]["job"]);
+}
