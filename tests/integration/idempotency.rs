@@ -744,3 +744,110 @@ async fn the_cli_retry_resends_after_a_lost_connection_and_the_call_commits_once
     assert_eq!(replays.len(), 1, "the resend was replayed");
     assert_eq!(replays[0]["detail"]["job"], r["structuredContent"]["job"]);
 }
+
+/// Through an official SDK (the pinned ones of tests/interop/, installed by
+/// tests/interop/install into target/interop/): the script sends a keyed `counter` call;
+/// once the daemon holds it just before its commit point, the test kills the script's
+/// connection (its `airlock connect` bridge); the script reconnects and resends with the same
+/// key. The call committed once, and the resend got its result.
+async fn sdk_retry(program: &str, script: &Path) {
+    assert!(
+        Path::new(program).exists(),
+        "{program} is missing: run tests/interop/install (it installs the pinned SDKs into target/interop/)"
+    );
+    require_program("/usr/bin/python3", "python3");
+    let mut d = Daemon::new();
+    let mark = d.dir.path().join("paused");
+    d.env = vec![
+        ("AIRLOCK_FAILPOINT_PAUSE_NAME".into(), "jobs.write".into()),
+        ("AIRLOCK_FAILPOINT_PAUSE_EVERY".into(), "1".into()),
+        (
+            "AIRLOCK_FAILPOINT_PAUSE_MARK".into(),
+            mark.display().to_string(),
+        ),
+        ("AIRLOCK_FAILPOINT_PAUSE_MS".into(), "120000".into()),
+    ];
+    d.start();
+    let c = d.client().await;
+    session(&c, "sdk").await;
+    let child = std::process::Command::new(program)
+        .arg(script)
+        .current_dir(script.parent().unwrap())
+        .env("AIRLOCK_BIN", reachable_bin())
+        .env("AIRLOCK_SOCKET", &d.socket)
+        .env("IDEMPOTENCY_KEY", "sdk-retry-1")
+        .env("SESSION", "sdk")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{program} {}: {e}", script.display()));
+    wait_until("the call to reach its commit point", || mark.exists()).await;
+    // The request is written and the daemon runs it: the connection dies now.
+    let needle = format!("connect --socket {}", d.socket.display());
+    let bridges = processes_with(&needle);
+    assert_eq!(bridges.len(), 1, "one bridge: {bridges:?}");
+    // SAFETY: kill(2) takes no pointer; the pid is the bridge this test found running.
+    assert_eq!(unsafe { libc::kill(bridges[0], libc::SIGKILL) }, 0);
+    wait_until("the bridge to be gone", || {
+        !processes_with(&needle).contains(&bridges[0])
+    })
+    .await;
+    std::fs::remove_file(&mark).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {stderr}", script.display());
+    let line = String::from_utf8_lossy(&out.stdout);
+    let got: Value = serde_json::from_str(line.trim().lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{line}: {e}\n{stderr}"));
+    assert!(
+        got["tries"].as_u64().unwrap() >= 2,
+        "the connection was lost once: {got} {stderr}"
+    );
+    assert_eq!(got["is_error"], false, "{got}");
+    assert_eq!(got["structured"]["version"], 1, "{got}");
+    assert_eq!(counter(&c, "sdk").await, 1, "exactly one commit");
+    assert_eq!(events(&c, "counter", "commit").await.len(), 1);
+    assert_eq!(events(&c, "counter", "start").await.len(), 1);
+    let replays = events(&c, "counter", "replay").await;
+    assert_eq!(replays.len(), 1, "the resend got the recorded result");
+    assert_eq!(replays[0]["detail"]["job"], got["structured"]["job"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_resends_with_its_key_after_a_lost_connection_and_commits_once() {
+    let repo = repo();
+    let venv = repo.join("target/interop/venv/bin/python");
+    sdk_retry(
+        venv.to_str().unwrap(),
+        &repo.join("tests/interop/retry_client.py"),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_typescript_sdk_resends_with_its_key_after_a_lost_connection_and_commits_once() {
+    require_program("node", "nodejs");
+    let repo = repo();
+    let node_dir = repo.join("target/interop/node");
+    assert!(
+        node_dir
+            .join("node_modules/@modelcontextprotocol/sdk")
+            .exists(),
+        "the TypeScript SDK is missing: run tests/interop/install"
+    );
+    // Next to the SDK's node_modules, where its imports resolve.
+    let script = node_dir.join("retry_client.mjs");
+    std::fs::copy(repo.join("tests/interop/retry_client.mjs"), &script).unwrap();
+    let node = which("node");
+    sdk_retry(&node, &script).await;
+}
+
+fn which(program: &str) -> String {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(program))
+        .find(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| panic!("{program} not on PATH"))
+}
