@@ -358,6 +358,23 @@ fn bare_fork_exec() -> Duration {
     t.elapsed()
 }
 
+/// `fdatasync` of `tmp`, `rename` to `to`, `fsync` of their directory: a durable
+/// replacement as a careful program makes it.
+fn durable_rename(tmp: &Path, to: &Path) {
+    fdatasync_path(tmp);
+    std::fs::rename(tmp, to).expect("rename into place");
+    let dir = to.parent().expect("a parent");
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .expect("fsync the directory");
+}
+
+fn fdatasync_path(path: &Path) {
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_data())
+        .expect("fdatasync");
+}
+
 fn run_direct(cmd: &mut Command) -> Duration {
     timed(|| {
         let st = cmd
@@ -844,6 +861,27 @@ fn main() {
         run_direct(Command::new("/bin/cp").arg("--").arg(&src).arg(&direct_out))
     });
     t.row("direct run: `cp` of 1 KiB", &direct_cp, "", "");
+    // The cheapest durable equivalent a user could run by hand: the copy, its data synced,
+    // renamed into place, the directory synced.
+    let by_hand_tmp = d.dir.path().join("by-hand.tmp");
+    let by_hand_out = d.dir.path().join("by-hand-out");
+    let by_hand = Series::measure(plan.iters, || {
+        timed(|| {
+            run_direct(
+                Command::new("/bin/cp")
+                    .arg("--")
+                    .arg(&src)
+                    .arg(&by_hand_tmp),
+            );
+            durable_rename(&by_hand_tmp, &by_hand_out);
+        })
+    });
+    t.row(
+        "by hand, durable: `cp` 1 KiB, `fdatasync` of the copy, `rename` into place, `fsync` of the dir",
+        &by_hand,
+        &format!("{:.1}x direct `cp`", ratio(&by_hand, &direct_cp)),
+        "",
+    );
     let write = Series::measure(plan.iters, || {
         timed(|| {
             c.call(
@@ -862,11 +900,16 @@ fn main() {
     });
     let r = ratio(&write, &direct_cp);
     let v = t.verdict("durable write call within 3x of direct", r <= 3.0);
+    let r_hand = ratio(&write, &by_hand);
+    let v_hand = t.verdict(
+        "durable write call within 1.5x of the durable copy by hand",
+        r_hand <= 1.5,
+    );
     t.row(
         "durable write call: `cp` 1 KiB published, state committed, audited",
         &write,
-        &format!("{r:.1}x direct"),
-        &format!("<= 3x: {v}"),
+        &format!("{r:.1}x direct, {r_hand:.1}x by hand"),
+        &format!("<= 3x: {v}; <= 1.5x by hand: {v_hand}"),
     );
     let direct_cat = Series::measure(plan.iters, || {
         run_direct(Command::new("/bin/cat").arg("--").arg(&src))
@@ -922,6 +965,19 @@ fn main() {
     let (_, small_call, small) = fill(1024, plan.iters, &mut c);
     let small_audit = publish_times(&mut c, "bench_fill", plan.iters);
     let (big_direct, big_call, big) = fill(plan.big_bytes, plan.big_iters, &mut c);
+    // The floor of a big publication: the writeback of the same file, `fdatasync` run
+    // directly on a file just written as the tool writes it (its pages dirty).
+    let floor = Series::measure(plan.big_iters, || {
+        run_direct(
+            Command::new("/bin/sh")
+                .arg("-c")
+                .arg("head -c \"$1\" /dev/zero > \"$2\"")
+                .arg("bench-fill")
+                .arg(plan.big_bytes.to_string())
+                .arg(&direct_out),
+        );
+        timed(|| fdatasync_path(&direct_out))
+    });
     let big_audit = publish_times(&mut c, "bench_fill", plan.big_iters);
     let _ = std::fs::remove_file(&direct_out);
     let big_name = if plan.big_bytes >= 1 << 30 {
@@ -941,16 +997,23 @@ fn main() {
         "",
         "",
     );
+    t.row(
+        &format!("direct: `fdatasync` of a {big_name} file just written (its writeback)"),
+        &floor,
+        "the floor of a durable publication",
+        "",
+    );
     let r_audit = big_audit.p50().as_secs_f64() / small_audit.p50().as_secs_f64().max(1e-3);
+    let r_floor = ratio(&big_audit, &floor);
     let v = t.verdict(
-        "publication flat in output size (big within 1.5x of 1 KiB)",
-        r_audit <= 1.5,
+        "big publication within 1.5x of its fdatasync run directly",
+        r_floor <= 1.5,
     );
     t.row(
         &format!("publication of {big_name}, worker end to commit (daemon's audit)"),
         &big_audit,
-        &format!("{r_audit:.1}x the 1 KiB cost"),
-        &format!("<= 1.5x: {v}"),
+        &format!("{r_floor:.1}x its `fdatasync`; {r_audit:.1}x the 1 KiB cost"),
+        &format!("<= 1.5x `fdatasync`: {v}"),
     );
     let r = ratio(&big, &small);
     t.row(
@@ -1026,8 +1089,8 @@ fn main() {
     }
     for (s, r) in &rates {
         let target = if *s == 16 {
-            let v = t.verdict("300 durable write calls/s with 16 sessions", *r >= 300.0);
-            format!(">= 300/s: {v}")
+            let v = t.verdict("600 durable write calls/s with 16 sessions", *r >= 600.0);
+            format!(">= 600/s: {v}")
         } else {
             String::new()
         };
