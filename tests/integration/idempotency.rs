@@ -582,7 +582,12 @@ async fn a_crashed_keyed_call_is_settled_by_recovery_and_its_retry_runs_once() {
             // Crashed before its record: recovery rolled the job back; its record says so.
             "none" => {
                 assert_eq!(before, 0);
-                assert_eq!(g["structuredContent"]["state"], json!(null), "{g}");
+                assert_eq!(code(&g), "NO_SUCH_JOB", "{g}");
+                // By its id (from the audit): what recovery did.
+                let crashed = events(&c, "counter", "allow").await[0]["job"].clone();
+                let g = call(&c, "job_get", json!({"job": crashed})).await;
+                assert_eq!(g["structuredContent"]["state"], "rolled_back", "{g}");
+                assert_eq!(g["structuredContent"]["recovered"], true, "{g}");
             }
             s => {
                 assert_eq!(g["structuredContent"]["state"], s, "crash at {n}: {g}");
