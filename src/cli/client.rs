@@ -285,9 +285,10 @@ pub(super) async fn call(mut a: CallArgs) -> Exit {
     let mut attempt = 0;
     let mut backoff = Duration::from_millis(100);
     loop {
-        match call_once(a.clone(), &mut sigint, expired.as_mut()).await {
+        match call_once(a.clone(), sigint, expired.as_mut()).await {
             Attempt::Done(code) => return code,
-            Attempt::Lost(why) if attempt < retries => {
+            Attempt::Lost(why, back) if attempt < retries => {
+                sigint = back;
                 attempt += 1;
                 eprintln!(
                     "airlock: {tool}: {why}; resending with idempotency key {} (retry {attempt} of {retries})",
@@ -306,7 +307,7 @@ pub(super) async fn call(mut a: CallArgs) -> Exit {
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }
-            Attempt::Lost(why) => {
+            Attempt::Lost(why, _) => {
                 eprintln!("airlock: {tool}: {why}");
                 return Exit::Error;
             }
@@ -333,14 +334,15 @@ fn generated_key() -> String {
 enum Attempt {
     /// With an outcome (printed) or a final error: the exit code.
     Done(Exit),
-    /// The connection was lost (or could not be made) before an outcome came: why.
-    Lost(String),
+    /// The connection was lost (or could not be made) before an outcome came: why, and the
+    /// Ctrl-C watch, handed back for the next attempt.
+    Lost(String, tokio::signal::unix::Signal),
 }
 
 /// One attempt: connect, send, wait for the result.
 async fn call_once(
     a: CallArgs,
-    sigint: &mut tokio::signal::unix::Signal,
+    mut sigint: tokio::signal::unix::Signal,
     mut expired: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
 ) -> Attempt {
     let tool = a.tool.clone();
@@ -349,7 +351,7 @@ async fn call_once(
     let (client, params) = tokio::select! {
         r = prepare_call(a) => match r {
             Ok(p) => p,
-            Err(Prepared::Lost(why)) => return Attempt::Lost(why),
+            Err(Prepared::Lost(why)) => return Attempt::Lost(why, sigint),
             Err(Prepared::Failed(code)) => return Attempt::Done(code),
         },
         _ = sigint.recv() => {
@@ -381,16 +383,16 @@ async fn call_once(
     let mut handle = match sent {
         Ok(h) => h,
         Err(e) => {
-            return Attempt::Lost(format!(
-                "cannot send the call: {}",
-                crate::report::chain(&e)
-            ))
+            return Attempt::Lost(
+                format!("cannot send the call: {}", crate::report::chain(&e)),
+                sigint,
+            )
         }
     };
     let (why, code) = tokio::select! {
         r = &mut handle.rx => {
             let attempt = match r {
-                Err(_) | Ok(Err(rmcp::ServiceError::TransportClosed)) => Attempt::Lost("the daemon closed the connection before replying".into()),
+                Err(_) | Ok(Err(rmcp::ServiceError::TransportClosed)) => Attempt::Lost("the daemon closed the connection before replying".into(), sigint),
                 r => Attempt::Done(print_result(&tool, r)),
             };
             let _ = tokio::time::timeout(Duration::from_secs(1), client.cancel()).await;
@@ -403,14 +405,11 @@ async fn call_once(
         "airlock: {tool}: cancelled ({why}); the daemon rolls it back unless it was already publishing"
     );
     // A second Ctrl-C does not wait for the goodbye.
-    let mut again = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
     let tool2 = tool.clone();
     tokio::spawn(async move {
-        if let Some(s) = again.as_mut() {
-            s.recv().await;
-            eprintln!("airlock: {tool2}: interrupted again; exiting at once");
-            std::process::exit(Exit::Interrupted.code());
-        }
+        sigint.recv().await;
+        eprintln!("airlock: {tool2}: interrupted again; exiting at once");
+        std::process::exit(Exit::Interrupted.code());
     });
     // The cancellation goes out, then the connection closes (which cancels too); both
     // bounded so that the whole takes well under a second.
