@@ -478,8 +478,12 @@ impl JobStore {
 
     /// A call ended without committing (failed, cancelled): its record is written (never
     /// fsynced: a crash may lose it, and then a retry runs afresh, which is safe since
-    /// nothing was committed) and indexed.
-    pub fn ended(&self, rec: &JobRecord) {
+    /// nothing was committed) and indexed; unless not `persist`: then it is forgotten.
+    pub fn ended(&self, rec: &JobRecord, persist: bool) {
+        if !persist {
+            lock(&self.inner.index).live.remove(&rec.job);
+            return;
+        }
         if let Err(e) = self.write(rec, TERMINAL, false) {
             tracing::warn!(job = %rec.job, error = %crate::report::chain(&e), "cannot write the job record");
         }
@@ -721,7 +725,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = JobStore::open(dir.path(), Duration::from_secs(60), 2, &|_, _| false).unwrap();
         for (j, k) in [("a", "ka"), ("b", "kb"), ("c", "kc")] {
-            s.ended(&rec(j, Some(k), JobState::Failed));
+            s.ended(&rec(j, Some(k), JobState::Failed), true);
         }
         assert!(s.get("a").is_none());
         assert!(!dir.path().join("jobs/a.json").exists());

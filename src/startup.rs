@@ -255,23 +255,26 @@ fn open_jobs(
             continue;
         }
         let now = crate::audit::time::now_ms();
-        jobs.ended(&JobRecord {
-            job: r.job.clone(),
-            uid,
-            session: session.clone(),
-            tool: tool.clone(),
-            key: None,
-            digest: String::new(),
-            state,
-            created_ms: now,
-            ended_ms: Some(now),
-            version_before: None,
-            version_after: None,
-            outputs: Vec::new(),
-            error: None,
-            reply: None,
-            recovered: true,
-        });
+        jobs.ended(
+            &JobRecord {
+                job: r.job.clone(),
+                uid,
+                session: session.clone(),
+                tool: tool.clone(),
+                key: None,
+                digest: String::new(),
+                state,
+                created_ms: now,
+                ended_ms: Some(now),
+                version_before: None,
+                version_after: None,
+                outputs: Vec::new(),
+                error: None,
+                reply: None,
+                recovered: true,
+            },
+            true,
+        );
     }
     Ok(jobs)
 }

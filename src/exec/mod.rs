@@ -37,7 +37,7 @@ use crate::publish::Workspace;
 use crate::sandbox::{Filters, Identities, Registry, Sandbox};
 use crate::session::SessionStore;
 use crate::startup::Opened;
-use lifecycle::{Canceller, Ending, Outcome, Run, Stop};
+use lifecycle::{Canceller, Ending, Outcome, Reached, Run, Stop};
 
 /// One `tools/call`, as the MCP layer hands it over.
 pub struct CallRequest {
@@ -500,7 +500,7 @@ impl Executor {
             }
         };
         if cx.call.tracked {
-            self.settle_job(cx, &outcome, &reply);
+            self.settle_job(cx, &outcome, &reply, run.reached != Reached::Queued);
         }
         for e in ending.events(outcome) {
             self.record(cx, e);
@@ -590,7 +590,10 @@ impl Executor {
     /// its commit point). A definite failure keeps its reply for the key's retries; a
     /// cancelled call, or one that failed for a reason a retry may not meet (busy, a
     /// failing disk), leaves no outcome: a retry runs afresh.
-    fn settle_job(&self, cx: &Cx<'_>, outcome: &Outcome, reply: &Reply) {
+    ///
+    /// An unkeyed call refused before it started (its arguments, its session, a busy
+    /// principal) leaves no record: nothing reaches the disk for it.
+    fn settle_job(&self, cx: &Cx<'_>, outcome: &Outcome, reply: &Reply, started: bool) {
         use crate::jobs::{JobState, RecordedReply};
         let (state, code, message) = match outcome {
             Outcome::Done => return,
@@ -620,7 +623,7 @@ impl Executor {
                 });
             }
         }
-        self.jobs.ended(&rec);
+        self.jobs.ended(&rec, started || rec.key.is_some());
     }
 
     fn record(&self, cx: &Cx<'_>, event: Event) {

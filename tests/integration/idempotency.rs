@@ -584,7 +584,13 @@ async fn a_crashed_keyed_call_is_settled_by_recovery_and_its_retry_runs_once() {
                 assert_eq!(before, 0);
                 assert_eq!(code(&g), "NO_SUCH_JOB", "{g}");
                 // By its id (from the audit): what recovery did.
-                let crashed = events(&c, "counter", "allow").await[0]["job"].clone();
+                let log = std::fs::read_to_string(d.state.join("audit.jsonl")).unwrap();
+                let crashed = log
+                    .lines()
+                    .map(|l| serde_json::from_str::<Value>(l).unwrap())
+                    .find(|e| e["tool"] == "counter" && e["kind"] == "allow")
+                    .expect("the crashed call's allow")["job"]
+                    .clone();
                 let g = call(&c, "job_get", json!({"job": crashed})).await;
                 assert_eq!(g["structuredContent"]["state"], "rolled_back", "{g}");
                 assert_eq!(g["structuredContent"]["recovered"], true, "{g}");
