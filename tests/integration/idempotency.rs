@@ -167,16 +167,7 @@ async fn a_retry_after_the_commit_replays_it_and_runs_nothing() {
 async fn a_duplicate_while_the_first_runs_waits_for_its_outcome() {
     require_program("/usr/bin/python3", "python3");
     let mut d = Daemon::new();
-    let mark = d.dir.path().join("paused");
-    d.env = vec![
-        ("AIRLOCK_FAILPOINT_PAUSE_NAME".into(), "jobs.write".into()),
-        ("AIRLOCK_FAILPOINT_PAUSE_EVERY".into(), "1".into()),
-        (
-            "AIRLOCK_FAILPOINT_PAUSE_MARK".into(),
-            mark.display().to_string(),
-        ),
-        ("AIRLOCK_FAILPOINT_PAUSE_MS".into(), "120000".into()),
-    ];
+    let mark = d.pause_at_failpoint("jobs.write", 1);
     d.start();
     let c = d.client().await;
     session(&c, "s").await;
@@ -768,16 +759,7 @@ async fn sdk_retry(program: &str, script: &Path) {
     );
     require_program("/usr/bin/python3", "python3");
     let mut d = Daemon::new();
-    let mark = d.dir.path().join("paused");
-    d.env = vec![
-        ("AIRLOCK_FAILPOINT_PAUSE_NAME".into(), "jobs.write".into()),
-        ("AIRLOCK_FAILPOINT_PAUSE_EVERY".into(), "1".into()),
-        (
-            "AIRLOCK_FAILPOINT_PAUSE_MARK".into(),
-            mark.display().to_string(),
-        ),
-        ("AIRLOCK_FAILPOINT_PAUSE_MS".into(), "120000".into()),
-    ];
+    let mark = d.pause_at_failpoint("jobs.write", 1);
     d.start();
     let c = d.client().await;
     session(&c, "sdk").await;
