@@ -8,6 +8,7 @@ pub mod cli;
 pub mod exec;
 pub mod failpoint;
 pub mod fsutil;
+pub mod jobs;
 pub mod mcp;
 pub mod policy;
 pub mod publish;

@@ -29,6 +29,8 @@ pub enum StartupError {
     OpenWorkspace(#[from] publish::PublishError),
     #[error("cannot open the session store")]
     Sessions(#[from] SessionError),
+    #[error("cannot open the job records")]
+    Jobs(#[source] crate::jobs::JobError),
     #[error("startup recovery failed")]
     Recovery(#[source] crate::publish::PublishError),
     #[error(transparent)]
@@ -100,6 +102,8 @@ pub struct Opened {
     pub registry: Registry,
     pub audit: Audit,
     pub recovered: Vec<publish::Recovered>,
+    /// The job records, every one a crash left pending settled as recovery decided.
+    pub jobs: crate::jobs::JobStore,
     /// How workers name the workspace's files.
     pub reach: WorkerReach,
 }
@@ -201,7 +205,11 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
     // Recovery records in the audit log what became of each job it settles.
     let audit = open_audit(d)?;
     let recovered = recover(&workspace, &sessions, &audit)?;
+    // After recovery and before any new commit: a pending record's job committed iff the
+    // session file records it.
+    let jobs = open_jobs(d, &sessions, &recovered)?;
     Ok(Opened {
+        jobs,
         workspace_lock,
         state_lock,
         workspace,
@@ -212,6 +220,63 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
         recovered,
         reach,
     })
+}
+
+/// Opens the job records (settling the pending ones by the session files), then gives
+/// each job recovery settled without a record (a crash before its record was written) one
+/// saying what recovery did, owned by its session's owner.
+fn open_jobs(
+    d: &DaemonConfig,
+    sessions: &SessionStore,
+    recovered: &[publish::Recovered],
+) -> Result<crate::jobs::JobStore, StartupError> {
+    use crate::jobs::{JobRecord, JobState, JobStore};
+    let committed = |s: &str, j: &str| sessions.committed(s, j).unwrap_or(false);
+    let jobs = JobStore::open(
+        &d.state_dir,
+        d.idempotency_ttl,
+        d.idempotency_keys,
+        &committed,
+    )
+    .map_err(StartupError::Jobs)?;
+    for r in recovered {
+        let state = match r.settled {
+            publish::Settled::NeverPublished | publish::Settled::RolledBack => JobState::RolledBack,
+            publish::Settled::Completed => JobState::Committed,
+            publish::Settled::Quarantine | publish::Settled::Kept => continue,
+        };
+        let (Some(session), Some(tool)) = (&r.session, &r.tool) else {
+            continue;
+        };
+        let Ok(Some(uid)) = sessions.owner(session) else {
+            continue;
+        };
+        if jobs.get(&r.job).is_some() {
+            continue;
+        }
+        let now = crate::audit::time::now_ms();
+        jobs.ended(
+            &JobRecord {
+                job: r.job.clone(),
+                uid,
+                session: session.clone(),
+                tool: tool.clone(),
+                key: None,
+                digest: String::new(),
+                state,
+                created_ms: now,
+                ended_ms: Some(now),
+                version_before: None,
+                version_after: None,
+                outputs: Vec::new(),
+                error: None,
+                reply: None,
+                recovered: true,
+            },
+            true,
+        );
+    }
+    Ok(jobs)
 }
 
 /// Locks the workspace for this process: recovery treats every job dir in it as its own.

@@ -39,10 +39,13 @@ pub enum EventKind {
     Error,
     /// A read call returned its result.
     Done,
+    /// A call with an idempotency key got the outcome recorded for the key (its original
+    /// `job`); nothing ran.
+    Replay,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 10] = [
+    pub const ALL: [EventKind; 11] = [
         EventKind::Allow,
         EventKind::Deny,
         EventKind::Start,
@@ -53,6 +56,7 @@ impl EventKind {
         EventKind::Rollback,
         EventKind::Error,
         EventKind::Done,
+        EventKind::Replay,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -67,6 +71,7 @@ impl EventKind {
             EventKind::Rollback => "rollback",
             EventKind::Error => "error",
             EventKind::Done => "done",
+            EventKind::Replay => "replay",
         }
     }
 }
@@ -97,6 +102,10 @@ pub enum Event {
     Rollback(Rollback),
     Error(Failure),
     Done(Done),
+    Replay {
+        /// The job whose recorded outcome was returned.
+        job: String,
+    },
 }
 
 impl Event {
@@ -112,6 +121,7 @@ impl Event {
             Event::Rollback(_) => EventKind::Rollback,
             Event::Error(_) => EventKind::Error,
             Event::Done(_) => EventKind::Done,
+            Event::Replay { .. } => EventKind::Replay,
         }
     }
 
@@ -168,6 +178,9 @@ pub struct Allow {
     /// An external tool's timeout.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// The call's idempotency key (`_meta["airlock/idempotencyKey"]`), if it carried one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
 }
 
 /// `deny`: a refusal, before anything ran.
@@ -397,6 +410,7 @@ pub(crate) mod tests {
                 capability: "read",
                 arguments: json!({"text": text}),
                 timeout_ms: Some(1000),
+                idempotency_key: None,
             }),
             Event::Deny(Deny::Call {
                 code: "TOOL_FORBIDDEN".into(),
@@ -442,6 +456,7 @@ pub(crate) mod tests {
                 ran,
                 cancel_too_late: false,
             }),
+            Event::Replay { job: text.into() },
         ]
     }
 
@@ -608,6 +623,7 @@ pub(crate) mod tests {
                 capability: "write",
                 arguments: json!({}),
                 timeout_ms: None,
+                idempotency_key: None,
             })
             .detail(),
             json!({"capability": "write", "arguments": {}})

@@ -16,7 +16,7 @@
 pub mod deny;
 pub mod event;
 pub mod log;
-mod time;
+pub mod time;
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
@@ -745,6 +745,7 @@ mod tests {
                     capability: "read",
                     arguments: serde_json::json!({"x": "y".repeat(500)}),
                     timeout_ms: None,
+                    idempotency_key: None,
                 }),
             );
         }
@@ -793,6 +794,7 @@ mod tests {
                 capability: "read",
                 arguments: serde_json::json!({"why": "w".repeat(1 << 20), "k".repeat(5000): 1}),
                 timeout_ms: None,
+                idempotency_key: None,
             }),
         );
         let text = a.newest_json(usize::MAX, &Filter::default());
@@ -822,6 +824,7 @@ mod tests {
                 capability: "read",
                 arguments: serde_json::json!({ "list": many }),
                 timeout_ms: None,
+                idempotency_key: None,
             }),
         );
         let v: Vec<Value> =

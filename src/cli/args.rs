@@ -36,6 +36,9 @@ pub(super) enum Command {
     },
     /// Call one tool and print its result as JSON; exits 1 on a tool error.
     Call(CallArgs),
+    /// Ask the daemon about a job: `job get ID`, or `job get --session S --key K`.
+    #[command(subcommand)]
+    Job(JobCommand),
     /// Check or explain the policy files.
     #[command(subcommand)]
     Policy(PolicyCommand),
@@ -51,7 +54,7 @@ pub(super) enum Command {
     },
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub(super) struct SocketArg {
     /// The daemon's socket [default: $AIRLOCK_SOCKET, else ./airlock.sock].
     #[arg(long, env = "AIRLOCK_SOCKET", default_value = "airlock.sock")]
@@ -81,7 +84,7 @@ pub(super) struct ServeArgs {
     pub(super) dirs: Dirs,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub(super) struct CallArgs {
     /// The tool to call.
     pub(super) tool: String,
@@ -99,6 +102,36 @@ pub(super) struct CallArgs {
     /// Give up (and cancel the call) after this many seconds.
     #[arg(long)]
     pub(super) timeout: Option<f64>,
+    /// Send the call with this idempotency key (1 to 128 printable ASCII characters): the
+    /// daemon runs a write call with a given key once per session and returns its recorded
+    /// outcome to every call with the same key.
+    #[arg(long, value_name = "KEY")]
+    pub(super) idempotency_key: Option<String>,
+    /// After a lost connection, reconnect and resend with the same idempotency key (the
+    /// --idempotency-key, else a generated one) until there is an outcome, at most N times.
+    #[arg(long, value_name = "N")]
+    pub(super) retry: Option<u32>,
+}
+
+#[derive(Subcommand)]
+pub(super) enum JobCommand {
+    /// What became of a write call: its state, versions, outputs and error (`job_get`).
+    Get(JobGetArgs),
+}
+
+#[derive(Args)]
+pub(super) struct JobGetArgs {
+    /// The job id (a write result's structuredContent.job).
+    #[arg(required_unless_present = "key", conflicts_with_all = ["session", "key"])]
+    pub(super) id: Option<String>,
+    /// The session of the keyed call (with --key).
+    #[arg(long, requires = "key")]
+    pub(super) session: Option<String>,
+    /// The idempotency key the call carried (with --session).
+    #[arg(long, requires = "session")]
+    pub(super) key: Option<String>,
+    #[command(flatten)]
+    pub(super) socket: SocketArg,
 }
 
 #[derive(Subcommand)]

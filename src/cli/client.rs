@@ -251,8 +251,11 @@ struct CoerceError {
 /// `airlock call`: Ctrl-C (SIGINT) or `--timeout` cancels the call over the wire
 /// (`notifications/cancelled`; the daemon rolls it back unless it is already publishing),
 /// says `cancelled` on stderr and exits 130 (timeout: 124) within a second; a second Ctrl-C
-/// exits at once.
-pub(super) async fn call(a: CallArgs) -> Exit {
+/// exits at once. With `--retry N` the call carries an idempotency key (`--idempotency-key`,
+/// else a generated one) and a lost connection (the daemon closed it, died or restarts) is
+/// retried: reconnect, resend with the same key, at most N times; the daemon runs the call
+/// once and replays its outcome to a resend.
+pub(super) async fn call(mut a: CallArgs) -> Exit {
     use tokio::signal::unix::{signal, SignalKind};
     let mut sigint = match signal(SignalKind::interrupt()) {
         Ok(s) => s,
@@ -274,21 +277,90 @@ pub(super) async fn call(a: CallArgs) -> Exit {
         }
     };
     let mut expired = std::pin::pin!(expired);
+    let retries = a.retry.unwrap_or(0);
+    if a.retry.is_some() && a.idempotency_key.is_none() {
+        a.idempotency_key = Some(generated_key());
+    }
+    let tool = a.tool.clone();
+    let mut attempt = 0;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match call_once(a.clone(), sigint, expired.as_mut()).await {
+            Attempt::Done(code) => return code,
+            Attempt::Lost(why, back) if attempt < retries => {
+                sigint = back;
+                attempt += 1;
+                eprintln!(
+                    "airlock: {tool}: {why}; resending with idempotency key {} (retry {attempt} of {retries})",
+                    a.idempotency_key.as_deref().unwrap_or("")
+                );
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = sigint.recv() => {
+                        eprintln!("airlock: {tool}: interrupted between retries");
+                        return Exit::Interrupted;
+                    }
+                    _ = expired.as_mut() => {
+                        eprintln!("airlock: {tool}: no result within {}s", a.timeout.unwrap_or(0.0));
+                        return Exit::Timeout;
+                    }
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Attempt::Lost(why, _) => {
+                eprintln!("airlock: {tool}: {why}");
+                return Exit::Error;
+            }
+        }
+    }
+}
+
+/// 128 random bits as hex, for `--retry` without `--idempotency-key`.
+fn generated_key() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
+    if random.is_err() {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        b = (nanos ^ (u128::from(std::process::id()) << 96)).to_le_bytes();
+    }
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("airlock-call-{hex}")
+}
+
+/// How one attempt of `airlock call` ended.
+enum Attempt {
+    /// With an outcome (printed) or a final error: the exit code.
+    Done(Exit),
+    /// The connection was lost (or could not be made) before an outcome came: why, and the
+    /// Ctrl-C watch, handed back for the next attempt.
+    Lost(String, tokio::signal::unix::Signal),
+}
+
+/// One attempt: connect, send, wait for the result.
+async fn call_once(
+    a: CallArgs,
+    mut sigint: tokio::signal::unix::Signal,
+    mut expired: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> Attempt {
     let tool = a.tool.clone();
     let timeout = a.timeout;
     // Before the call is sent there is nothing to cancel.
     let (client, params) = tokio::select! {
         r = prepare_call(a) => match r {
             Ok(p) => p,
-            Err(code) => return code,
+            Err(Prepared::Lost(why)) => return Attempt::Lost(why, sigint),
+            Err(Prepared::Failed(code)) => return Attempt::Done(code),
         },
         _ = sigint.recv() => {
             eprintln!("airlock: {tool}: cancelled (interrupted before the call was sent)");
-            return Exit::Interrupted;
+            return Attempt::Done(Exit::Interrupted);
         }
-        _ = &mut expired => {
+        _ = expired.as_mut() => {
             eprintln!("airlock: {tool}: cancelled (no result within {}s; the call was not sent)", timeout.unwrap_or(0.0));
-            return Exit::Timeout;
+            return Attempt::Done(Exit::Timeout);
         }
     };
     let request =
@@ -300,40 +372,43 @@ pub(super) async fn call(a: CallArgs) -> Exit {
         _ = sigint.recv() => {
             eprintln!("airlock: {tool}: cancelled (interrupted while the call was being sent)");
             let _ = tokio::time::timeout(Duration::from_millis(300), client.cancel()).await;
-            return Exit::Interrupted;
+            return Attempt::Done(Exit::Interrupted);
         }
-        _ = &mut expired => {
+        _ = expired.as_mut() => {
             eprintln!("airlock: {tool}: cancelled (no result within {}s, while the call was being sent)", timeout.unwrap_or(0.0));
             let _ = tokio::time::timeout(Duration::from_millis(300), client.cancel()).await;
-            return Exit::Timeout;
+            return Attempt::Done(Exit::Timeout);
         }
     };
     let mut handle = match sent {
         Ok(h) => h,
         Err(e) => {
-            eprintln!(
-                "airlock: {tool}: cannot send the call: {}",
-                crate::report::chain(&e)
-            );
-            return Exit::Error;
+            return Attempt::Lost(
+                format!("cannot send the call: {}", crate::report::chain(&e)),
+                sigint,
+            )
         }
     };
     let (why, code) = tokio::select! {
         r = &mut handle.rx => {
-            let code = print_result(&tool, r);
+            let attempt = match r {
+                Err(_) | Ok(Err(rmcp::ServiceError::TransportClosed)) => Attempt::Lost("the daemon closed the connection before replying".into(), sigint),
+                r => Attempt::Done(print_result(&tool, r)),
+            };
             let _ = tokio::time::timeout(Duration::from_secs(1), client.cancel()).await;
-            return code;
+            return attempt;
         }
         _ = sigint.recv() => ("interrupted".to_string(), Exit::Interrupted),
-        _ = &mut expired => (format!("no result within {}s", timeout.unwrap_or(0.0)), Exit::Timeout),
+        _ = expired.as_mut() => (format!("no result within {}s", timeout.unwrap_or(0.0)), Exit::Timeout),
     };
     eprintln!(
         "airlock: {tool}: cancelled ({why}); the daemon rolls it back unless it was already publishing"
     );
     // A second Ctrl-C does not wait for the goodbye.
+    let tool2 = tool.clone();
     tokio::spawn(async move {
         sigint.recv().await;
-        eprintln!("airlock: {tool}: interrupted again; exiting at once");
+        eprintln!("airlock: {tool2}: interrupted again; exiting at once");
         std::process::exit(Exit::Interrupted.code());
     });
     // The cancellation goes out, then the connection closes (which cancels too); both
@@ -344,7 +419,15 @@ pub(super) async fn call(a: CallArgs) -> Exit {
     )
     .await;
     let _ = tokio::time::timeout(Duration::from_millis(300), client.cancel()).await;
-    code
+    Attempt::Done(code)
+}
+
+/// Why `prepare_call` gave no call.
+enum Prepared {
+    /// The daemon could not be reached (a retry may).
+    Lost(String),
+    /// Anything else: said, with its exit code.
+    Failed(Exit),
 }
 
 type CallClient = rmcp::service::RunningService<rmcp::RoleClient, ()>;
@@ -353,23 +436,20 @@ type CallClient = rmcp::service::RunningService<rmcp::RoleClient, ()>;
 /// params, or the exit code.
 async fn prepare_call(
     a: CallArgs,
-) -> Result<(CallClient, rmcp::model::CallToolRequestParams), Exit> {
+) -> Result<(CallClient, rmcp::model::CallToolRequestParams), Prepared> {
+    let failed = |()| Prepared::Failed(Exit::Error);
     use rmcp::model::CallToolRequestParams;
     let stream = match tokio::net::UnixStream::connect(&a.socket.socket).await {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("airlock: {}", connect_error(&a.socket.socket, &e));
-            return Err(Exit::Error);
-        }
+        Err(e) => return Err(Prepared::Lost(connect_error(&a.socket.socket, &e))),
     };
     let client = match ().serve(stream).await {
         Ok(c) => c,
         Err(e) => {
-            eprintln!(
-                "airlock: MCP handshake failed: {}",
+            return Err(Prepared::Lost(format!(
+                "MCP handshake failed: {}",
                 crate::report::chain(&e)
-            );
-            return Err(Exit::Error);
+            )))
         }
     };
     let mut args: Map<String, Value> = match &a.json {
@@ -378,11 +458,11 @@ async fn prepare_call(
             Ok(Value::Object(m)) => m,
             Ok(_) => {
                 eprintln!("airlock: --json must be a JSON object");
-                return Err(Exit::Error);
+                return Err(failed(()));
             }
             Err(e) => {
                 eprintln!("airlock: --json: {}", crate::report::chain(&e));
-                return Err(Exit::Error);
+                return Err(failed(()));
             }
         },
     };
@@ -391,7 +471,7 @@ async fn prepare_call(
             Ok(t) => t,
             Err(e) => {
                 eprintln!("airlock: tools/list failed: {}", crate::report::chain(&e));
-                return Err(Exit::Error);
+                return Err(failed(()));
             }
         };
         let schema = tools
@@ -401,7 +481,7 @@ async fn prepare_call(
         for kv in &a.args {
             let Some((k, v)) = kv.split_once('=') else {
                 eprintln!("airlock: --arg {kv:?}: expected NAME=VALUE");
-                return Err(Exit::Error);
+                return Err(failed(()));
             };
             let ty = schema
                 .as_ref()
@@ -415,7 +495,7 @@ async fn prepare_call(
                 }
                 Err(e) => {
                     eprintln!("airlock: --arg {k}: {}", crate::report::chain(&e));
-                    return Err(Exit::Error);
+                    return Err(failed(()));
                 }
             }
         }
@@ -423,10 +503,13 @@ async fn prepare_call(
     if let Some(s) = a.session {
         args.insert("session".into(), s.into());
     }
-    Ok((
-        client,
-        CallToolRequestParams::new(a.tool.clone()).with_arguments(args),
-    ))
+    let mut params = CallToolRequestParams::new(a.tool.clone()).with_arguments(args);
+    if let Some(k) = a.idempotency_key {
+        let mut meta = rmcp::model::RequestMetaObject::default();
+        meta.0 .0.insert(crate::jobs::KEY_META.into(), k.into());
+        params.meta = Some(meta);
+    }
+    Ok((client, params))
 }
 
 /// Prints a call's result; its exit code.

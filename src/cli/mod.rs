@@ -59,6 +59,27 @@ pub fn main() -> Exit {
             code
         }),
         Command::Call(a) => runtime().map_or(Exit::Error, |rt| rt.block_on(client::call(a))),
+        Command::Job(args::JobCommand::Get(j)) => {
+            let query = match (j.id, j.session, j.key) {
+                (Some(id), _, _) => serde_json::json!({"job": id}),
+                (None, Some(s), Some(k)) => serde_json::json!({"session": s, "idempotencyKey": k}),
+                _ => {
+                    eprintln!("airlock: job get takes a job id, or --session and --key");
+                    return Exit::Error;
+                }
+            };
+            let a = args::CallArgs {
+                tool: "job_get".into(),
+                socket: j.socket,
+                session: None,
+                args: Vec::new(),
+                json: Some(query.to_string()),
+                timeout: None,
+                idempotency_key: None,
+                retry: None,
+            };
+            runtime().map_or(Exit::Error, |rt| rt.block_on(client::call(a)))
+        }
     }
 }
 

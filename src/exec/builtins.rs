@@ -6,7 +6,7 @@
 use serde_json::{json, Map, Value};
 
 use super::lifecycle::{Run, Stop};
-use super::{Cx, Executor, ToolReply};
+use super::{CallError, Cx, Executor, ToolReply};
 use crate::audit::event::{Commit, Start};
 use crate::policy::Builtin;
 use crate::session::{valid_id, Snapshot};
@@ -27,6 +27,12 @@ pub(super) enum BuiltinCall {
     },
     /// The caller's sessions (every one, for `admin`).
     List,
+    /// A job's record, by its id or by the session and idempotency key of its call.
+    JobGet {
+        job: Option<String>,
+        session: Option<String>,
+        key: Option<String>,
+    },
 }
 
 impl BuiltinCall {
@@ -49,6 +55,14 @@ impl BuiltinCall {
             Builtin::SessionDestroy => BuiltinCall::Destroy { session: session() },
             Builtin::SessionGet => BuiltinCall::Get { session: session() },
             Builtin::SessionList => BuiltinCall::List,
+            Builtin::JobGet => {
+                let s = |k: &str| args.get(k).and_then(Value::as_str).map(str::to_string);
+                BuiltinCall::JobGet {
+                    job: s("job"),
+                    session: s("session"),
+                    key: s("idempotencyKey"),
+                }
+            }
         }
     }
 }
@@ -138,6 +152,41 @@ impl Executor {
                         serde_json::to_string(&view(&snap)).unwrap_or_default(),
                         view(&snap),
                     ))
+                };
+                Run::started(None, got())
+            }
+            BuiltinCall::JobGet { job, session, key } => {
+                // The record is read from its file: a call slot bounds how many at once.
+                let _slot = match self.slot(cx).await {
+                    Ok(s) => s,
+                    Err(stop) => return Run::queued(stop),
+                };
+                self.record_start(cx, Start::default());
+                let got = || -> Result<ToolReply, Stop> {
+                    let caller = cx.caller;
+                    // By key: the caller's own calls only (the session's ownership was
+                    // checked at authorization, as for every call naming a session).
+                    let id = match (job, session, key) {
+                        (Some(j), None, None) => j,
+                        (None, Some(s), Some(k)) => {
+                            self.jobs.by_key(caller.uid, &s, &k).ok_or_else(|| {
+                                CallError::NoSuchJob(format!(
+                                    "no job with idempotency key {} in session {}",
+                                    crate::text::shown(&k),
+                                    crate::text::shown(&s)
+                                ))
+                            })?
+                        }
+                        _ => return Err(CallError::JobQuery.into()),
+                    };
+                    let missing =
+                        || CallError::NoSuchJob(format!("job {}", crate::text::shown(&id)));
+                    let rec = self.jobs.get(&id).ok_or_else(missing)?;
+                    if !(caller.admin || rec.uid == caller.uid) {
+                        return Err(CallError::JobForbidden { job: id }.into());
+                    }
+                    let v = rec.view();
+                    Ok(ToolReply::ok(v.to_string(), v))
                 };
                 Run::started(None, got())
             }

@@ -33,12 +33,14 @@ pub enum ErrorCode {
     AuditFailed,
     QuotaExceeded,
     Busy,
+    IdempotencyMismatch,
+    NoSuchJob,
     Internal,
 }
 
 impl ErrorCode {
     /// Every code, in README's order.
-    pub const ALL: [ErrorCode; 18] = [
+    pub const ALL: [ErrorCode; 20] = [
         ErrorCode::InvalidArgument,
         ErrorCode::PathRejected,
         ErrorCode::OverlappingOutputs,
@@ -56,6 +58,8 @@ impl ErrorCode {
         ErrorCode::AuditFailed,
         ErrorCode::QuotaExceeded,
         ErrorCode::Busy,
+        ErrorCode::IdempotencyMismatch,
+        ErrorCode::NoSuchJob,
         ErrorCode::Internal,
     ];
 
@@ -78,6 +82,8 @@ impl ErrorCode {
             ErrorCode::AuditFailed => "AUDIT_FAILED",
             ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
             ErrorCode::Busy => "BUSY",
+            ErrorCode::IdempotencyMismatch => "IDEMPOTENCY_MISMATCH",
+            ErrorCode::NoSuchJob => "NO_SUCH_JOB",
             ErrorCode::Internal => "INTERNAL",
         }
     }
@@ -159,6 +165,26 @@ pub enum CallError {
     /// The principal's share of call slots is running and its queue full.
     #[error(transparent)]
     Busy(#[from] super::slots::Busy),
+    /// The call's idempotency key is not one.
+    #[error("bad idempotency key")]
+    IdempotencyKey(#[source] crate::jobs::KeyError),
+    /// An idempotency key on a tool that does not take one.
+    #[error("{tool} takes no idempotency key (_meta[\"airlock/idempotencyKey\"]): keys apply to write tools; a read is safe to retry as it is")]
+    KeyNotApplicable { tool: String },
+    /// The key is held or recorded for a call with other arguments (or another tool).
+    #[error("idempotency key {key:?} was used in this session for job {job} with other arguments or another tool; nothing ran (use a new key for a new call)")]
+    IdempotencyMismatch { key: String, job: String },
+    /// `job_get`'s arguments name no job.
+    #[error("job_get takes {{\"job\"}} or {{\"session\", \"idempotencyKey\"}}")]
+    JobQuery,
+    /// No record of the job (never made, or past `idempotency_ttl` or `idempotency_keys`).
+    #[error(
+        "{0}: no record (never made, or dropped after idempotency_ttl or past idempotency_keys)"
+    )]
+    NoSuchJob(String),
+    /// A job of another principal's.
+    #[error("job {job:?} belongs to another principal; only its caller or a principal with the admin capability may read it")]
+    JobForbidden { job: String },
     #[error("{0}")]
     Internal(String),
 }
@@ -192,6 +218,12 @@ impl CallError {
             CallError::Conflict(_) => ErrorCode::Conflict,
             CallError::AuditFailed(_) => ErrorCode::AuditFailed,
             CallError::Busy(_) => ErrorCode::Busy,
+            CallError::IdempotencyKey(_)
+            | CallError::KeyNotApplicable { .. }
+            | CallError::JobQuery => ErrorCode::InvalidArgument,
+            CallError::IdempotencyMismatch { .. } => ErrorCode::IdempotencyMismatch,
+            CallError::NoSuchJob(_) => ErrorCode::NoSuchJob,
+            CallError::JobForbidden { .. } => ErrorCode::SessionForbidden,
             CallError::Internal(_) => ErrorCode::Internal,
         }
     }

@@ -37,7 +37,7 @@ use crate::publish::Workspace;
 use crate::sandbox::{Filters, Identities, Registry, Sandbox};
 use crate::session::SessionStore;
 use crate::startup::Opened;
-use lifecycle::{Canceller, Ending, Outcome, Run, Stop};
+use lifecycle::{Canceller, Ending, Outcome, Reached, Run, Stop};
 
 /// One `tools/call`, as the MCP layer hands it over.
 pub struct CallRequest {
@@ -53,6 +53,8 @@ pub struct CallRequest {
     /// Whether `cancel` fired because the client asked (else its connection ended or the
     /// daemon is shutting down): the cancel's recorded cause.
     pub client_cancelled: Arc<dyn Fn() -> bool + Send + Sync>,
+    /// `_meta["airlock/idempotencyKey"]` as the client sent it (checked by the executor).
+    pub idempotency_key: Option<Value>,
 }
 
 /// One call as the executor runs it: what its events share.
@@ -60,6 +62,14 @@ struct Call {
     r: CallRef,
     t0: std::time::Instant,
     client_cancelled: Arc<dyn Fn() -> bool + Send + Sync>,
+    /// When the call began (ms since the epoch), for its job record.
+    created_ms: u64,
+    /// Its idempotency key, checked.
+    key: Option<String>,
+    /// What calls with its key must agree on ([`crate::jobs::digest`]).
+    digest: String,
+    /// An external write tool's call naming a session: it has a job record.
+    tracked: bool,
 }
 
 impl std::ops::Deref for Call {
@@ -138,6 +148,8 @@ pub struct Executor {
     pub sessions: SessionStore,
     pub workspace: Workspace,
     pub audit: Audit,
+    /// Each write call's record, and the outcomes of keyed calls.
+    pub jobs: crate::jobs::JobStore,
     targets: locks::TargetLocks,
     /// `max_concurrent_calls` slots, each principal's share bounded (`slots.rs`).
     slots: slots::Slots,
@@ -195,6 +207,7 @@ impl Executor {
             registry,
             audit,
             recovered: _,
+            jobs,
             reach,
         } = opened;
         tracing::info!(
@@ -218,6 +231,7 @@ impl Executor {
             _lock: workspace_lock,
             _state_lock: state_lock,
             audit,
+            jobs,
             slots: slots::Slots::new(
                 d.max_concurrent_calls,
                 d.max_calls_per_principal,
@@ -343,6 +357,9 @@ impl Executor {
             .filter(|s| crate::session::valid_id(s))
             .map(str::to_string);
         let secrets = Secrets::of(tool, &req.args);
+        let key = req.idempotency_key.as_ref().map(crate::jobs::parse_key);
+        let writes =
+            matches!(tool.kind, ToolKind::External(_)) && tool.capability == Capability::Write;
         let call = Call {
             r: CallRef {
                 call: self.new_call_id(),
@@ -354,6 +371,10 @@ impl Executor {
             },
             t0: std::time::Instant::now(),
             client_cancelled: req.client_cancelled.clone(),
+            created_ms: crate::audit::time::now_ms(),
+            key: key.clone().and_then(Result::ok),
+            digest: crate::jobs::digest(&tool.name, &req.args),
+            tracked: writes && session.is_some(),
         };
         // Cancelled by the client's request or by the daemon's shutdown.
         // The client's cancellation reaches `cancel` synchronously (a child token), so the
@@ -407,8 +428,32 @@ impl Executor {
                     ToolKind::External(ext) => Some(ext.timeout.as_millis() as u64),
                     ToolKind::Builtin(_) => None,
                 },
+                idempotency_key: call.key.clone(),
             }),
         );
+        // The idempotency key: checked, then claimed (a recorded outcome is returned here,
+        // a call running with it is waited for).
+        let _hold = match key {
+            None => None,
+            Some(Err(e)) => {
+                return self.finish(&cx, Run::queued(CallError::IdempotencyKey(e).into()))
+            }
+            Some(Ok(_)) if !writes => {
+                let e = CallError::KeyNotApplicable {
+                    tool: tool.name.clone(),
+                };
+                return self.finish(&cx, Run::queued(e.into()));
+            }
+            Some(Ok(key)) => match self.claim_key(&cx, session.as_deref(), &key).await {
+                Ok(hold) => hold,
+                Err(Claimed::Replay(reply)) => return reply,
+                Err(Claimed::Stop(stop)) => return self.finish(&cx, Run::queued(stop)),
+            },
+        };
+        if call.tracked {
+            self.jobs
+                .begin(self.job_record(&cx, crate::jobs::JobState::Queued));
+        }
         let run = match args::validate(tool, &req.args) {
             Err(e) => Run::queued(e.into()),
             Ok(values) => match (&tool.kind, tool.capability) {
@@ -454,10 +499,131 @@ impl Executor {
                 (Outcome::Cancelled { recorded }, Reply::Cancelled)
             }
         };
+        if cx.call.tracked {
+            self.settle_job(cx, &outcome, &reply, run.reached != Reached::Queued);
+        }
         for e in ending.events(outcome) {
             self.record(cx, e);
         }
         reply
+    }
+
+    /// Claims the call's idempotency key in `session`: `Ok` to run (holding the key, or with
+    /// no session to scope it by: the call then fails its validation), a replay of the
+    /// recorded outcome, or a stop (a mismatch, a cancel while waiting).
+    async fn claim_key(
+        &self,
+        cx: &Cx<'_>,
+        session: Option<&str>,
+        key: &str,
+    ) -> Result<Option<crate::jobs::KeyHold>, Claimed> {
+        use crate::jobs::Claim;
+        let Some(session) = session else {
+            return Ok(None);
+        };
+        loop {
+            match self
+                .jobs
+                .claim(cx.caller.uid, session, key, &cx.call.digest, &cx.call.call)
+            {
+                Claim::Run(hold) => return Ok(Some(hold)),
+                Claim::Replay(rec) => {
+                    self.record(
+                        cx,
+                        Event::Replay {
+                            job: rec.job.clone(),
+                        },
+                    );
+                    let r = rec.reply.unwrap_or_else(|| crate::jobs::RecordedReply {
+                        is_error: true,
+                        content: Vec::new(),
+                        structured: None,
+                    });
+                    return Err(Claimed::Replay(Reply::Result(ToolReply {
+                        is_error: r.is_error,
+                        content: r.content,
+                        structured: r.structured,
+                    })));
+                }
+                Claim::Mismatch { job } => {
+                    return Err(Claimed::Stop(
+                        CallError::IdempotencyMismatch {
+                            key: key.to_string(),
+                            job,
+                        }
+                        .into(),
+                    ))
+                }
+                Claim::Wait(mut settled) => {
+                    tokio::select! {
+                        _ = settled.wait_for(|done| *done) => {}
+                        _ = cx.cancel.cancelled() => return Err(Claimed::Stop(Stop::CANCELLED)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// The job record of the call as it stands (`state`), before its run fills it in.
+    fn job_record(&self, cx: &Cx<'_>, state: crate::jobs::JobState) -> crate::jobs::JobRecord {
+        let call = cx.call;
+        crate::jobs::JobRecord {
+            job: call.call.clone(),
+            uid: cx.caller.uid,
+            session: call.session.clone().unwrap_or_default(),
+            tool: call.tool.clone(),
+            key: call.key.clone(),
+            digest: call.digest.clone(),
+            state,
+            created_ms: call.created_ms,
+            ended_ms: None,
+            version_before: None,
+            version_after: None,
+            outputs: Vec::new(),
+            error: None,
+            reply: None,
+            recovered: false,
+        }
+    }
+
+    /// Records how a tracked call ended without committing (a commit recorded its own, at
+    /// its commit point). A definite failure keeps its reply for the key's retries; a
+    /// cancelled call, or one that failed for a reason a retry may not meet (busy, a
+    /// failing disk), leaves no outcome: a retry runs afresh.
+    ///
+    /// An unkeyed call refused before it started (its arguments, its session, a busy
+    /// principal) leaves no record: nothing reaches the disk for it.
+    fn settle_job(&self, cx: &Cx<'_>, outcome: &Outcome, reply: &Reply, started: bool) {
+        use crate::jobs::{JobState, RecordedReply};
+        let (state, code, message) = match outcome {
+            Outcome::Done => return,
+            Outcome::Fault { code, message, .. } | Outcome::Denied { code, message } => {
+                (JobState::Failed, *code, message.clone())
+            }
+            Outcome::Cancelled { .. } => (JobState::Cancelled, "", None),
+        };
+        let mut rec = self.job_record(cx, state);
+        rec.ended_ms = Some(crate::audit::time::now_ms());
+        if state == JobState::Failed {
+            rec.error = Some(json!({"code": code, "message": message}));
+            let definite = [
+                ErrorCode::ToolFailed,
+                ErrorCode::ToolTimeout,
+                ErrorCode::InvalidArgument,
+                ErrorCode::PathRejected,
+                ErrorCode::OverlappingOutputs,
+            ]
+            .iter()
+            .any(|c| c.as_str() == code);
+            if let (true, true, Reply::Result(r)) = (definite, rec.key.is_some(), reply) {
+                rec.reply = Some(RecordedReply {
+                    is_error: r.is_error,
+                    content: r.content.clone(),
+                    structured: r.structured.clone(),
+                });
+            }
+        }
+        self.jobs.ended(&rec, started || rec.key.is_some());
     }
 
     fn record(&self, cx: &Cx<'_>, event: Event) {
@@ -466,6 +632,10 @@ impl Executor {
 
     /// `start`: the call is past its queue and its work begins.
     fn record_start(&self, cx: &Cx<'_>, start: Start) {
+        if cx.call.tracked {
+            self.jobs
+                .set_state(&cx.call.call, crate::jobs::JobState::Running);
+        }
         self.record(cx, Event::Start(start));
     }
 
@@ -550,6 +720,13 @@ impl Executor {
                 slots::NoSlot::Cancelled => Stop::CANCELLED,
             })
     }
+}
+
+/// Why a keyed call does not run.
+enum Claimed {
+    /// The key's recorded outcome, to return as it is.
+    Replay(Reply),
+    Stop(Stop),
 }
 
 /// A fault's outcome and reply.

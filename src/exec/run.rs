@@ -307,20 +307,36 @@ impl Executor {
         if let Some(p) = cx.progress {
             p.phase(progress::Phase::Publishing);
         }
+        self.jobs
+            .set_state(&call.call, crate::jobs::JobState::Publishing);
+        // The result as the call returns it if it commits: it is recorded with the job just
+        // before the commit point. A tool that printed nothing gives no empty text block:
+        // the result's content is the structured result's text alone.
+        reply
+            .content
+            .retain(|b| !(b["type"] == "text" && b["text"] == ""));
+        let result = super::python::structured_result(&reply);
+        let version = before.version + 1;
+        let keyed = call.key.is_some();
 
         // 7. Publish the outputs, then commit the state: the commit point. The `commit`
         // event is durable in the audit log before it; if it cannot be, the call rolls back.
         let hash_limit = cx.policy.daemon.audit_hash_limit;
         // Off the async threads: publication fsyncs, and its cleanup removes whatever the
         // worker left in staging.
-        let mut committed = None;
-        let mut received = Vec::new();
+        let mut record = None;
         let published = tokio::task::block_in_place(|| {
             job.publish_and_commit_with(|published| {
-                received = published.to_vec();
+                let commit_outputs: Vec<_> =
+                    published.iter().map(|o| output(o, hash_limit)).collect();
+                let mut rec = self.job_record(cx, crate::jobs::JobState::Committed);
+                rec.outputs = commit_outputs
+                    .iter()
+                    .map(|o| serde_json::to_value(o).unwrap_or_default())
+                    .collect();
                 let commit = Commit::Published {
-                    version: before.version + 1,
-                    outputs: published.iter().map(|o| output(o, hash_limit)).collect(),
+                    version,
+                    outputs: commit_outputs,
                     ran: Ran {
                         duration_ms: call.elapsed_ms(),
                         worker_ms: Some(waited.end.worker_ms),
@@ -329,34 +345,44 @@ impl Executor {
                 };
                 self.record_commit(cx, commit)
                     .map_err(CommitFailed::Audit)?;
-                committed = Some(
-                    self.sessions
-                        .commit_reserved(&guard, reserved, state, &call.call)
-                        .map_err(CommitFailed::Session)?,
-                );
+                let mut structured = json!({
+                    "job": call.call,
+                    "session": session,
+                    "version": version,
+                    "outputs": outputs.iter().zip(published).map(|((n, p), o)| structured_output(n, p, o)).collect::<Vec<_>>(),
+                });
+                // A python function's structured result stays beside the commit's fields.
+                if let Some(result) = result {
+                    structured["result"] = result;
+                }
+                reply.structured = Some(structured);
+                rec.version_before = Some(before.version);
+                rec.version_after = Some(version);
+                rec.ended_ms = Some(crate::audit::time::now_ms());
+                rec.reply = Some(crate::jobs::RecordedReply {
+                    is_error: reply.is_error,
+                    content: reply.content.clone(),
+                    structured: reply.structured.clone(),
+                });
+                // The job's record, with the key and the result, durable (for a keyed call)
+                // before the commit point: a crash cannot keep one without the other.
+                self.jobs
+                    .prepare_commit(&rec, keyed)
+                    .map_err(CommitFailed::Job)?;
+                record = Some(rec);
+                self.sessions
+                    .commit_reserved(&guard, reserved, state, &call.call)
+                    .map_err(CommitFailed::Session)?;
                 Ok::<(), CommitFailed>(())
             })
         });
         if let Err(e) = published {
             return Err(publish_failed(tool, &outputs, e));
         }
-        let version = committed.as_ref().map_or(before.version, |s| s.version);
-        // A tool that printed nothing gives no empty text block: the result's content is
-        // the structured result's text alone.
-        reply
-            .content
-            .retain(|b| !(b["type"] == "text" && b["text"] == ""));
-        let result = super::python::structured_result(&reply);
-        let mut structured = json!({
-            "session": session,
-            "version": version,
-            "outputs": outputs.iter().zip(&received).map(|((n, p), o)| structured_output(n, p, o)).collect::<Vec<_>>(),
-        });
-        // A python function's structured result stays beside the commit's fields.
-        if let Some(result) = result {
-            structured["result"] = result;
+        if let Some(rec) = record {
+            // Under the session lock still: no later commit of the session comes first.
+            tokio::task::block_in_place(|| self.jobs.committed(&rec, keyed));
         }
-        reply.structured = Some(structured);
         Ok(reply)
     }
 
@@ -543,6 +569,9 @@ enum CommitFailed {
     /// The session store's write of the new state failed.
     #[error(transparent)]
     Session(crate::session::SessionError),
+    /// The job's record could not be written before the commit point.
+    #[error("cannot record the job before its commit")]
+    Job(#[source] crate::jobs::JobError),
 }
 
 /// The call's error for a failed publication.

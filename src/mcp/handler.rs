@@ -408,6 +408,7 @@ impl ServerHandler for Handler {
             progress,
             request_id: id.and_then(|id| self.calls.client_id(id)),
             client_cancelled: Arc::new(move || id.is_some_and(|id| calls.cancelled_by_client(id))),
+            idempotency_key: cx.meta.0 .0.get(crate::jobs::KEY_META).cloned(),
         };
         // The call drops its end of the progress channels when it ends; the forwarder then
         // sends what is left and ends, so every notification goes out before the result.

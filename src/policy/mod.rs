@@ -97,6 +97,21 @@ pub fn builtins() -> BTreeMap<String, Tool> {
             Capability::Read,
             vec![],
         ),
+        mk(
+            "job_get",
+            "Get job",
+            "What became of a write call: its state (queued, running, publishing, committed, rolled_back, cancelled, failed), versions, outputs and error; by {job}, or by {session, idempotencyKey}",
+            Builtin::JobGet,
+            Capability::Read,
+            vec![
+                ("job", string("The job id (a write result's structuredContent.job)", false)),
+                ("session", string("The session of a keyed call", false)),
+                (
+                    "idempotencyKey",
+                    string("The idempotency key the call carried (with session)", false),
+                ),
+            ],
+        ),
     ];
     tools.into_iter().map(|t| (t.name.clone(), t)).collect()
 }
@@ -183,8 +198,29 @@ impl Tool {
                 )}}),
                 &["sessions"],
             ),
+            (Some(Builtin::JobGet), _) => object(
+                json!({
+                    "job": {"type": "string"},
+                    "state": {"type": "string", "enum": ["queued", "running", "publishing", "committed", "rolled_back", "cancelled", "failed"]},
+                    "tool": {"type": "string"},
+                    "session": {"type": "string"},
+                    "versionBefore": {"type": ["integer", "null"]},
+                    "versionAfter": {"type": ["integer", "null"]},
+                    "outputs": {"type": "array", "description": "Each published output as the audit's commit event has it (path, kind, size, dev, ino, sha256)"},
+                    "created": {"type": "string"},
+                    "ended": {"type": ["string", "null"]},
+                    "error": {"description": "The error code and message of a failed call"},
+                    "undoable": {"type": "boolean"},
+                    "recovered": {"type": "boolean", "description": "Settled by startup recovery after a crash"},
+                    "idempotencyKey": {"type": "string"},
+                }),
+                &[
+                    "job", "state", "tool", "session", "outputs", "created", "undoable",
+                ],
+            ),
             (None, Capability::Write) => object(
                 json!({
+                    "job": {"type": "string", "description": "The call's job id (job_get tells what became of it)"},
                     "session": {"type": "string", "description": "The session the call committed to"},
                     "version": {"type": "integer", "minimum": 0, "description": "The session's version after the commit"},
                     "outputs": {
@@ -196,7 +232,7 @@ impl Tool {
                         ),
                     },
                 }),
-                &["session", "version", "outputs"],
+                &["job", "session", "version", "outputs"],
             ),
             (None, Capability::Read) => return None,
         };

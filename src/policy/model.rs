@@ -88,6 +88,12 @@ pub struct DaemonConfig {
     /// Calls of one uid that may wait for a slot; one more is refused at once with `BUSY`
     /// (default 256).
     pub max_queued_per_principal: usize,
+    /// How long a job's record (its status, and a keyed call's outcome for replay) is kept
+    /// (`idempotency_ttl`, default 24 h).
+    pub idempotency_ttl: Duration,
+    /// Job records one uid keeps at most; past it the oldest go first (`idempotency_keys`,
+    /// default 10,000).
+    pub idempotency_keys: usize,
 }
 
 /// `worker_user` in `[daemon]`: whether each worker gets a uid of its own.
@@ -153,6 +159,8 @@ impl Default for DaemonConfig {
             max_state_bytes_per_principal: 16 << 20,
             max_calls_per_principal: default_calls_per_principal(64),
             max_queued_per_principal: 256,
+            idempotency_ttl: Duration::from_secs(24 * 3600),
+            idempotency_keys: 10_000,
         }
     }
 }
@@ -314,6 +322,8 @@ pub enum Builtin {
     SessionDestroy,
     SessionGet,
     SessionList,
+    /// A write call's job record (`job_get`).
+    JobGet,
 }
 
 #[derive(Debug, Clone, PartialEq)]

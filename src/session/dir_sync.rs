@@ -10,7 +10,7 @@ use super::lock;
 /// of the dir that began after its rename has succeeded, and while one runs, the commits
 /// renamed meanwhile wait for the next one, which one of them runs for all.
 #[derive(Default)]
-pub(super) struct DirSync {
+pub struct DirSync {
     pub(super) state: Mutex<SyncState>,
     synced: std::sync::Condvar,
 }
@@ -28,7 +28,7 @@ pub(super) struct SyncState {
 impl DirSync {
     /// Called right after a rename into `dir`; returns once that rename is durable (or the
     /// fsync that was to make it so failed: then this commit fails, as before).
-    pub(super) fn after_rename(&self, dir: &Path) -> std::io::Result<()> {
+    pub fn after_rename(&self, dir: &Path) -> std::io::Result<()> {
         let mut s = lock(&self.state);
         s.renamed += 1;
         let mine = s.renamed;

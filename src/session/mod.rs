@@ -25,7 +25,7 @@ mod quota;
 #[cfg(test)]
 mod tests;
 
-use dir_sync::DirSync;
+pub use dir_sync::DirSync;
 pub use id::{check_id, valid_id, IdError, MAX_ID_LEN};
 pub use quota::{state_bytes, QuotaError, Reserved, SessionLimits, Usage};
 

@@ -84,6 +84,11 @@ async fn session_of(c: &Client) -> Value {
 }
 
 async fn try_call(d: &Daemon, s: &Scenario) -> Result<Value, String> {
+    try_call_keyed(d, s, None).await
+}
+
+/// [`try_call`] with an idempotency key in the request's `_meta`.
+async fn try_call_keyed(d: &Daemon, s: &Scenario, key: Option<&str>) -> Result<Value, String> {
     let stream = tokio::net::UnixStream::connect(&d.socket)
         .await
         .map_err(|e| e.to_string())?;
@@ -92,13 +97,16 @@ async fn try_call(d: &Daemon, s: &Scenario) -> Result<Value, String> {
         .map_err(|e| e.to_string())?;
     let mut a = s.args.as_object().cloned().unwrap();
     a.insert("session".into(), "s".into());
-    let r = tokio::time::timeout(
-        Duration::from_secs(30),
-        c.call_tool(CallToolRequestParams::new(s.tool.to_string()).with_arguments(a)),
-    )
-    .await
-    .map_err(|_| "no answer within 30s".to_string())?
-    .map_err(|e| e.to_string())?;
+    let mut params = CallToolRequestParams::new(s.tool.to_string()).with_arguments(a);
+    if let Some(k) = key {
+        let mut meta = rmcp::model::RequestMetaObject::default();
+        meta.0 .0.insert("airlock/idempotencyKey".into(), k.into());
+        params.meta = Some(meta);
+    }
+    let r = tokio::time::timeout(Duration::from_secs(30), c.call_tool(params))
+        .await
+        .map_err(|_| "no answer within 30s".to_string())?
+        .map_err(|e| e.to_string())?;
     Ok(serde_json::to_value(r).unwrap())
 }
 
@@ -204,6 +212,61 @@ async fn check_consistent(
 }
 
 async fn run_scenario(s: Scenario) {
+    run_scenario_keyed(s, None).await
+}
+
+/// After a crash (or an injected error) of a call with idempotency key `key`, and the
+/// restart that settled it: a retry with the key replays the commit the workspace shows
+/// (`outcome` "after": a `replay` event, nothing run) or runs afresh when it shows none
+/// ("before": a second commit). Either way the workspace and session end as after one call.
+async fn retry_keyed(
+    d: &mut Daemon,
+    s: &Scenario,
+    key: &str,
+    after: &(Vec<String>, Value),
+    outcome: &str,
+    what: &str,
+) {
+    d.env.clear();
+    d.start();
+    let r = try_call_keyed(d, s, Some(key))
+        .await
+        .unwrap_or_else(|e| panic!("{what}: retry: {e}"));
+    assert!(!is_error(&r), "{what}: retry: {r}");
+    let c = d.client().await;
+    assert_eq!(tree(&d.workspace), after.0, "{what}: after the retry");
+    assert_eq!(session_of(&c).await, after.1, "{what}: after the retry");
+    drop(c);
+    d.stop();
+    let text = std::fs::read_to_string(d.state.join("audit.jsonl")).unwrap_or_default();
+    let events: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("an audit line"))
+        .filter(|e| e["tool"] == s.tool)
+        .collect();
+    let first = events.first().expect("the crashed call's events")["job"].clone();
+    let retry = events.last().expect("the retry's events")["job"].clone();
+    assert_ne!(first, retry, "{what}: the retry is a job of its own");
+    let kinds: Vec<&str> = events
+        .iter()
+        .filter(|e| e["job"] == retry)
+        .map(|e| e["kind"].as_str().unwrap_or(""))
+        .collect();
+    if outcome == "after" {
+        assert_eq!(kinds, ["allow", "replay"], "{what}: the retry replays");
+        let replay = events.iter().find(|e| e["kind"] == "replay").unwrap();
+        assert_eq!(replay["detail"]["job"], first, "{what}: {replay}");
+    } else {
+        assert_eq!(
+            kinds,
+            ["allow", "start", "commit"],
+            "{what}: the retry runs"
+        );
+    }
+    d.assert_audit_verifies(what);
+}
+
+async fn run_scenario_keyed(s: Scenario, key: Option<&str>) {
     let t = Template::new(&s).await;
     // The reference run: no failpoint fires.
     let mut d = t.fresh();
@@ -235,7 +298,7 @@ async fn run_scenario(s: Scenario) {
         let mut d = t.fresh();
         d.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), n.to_string())];
         d.start();
-        let r = try_call(&d, &s).await;
+        let r = try_call_keyed(&d, &s, key).await;
         let exited = d.wait_exit(Duration::from_secs(10));
         if exited.is_none() {
             // No crash: every point was passed, this run completed.
@@ -245,15 +308,12 @@ async fn run_scenario(s: Scenario) {
             break;
         }
         crashes += 1;
-        let o = check_consistent(
-            &mut d,
-            &t,
-            s.tool,
-            &after,
-            &format!("{} crash at {n}", s.name),
-        )
-        .await;
+        let what = format!("{} crash at {n}", s.name);
+        let o = check_consistent(&mut d, &t, s.tool, &after, &what).await;
         outcomes[usize::from(o == "after")] += 1;
+        if let Some(key) = key {
+            retry_keyed(&mut d, &s, key, &after, o, &what).await;
+        }
 
         // 2. The same crash again (recovery decides by inode identity, so the crashed dir
         // cannot be copied), then a second crash at every point of recovery.
@@ -262,7 +322,7 @@ async fn run_scenario(s: Scenario) {
             let mut d2 = t.fresh();
             d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), n.to_string())];
             d2.start();
-            let _ = try_call(&d2, &s).await;
+            let _ = try_call_keyed(&d2, &s, key).await;
             assert!(
                 d2.wait_exit(Duration::from_secs(10)).is_some(),
                 "{}: crash at {n} did not repeat:\n{}",
@@ -302,7 +362,7 @@ async fn run_scenario(s: Scenario) {
                 ("AIRLOCK_FAILPOINT_ERRNO".into(), errno.into()),
             ];
             d.start();
-            let r = try_call(&d, &s)
+            let r = try_call_keyed(&d, &s, key)
                 .await
                 .unwrap_or_else(|e| panic!("{} {errno} at {n}: {e}\n{}", s.name, d.log_text()));
             // In process, before any restart: the reply tells which version is there.
@@ -332,14 +392,11 @@ async fn run_scenario(s: Scenario) {
                 );
             }
             d.stop();
-            check_consistent(
-                &mut d,
-                &t,
-                s.tool,
-                &after,
-                &format!("{} {errno} at {n}", s.name),
-            )
-            .await;
+            let what = format!("{} {errno} at {n}", s.name);
+            let o = check_consistent(&mut d, &t, s.tool, &after, &what).await;
+            if let Some(key) = key {
+                retry_keyed(&mut d, &s, key, &after, o, &what).await;
+            }
             injected += 1;
         }
     }
@@ -361,6 +418,24 @@ async fn crash_points_one_new_output() {
         args: json!({"text": "new", "out": "a.txt"}),
         pre: &[],
     })
+    .await;
+}
+
+/// A call with an idempotency key: after a crash at any point (or an error injected at any
+/// point) and the restart, a retry with the key replays the commit the workspace shows, or
+/// runs afresh when it shows none: never both, never neither.
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_points_a_keyed_call() {
+    crate::harness::require_program("/usr/bin/python3", "python3");
+    run_scenario_keyed(
+        Scenario {
+            name: "keyed json state + output",
+            tool: "counter",
+            args: json!({"by": 7, "note": "notes/n.txt"}),
+            pre: &[],
+        },
+        Some("retry-key-1"),
+    )
     .await;
 }
 

@@ -46,6 +46,7 @@ async fn tools_list_has_schemas_and_annotations() {
         "session_destroy",
         "session_get",
         "session_list",
+        "job_get",
     ] {
         find(b);
     }

@@ -613,19 +613,7 @@ async fn a_reader_sees_the_old_tree_or_the_new_one_never_a_mix() {
     for i in 0..50 {
         d.write(&format!("site/s{}/f{i}", i % 5), "old");
     }
-    let mark = d.dir.path().join("paused");
-    d.env = vec![
-        (
-            "AIRLOCK_FAILPOINT_PAUSE_NAME".into(),
-            "publish.exchange".into(),
-        ),
-        ("AIRLOCK_FAILPOINT_PAUSE_EVERY".into(), "1".into()),
-        (
-            "AIRLOCK_FAILPOINT_PAUSE_MARK".into(),
-            mark.display().to_string(),
-        ),
-        ("AIRLOCK_FAILPOINT_PAUSE_MS".into(), "120000".into()),
-    ];
+    let mark = d.pause_at_failpoint("publish.exchange", 1);
     d.start();
     let site = d.workspace.join("site");
     let old = fd_manifest(&site).unwrap();

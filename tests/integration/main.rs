@@ -16,6 +16,7 @@ mod dir_outputs;
 mod eras;
 mod features;
 mod file_tools;
+mod idempotency;
 mod inout;
 mod policy_dirs;
 mod python_tools;

@@ -129,23 +129,8 @@ async fn litter_is_removed_off_the_async_threads_while_other_sessions_are_served
         "roomy",
         &[("staging_files", "1000000"), ("cpu", "\"600s\"")],
     );
-    let mark = d.dir.path().join("paused");
-    d.env = vec![
-        ("TOKIO_WORKER_THREADS".into(), "1".into()),
-        (
-            "AIRLOCK_FAILPOINT_PAUSE_NAME".into(),
-            "publish.cleanup_unlink".into(),
-        ),
-        (
-            "AIRLOCK_FAILPOINT_PAUSE_EVERY".into(),
-            (n * 3 / 4).to_string(),
-        ),
-        (
-            "AIRLOCK_FAILPOINT_PAUSE_MARK".into(),
-            mark.display().to_string(),
-        ),
-        ("AIRLOCK_FAILPOINT_PAUSE_MS".into(), "120000".into()),
-    ];
+    d.env = vec![("TOKIO_WORKER_THREADS".into(), "1".into())];
+    let mark = d.pause_at_failpoint("publish.cleanup_unlink", (n * 3 / 4) as u64);
     d.start();
     let c1 = d.client().await;
     let c2 = d.client().await;

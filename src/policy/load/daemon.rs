@@ -50,6 +50,8 @@ struct RawDaemon {
     max_state_bytes_per_principal: Option<Spanned<Size>>,
     max_calls_per_principal: Option<Spanned<usize>>,
     max_queued_per_principal: Option<usize>,
+    idempotency_ttl: Option<Spanned<String>>,
+    idempotency_keys: Option<Spanned<usize>>,
 }
 
 pub(super) fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
@@ -228,6 +230,26 @@ pub(super) fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
         max_queued_per_principal: r.max_queued_per_principal,
     };
     load_principal_bounds(cx, path, &text, &bounds, &mut d);
+    if let Some(v) = r.idempotency_ttl {
+        match parse_duration(v.get_ref()) {
+            Ok(t) if t >= Duration::from_secs(1) && t <= Duration::from_secs(30 * 86_400) => {
+                d.idempotency_ttl = t
+            }
+            Ok(_) => cx.at(
+                path,
+                &text,
+                v.span(),
+                "idempotency_ttl must be between 1s and 720h",
+            ),
+            Err(m) => cx.at(path, &text, v.span(), m),
+        }
+    }
+    if let Some(v) = r.idempotency_keys {
+        match *v.get_ref() {
+            0 => cx.at(path, &text, v.span(), "idempotency_keys must be at least 1"),
+            n => d.idempotency_keys = n,
+        }
+    }
     Some(d)
 }
 

@@ -432,6 +432,23 @@ impl Daemon {
         assert_eq!(code, Some(0), "{what}: airlock audit verify: {said}");
     }
 
+    /// Makes the daemon (started after this) pause for two minutes at every `every`-th pass
+    /// of failpoint `name`, creating the returned mark file when it does: a test waits for the
+    /// mark, acts while the daemon holds still, then kills or lets it go. Adds to `env`.
+    pub fn pause_at_failpoint(&mut self, name: &str, every: u64) -> PathBuf {
+        let mark = self.dir.path().join("paused");
+        self.env.extend([
+            ("AIRLOCK_FAILPOINT_PAUSE_NAME".into(), name.into()),
+            ("AIRLOCK_FAILPOINT_PAUSE_EVERY".into(), every.to_string()),
+            (
+                "AIRLOCK_FAILPOINT_PAUSE_MARK".into(),
+                mark.display().to_string(),
+            ),
+            ("AIRLOCK_FAILPOINT_PAUSE_MS".into(), "120000".into()),
+        ]);
+        mark
+    }
+
     /// `airlock recover` on this daemon's policy dir, workspace and state dir, as `user`
     /// when set (see [`Daemon::recover_in`]).
     pub fn recover(&self, user: Option<(u32, u32)>) -> Command {
