@@ -37,10 +37,12 @@ fn daemon(profile: &str, user: Option<(u32, u32)>) -> Daemon {
         let text = std::fs::read_to_string(&path).expect("tool");
         d.add_tool(
             tool,
-            &text.replace(
-                "capability = \"read\"",
-                &format!("capability = \"read\"\nprofile = \"{profile}\""),
-            ),
+            &text
+                .replace(
+                    "capability = \"read\"",
+                    &format!("capability = \"read\"\nprofile = \"{profile}\""),
+                )
+                .replace("47.1131", wait_marker(user)),
         );
     }
     if let Some(u) = user {
@@ -138,6 +140,15 @@ async fn secrets_printed_at_stderr_cuts_leave_no_fragment_unprivileged_daemon() 
     secrets_printed_at_every_cut_leave_no_fragment("default", Some((65534, 65534))).await;
 }
 
+/// What `secret_env_wait`'s worker sleeps, told apart by the daemon's user, so that tests
+/// running at once each find their own worker.
+fn wait_marker(user: Option<(u32, u32)>) -> &'static str {
+    match user {
+        None => "47.1131",
+        Some(_) => "47.1132",
+    }
+}
+
 /// `cat FILE` as `uid`: its output, or `None` if it could not read it.
 fn read_as(uid: u32, file: &str) -> Option<Vec<u8>> {
     crate::harness::require_program("setpriv", "util-linux");
@@ -170,8 +181,9 @@ async fn env_secrets_are_hidden_from_other_uids(
         tokio::spawn(
             async move { call(&caller, "secret_env_wait", json!({"token": SECRET})).await },
         );
-    wait_for_exact("sleep 47.1131").await;
-    let pids = processes_with("sleep 47.1131");
+    let marker = format!("sleep {}", wait_marker(user));
+    wait_for_exact(&marker).await;
+    let pids = processes_with(&marker);
     assert_eq!(pids.len(), 1, "{pids:?}");
     let pid = pids[0];
     let environ = std::fs::read(format!("/proc/{pid}/environ")).expect("root reads environ");
