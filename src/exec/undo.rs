@@ -193,17 +193,30 @@ impl Executor {
         reply.ok_or_else(|| CallError::Internal("an undo committed without a reply".into()).into())
     }
 
-    /// Whether a job can be undone now, or why not, as `job_get` reports it.
+    /// Whether a job can be undone now, or why not, as `job_get` reports it: the checks
+    /// `job_undo` makes, without its locks.
     pub(super) fn undo_now(&self, rec: &JobRecord) -> Result<(), String> {
         let latest = rec.state == JobState::Committed
             && matches!(
                 self.sessions.latest_commit(&rec.session),
                 Ok((v, Some(last))) if last == rec.job && Some(v) == rec.version_after
             );
-        let kept = latest
-            && rec.undo_reason.is_none()
-            && publish::undo::load(&self.workspace, &rec.session, &rec.job).is_ok();
-        crate::jobs::undoable(rec, latest, kept)
+        let data = if latest && rec.undo_reason.is_none() {
+            Some(publish::undo::load(&self.workspace, &rec.session, &rec.job))
+        } else {
+            None
+        };
+        crate::jobs::undoable(rec, latest, matches!(data, Some(Ok(_))))?;
+        if let Some(Ok(u)) = data {
+            if let Some(c) = publish::undo::changed(&self.workspace, &u) {
+                return Err(format!(
+                    "{} changed since it committed ({})",
+                    crate::text::shown_path(&c.target),
+                    c.what
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

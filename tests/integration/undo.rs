@@ -597,3 +597,46 @@ async fn planted_undo_data_is_never_used() {
     );
     assert_eq!(code(&undo(&c, "s", &job_of(&r)).await), "NOT_UNDOABLE");
 }
+
+/// `airlock job undo --session S ID`: exit 0 and the undo's result; a refusal exits 1 (a
+/// tool error, as `airlock call`) with its code.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_undoes_a_job() {
+    let mut d = Daemon::new();
+    d.write("a.txt", "old");
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let j = job_of(
+        &call(
+            &c,
+            "write_text",
+            json!({"session": "s", "text": "new", "out": "a.txt"}),
+        )
+        .await,
+    );
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(BIN)
+            .args(args)
+            .arg("--socket")
+            .arg(&d.socket)
+            .output()
+            .expect("run airlock");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code1, out, err) = cli(&["job", "undo", "--session", "s", &j]);
+    assert_eq!(code1, Some(0), "{err}");
+    let r: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["structuredContent"]["undoOf"], j.as_str(), "{r}");
+    assert_eq!(d.read("a.txt").as_deref(), Some("old"));
+    let (code2, out, err) = cli(&["job", "undo", "--session", "s", &j]);
+    assert_eq!(code2, Some(1), "{out} {err}");
+    assert!(
+        out.contains("UNDO_CONFLICT") || err.contains("UNDO_CONFLICT"),
+        "{out} {err}"
+    );
+}
