@@ -129,14 +129,14 @@ pub(super) fn generation_dir(session: &str, job: &str) -> PathBuf {
     Path::new(UNDO_DIR).join(session).join(job)
 }
 
-/// Makes `name` in `parent` a directory (0700), an existing one kept.
-fn mkdir_private(parent: BorrowedFd<'_>, name: &str, abs: &Path) -> Result<(), PublishError> {
+/// Makes `name` in `parent` a directory (0700), an existing one kept; whether it made it.
+fn mkdir_private(parent: BorrowedFd<'_>, name: &str, abs: &Path) -> Result<bool, PublishError> {
     match mutate("publish.undo_mkdir", abs, || {
         rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))
     }) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(true),
         Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {
-            Ok(())
+            Ok(false)
         }
         Err(e) => Err(e),
     }
@@ -151,10 +151,10 @@ pub(super) fn write_record(
     rec: &UndoRecord,
 ) -> Result<(), PublishError> {
     let top_abs = root_path.join(UNDO_DIR);
-    mkdir_private(root, UNDO_DIR, &top_abs)?;
+    let new_top = mkdir_private(root, UNDO_DIR, &top_abs)?;
     let top = open_dir_beneath(root, UNDO_DIR).map_err(|e| io("open undo dir", &top_abs, e))?;
     let sess_abs = top_abs.join(&rec.session);
-    mkdir_private(top.as_fd(), &rec.session, &sess_abs)?;
+    let new_sess = mkdir_private(top.as_fd(), &rec.session, &sess_abs)?;
     let sess = open_dir_beneath(top.as_fd(), &rec.session)
         .map_err(|e| io("open undo dir", &sess_abs, e))?;
     let gen_abs = sess_abs.join(&rec.job);
@@ -184,10 +184,17 @@ pub(super) fn write_record(
     })?;
     sync_point("publish.fsync_undo", file.as_fd(), &path)?;
     drop(file);
+    // Each dir whose entries changed: the record's, the generation's, and above them only
+    // what this write created.
     sync_point("publish.fsync_undo", gen.as_fd(), &gen_abs)?;
     sync_point("publish.fsync_undo", sess.as_fd(), &sess_abs)?;
-    sync_point("publish.fsync_undo", top.as_fd(), &top_abs)?;
-    sync_point("publish.fsync_undo", root, root_path)
+    if new_sess {
+        sync_point("publish.fsync_undo", top.as_fd(), &top_abs)?;
+    }
+    if new_top {
+        sync_point("publish.fsync_undo", root, root_path)?;
+    }
+    Ok(())
 }
 
 /// Reads the record of generation `job` of `session` (bounded, never through a symlink).

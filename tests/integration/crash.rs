@@ -1031,12 +1031,21 @@ async fn check_undo_consistent(
             assert_eq!(&tree(&d.workspace), back, "{what}: after the undo with it");
         }
         None => {
-            assert!(gens.is_empty(), "{what}: undo data left: {gens:?}");
-            assert!(!undoable(prelude).await, "{what}: {prelude} undoable");
-            if s.call.is_some() {
-                let r = call(&c, "job_undo", json!({"session": "s", "job": prelude})).await;
-                assert!(is_error(&r), "{what}: {r}");
+            // An undo that failed in process after renaming a target gave the backups back,
+            // but the renames back changed that target's ctime: its data stays, refused.
+            let touched = injected && s.call.is_none() && outcome == "before";
+            if !(touched && gens == vec![format!("s/{prelude}")]) {
+                assert!(gens.is_empty(), "{what}: undo data left: {gens:?}");
             }
+            assert!(!undoable(prelude).await, "{what}: {prelude} undoable");
+            let ws = tree(&d.workspace);
+            let r = call(&c, "job_undo", json!({"session": "s", "job": prelude})).await;
+            assert!(is_error(&r), "{what}: {r}");
+            assert_eq!(
+                tree(&d.workspace),
+                ws,
+                "{what}: a refused undo changed files"
+            );
         }
     }
     drop(c);

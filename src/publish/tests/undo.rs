@@ -170,7 +170,7 @@ fn a_crash_at_every_point_of_an_undo_rolls_back_or_completes() {
 /// undo then works, unless the failed one had renamed a target already: the rename back
 /// changed that target's ctime, and the undo is refused as a change (never a wrong undo).
 #[test]
-fn an_error_at_every_point_of_an_undo_keeps_the_job_undoable() {
+fn an_error_at_every_point_of_an_undo_leaves_the_job_as_it_was() {
     let old = Undone::new().files();
     let new = {
         let u = Undone::new();
