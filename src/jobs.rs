@@ -171,6 +171,12 @@ pub struct JobRecord {
     /// Settled by startup recovery after a crash.
     #[serde(default)]
     pub recovered: bool,
+    /// An undo's: the job it undid.
+    #[serde(default)]
+    pub undo_of: Option<String>,
+    /// Why the job kept no undo data at its commit (over `undo_bytes`, an undo, ...).
+    #[serde(default)]
+    pub undo_reason: Option<String>,
 }
 
 impl JobRecord {
@@ -181,8 +187,8 @@ impl JobRecord {
             && matches!(self.state, JobState::Committed | JobState::Failed)
     }
 
-    /// `job_get`'s view.
-    pub fn view(&self) -> Value {
+    /// `job_get`'s view; `undo`: whether it can be undone now, or why not ([`undoable`]).
+    pub fn view(&self, undo: Result<(), String>) -> Value {
         let mut v = json!({
             "job": self.job,
             "state": self.state.as_str(),
@@ -194,19 +200,42 @@ impl JobRecord {
             "created": format_rfc3339(self.created_ms),
             "ended": self.ended_ms.map(format_rfc3339),
             "error": self.error,
-            "undoable": undoable(self),
+            "undoable": undo.is_ok(),
             "recovered": self.recovered,
         });
+        if let Err(reason) = undo {
+            v["undoReason"] = reason.into();
+        }
         if let Some(k) = &self.key {
             v["idempotencyKey"] = k.clone().into();
+        }
+        if let Some(j) = &self.undo_of {
+            v["undoOf"] = j.clone().into();
         }
         v
     }
 }
 
-/// Whether a job can be undone. The seam for undo: no job can be yet.
-pub fn undoable(_record: &JobRecord) -> bool {
-    false
+/// Whether a job can be undone now, or why not: it committed, kept undo data at its commit,
+/// is still its session's latest commit (`latest`, from the session file) and its undo data
+/// is still complete in the workspace (`kept`): the caller asks those two.
+pub fn undoable(record: &JobRecord, latest: bool, kept: bool) -> Result<(), String> {
+    if record.state != JobState::Committed {
+        return Err(format!(
+            "it did not commit (it is {})",
+            record.state.as_str()
+        ));
+    }
+    if let Some(why) = &record.undo_reason {
+        return Err(why.clone());
+    }
+    if !latest {
+        return Err("it is no longer its session's latest commit".into());
+    }
+    if !kept {
+        return Err("its undo data is gone".into());
+    }
+    Ok(())
 }
 
 /// A keyed call's scope: its principal, its session, its key.
@@ -684,6 +713,8 @@ mod tests {
                 structured: Some(json!({"job": job})),
             }),
             recovered: false,
+            undo_of: None,
+            undo_reason: None,
         }
     }
 

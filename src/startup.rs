@@ -205,6 +205,9 @@ pub fn open(d: &DaemonConfig, purpose: Purpose<'_>) -> Result<Opened, StartupErr
     // Recovery records in the audit log what became of each job it settles.
     let audit = open_audit(d)?;
     let recovered = recover(&workspace, &sessions, &audit)?;
+    // After recovery (which keeps a committed job's backups in its undo data): only each
+    // live session's latest commit keeps undo data, and only if it is complete.
+    sweep_undo(&workspace, &sessions);
     // After recovery and before any new commit: a pending record's job committed iff the
     // session file records it.
     let jobs = open_jobs(d, &sessions, &recovered)?;
@@ -272,11 +275,35 @@ fn open_jobs(
                 error: None,
                 reply: None,
                 recovered: true,
+                undo_of: None,
+                undo_reason: None,
             },
             true,
         );
     }
     Ok(jobs)
+}
+
+/// Removes the undo data a crash left that no undo may use: a generation that is not its
+/// live session's latest commit's, or is incomplete. A failure is logged only (such data is
+/// never used; the next start tries again).
+fn sweep_undo(workspace: &Workspace, sessions: &SessionStore) {
+    let latest = |s: &str, j: &str| sessions.committed(s, j).unwrap_or(false);
+    match publish::undo::sweep(workspace, &latest) {
+        Ok(swept) => {
+            for s in swept {
+                match s.removed {
+                    Some(why) => {
+                        tracing::info!(session = %s.session, job = %s.job, %why, "removed undo data")
+                    }
+                    None => tracing::debug!(session = %s.session, job = %s.job, "kept undo data"),
+                }
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %crate::report::chain(&e), "cannot sweep the undo data; stale data stays unused")
+        }
+    }
 }
 
 /// Locks the workspace for this process: recovery treats every job dir in it as its own.

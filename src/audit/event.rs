@@ -319,6 +319,15 @@ pub enum Commit {
         #[serde(flatten)]
         ran: Ran,
     },
+    /// `job_undo`'s: the new version (its state the one before `undo_of`), the job it undid,
+    /// and what each target holds again (`deleted` for one the undone job created).
+    Undone {
+        version: u64,
+        undo_of: String,
+        outputs: Vec<Output>,
+        #[serde(flatten)]
+        ran: Ran,
+    },
     /// Recovery completed a job.
     Recovered(Recovery),
 }
@@ -424,6 +433,12 @@ pub(crate) mod tests {
                 ran: ran.clone(),
             }),
             Event::Commit(Commit::Recovered(recovery.clone())),
+            Event::Commit(Commit::Undone {
+                version: 2,
+                undo_of: text.into(),
+                outputs: vec![],
+                ran: ran.clone(),
+            }),
             Event::Timeout { after_ms: 10 },
             Event::Deny(Deny::Resource {
                 code: "AUDIT_FORBIDDEN".into(),

@@ -117,6 +117,23 @@ pub(super) struct CallArgs {
 pub(super) enum JobCommand {
     /// What became of a write call: its state, versions, outputs and error (`job_get`).
     Get(JobGetArgs),
+    /// Undo a session's latest commit: its outputs and state back to what they were before
+    /// it, as a new version (`job_undo`).
+    Undo(JobUndoArgs),
+}
+
+#[derive(Args)]
+pub(super) struct JobUndoArgs {
+    /// The job id of the call to undo (a write result's structuredContent.job).
+    pub(super) id: String,
+    /// The session it committed to.
+    #[arg(long)]
+    pub(super) session: String,
+    /// Send the undo with this idempotency key (as `airlock call --idempotency-key`).
+    #[arg(long, value_name = "KEY")]
+    pub(super) idempotency_key: Option<String>,
+    #[command(flatten)]
+    pub(super) socket: SocketArg,
 }
 
 #[derive(Args)]

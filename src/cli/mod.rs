@@ -80,6 +80,19 @@ pub fn main() -> Exit {
             };
             runtime().map_or(Exit::Error, |rt| rt.block_on(client::call(a)))
         }
+        Command::Job(args::JobCommand::Undo(u)) => {
+            let a = args::CallArgs {
+                tool: "job_undo".into(),
+                socket: u.socket,
+                session: Some(u.session),
+                args: Vec::new(),
+                json: Some(serde_json::json!({"job": u.id}).to_string()),
+                timeout: None,
+                idempotency_key: u.idempotency_key,
+                retry: None,
+            };
+            runtime().map_or(Exit::Error, |rt| rt.block_on(client::call(a)))
+        }
     }
 }
 

@@ -33,6 +33,11 @@ pub(super) enum BuiltinCall {
         session: Option<String>,
         key: Option<String>,
     },
+    /// Undo the session's latest commit, `job`.
+    Undo {
+        session: String,
+        job: String,
+    },
 }
 
 impl BuiltinCall {
@@ -55,6 +60,14 @@ impl BuiltinCall {
             Builtin::SessionDestroy => BuiltinCall::Destroy { session: session() },
             Builtin::SessionGet => BuiltinCall::Get { session: session() },
             Builtin::SessionList => BuiltinCall::List,
+            Builtin::JobUndo => BuiltinCall::Undo {
+                session: session(),
+                job: args
+                    .get("job")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+            },
             Builtin::JobGet => {
                 let s = |k: &str| args.get(k).and_then(Value::as_str).map(str::to_string);
                 BuiltinCall::JobGet {
@@ -130,6 +143,13 @@ impl Executor {
                         },
                     )?;
                     self.sessions.destroy(guard)?;
+                    // Its undo data goes with it (a crash first leaves it for the next start,
+                    // which removes every session's but the live ones' latest commits').
+                    if let Err(e) = tokio::task::block_in_place(|| {
+                        crate::publish::undo::drop_generations(&self.workspace, &id, None)
+                    }) {
+                        tracing::warn!(session = %id, error = %crate::report::chain(&e), "cannot remove the destroyed session's undo data; the next start will");
+                    }
                     Ok(ToolReply::ok(
                         format!("destroyed session {id}"),
                         json!({"id": id, "destroyed": true}),
@@ -185,11 +205,12 @@ impl Executor {
                     if !(caller.admin || rec.uid == caller.uid) {
                         return Err(CallError::JobForbidden { job: id }.into());
                     }
-                    let v = rec.view();
+                    let v = rec.view(self.undo_now(&rec));
                     Ok(ToolReply::ok(v.to_string(), v))
                 };
                 Run::started(None, got())
             }
+            BuiltinCall::Undo { session, job } => self.run_undo(cx, &session, &job).await,
             BuiltinCall::List => {
                 // A principal sees its own sessions; `admin` sees every one.
                 self.record_start(cx, Start::default());

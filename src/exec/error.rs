@@ -35,12 +35,14 @@ pub enum ErrorCode {
     Busy,
     IdempotencyMismatch,
     NoSuchJob,
+    UndoConflict,
+    NotUndoable,
     Internal,
 }
 
 impl ErrorCode {
     /// Every code, in README's order.
-    pub const ALL: [ErrorCode; 20] = [
+    pub const ALL: [ErrorCode; 22] = [
         ErrorCode::InvalidArgument,
         ErrorCode::PathRejected,
         ErrorCode::OverlappingOutputs,
@@ -60,6 +62,8 @@ impl ErrorCode {
         ErrorCode::Busy,
         ErrorCode::IdempotencyMismatch,
         ErrorCode::NoSuchJob,
+        ErrorCode::UndoConflict,
+        ErrorCode::NotUndoable,
         ErrorCode::Internal,
     ];
 
@@ -84,6 +88,8 @@ impl ErrorCode {
             ErrorCode::Busy => "BUSY",
             ErrorCode::IdempotencyMismatch => "IDEMPOTENCY_MISMATCH",
             ErrorCode::NoSuchJob => "NO_SUCH_JOB",
+            ErrorCode::UndoConflict => "UNDO_CONFLICT",
+            ErrorCode::NotUndoable => "NOT_UNDOABLE",
             ErrorCode::Internal => "INTERNAL",
         }
     }
@@ -185,6 +191,27 @@ pub enum CallError {
     /// A job of another principal's.
     #[error("job {job:?} belongs to another principal; only its caller or a principal with the admin capability may read it")]
     JobForbidden { job: String },
+    /// The job to undo is not its session's latest commit: `later` committed since.
+    #[error("job {job} is not the latest commit of session {session}: job {later} (version {version}) committed since; only the latest commit can be undone; nothing was changed")]
+    UndoLater {
+        job: String,
+        session: String,
+        later: String,
+        version: u64,
+    },
+    /// A target of the job to undo is no longer what the job left.
+    #[error(
+        "cannot undo job {job}: {} changed since it committed ({what}); nothing was changed",
+        crate::text::shown_path(target)
+    )]
+    UndoChanged {
+        job: String,
+        target: std::path::PathBuf,
+        what: crate::publish::Conflict,
+    },
+    /// The job cannot be undone at all (it did not commit, kept no undo data, ...).
+    #[error("job {job} cannot be undone: {reason}")]
+    NotUndoable { job: String, reason: String },
     #[error("{0}")]
     Internal(String),
 }
@@ -224,6 +251,8 @@ impl CallError {
             CallError::IdempotencyMismatch { .. } => ErrorCode::IdempotencyMismatch,
             CallError::NoSuchJob(_) => ErrorCode::NoSuchJob,
             CallError::JobForbidden { .. } => ErrorCode::SessionForbidden,
+            CallError::UndoLater { .. } | CallError::UndoChanged { .. } => ErrorCode::UndoConflict,
+            CallError::NotUndoable { .. } => ErrorCode::NotUndoable,
             CallError::Internal(_) => ErrorCode::Internal,
         }
     }

@@ -17,6 +17,7 @@ mod python;
 pub mod response;
 mod run;
 mod slots;
+mod undo;
 mod worker_paths;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -358,8 +359,12 @@ impl Executor {
             .map(str::to_string);
         let secrets = Secrets::of(tool, &req.args);
         let key = req.idempotency_key.as_ref().map(crate::jobs::parse_key);
-        let writes =
-            matches!(tool.kind, ToolKind::External(_)) && tool.capability == Capability::Write;
+        // A write tool's call, or an undo: it has a job, and may carry a key.
+        let writes = tool.capability == Capability::Write
+            && matches!(
+                tool.kind,
+                ToolKind::External(_) | ToolKind::Builtin(Builtin::JobUndo)
+            );
         let call = Call {
             r: CallRef {
                 call: self.new_call_id(),
@@ -583,6 +588,8 @@ impl Executor {
             error: None,
             reply: None,
             recovered: false,
+            undo_of: None,
+            undo_reason: None,
         }
     }
 

@@ -269,7 +269,7 @@ impl Executor {
             _slot,
             before,
             outputs,
-            job,
+            mut job,
             ..
         } = q;
         let checked = protocol::interpret(tool, waited.exit, &waited.outcome, &call.secrets)
@@ -324,9 +324,15 @@ impl Executor {
         let hash_limit = cx.policy.daemon.audit_hash_limit;
         // Off the async threads: publication fsyncs, and its cleanup removes whatever the
         // worker left in staging.
+        // Its backups are kept for `job_undo` if they fit `undo_bytes`.
+        job.keep_undo(publish::UndoKeep {
+            limit: cx.policy.daemon.undo_bytes,
+            version_before: before.version,
+            state_before: before.state.clone(),
+        });
         let mut record = None;
         let published = tokio::task::block_in_place(|| {
-            job.publish_and_commit_with(|published| {
+            job.publish_and_commit_undoable(|published, undo| {
                 let commit_outputs: Vec<_> =
                     published.iter().map(|o| output(o, hash_limit)).collect();
                 let mut rec = self.job_record(cx, crate::jobs::JobState::Committed);
@@ -351,6 +357,12 @@ impl Executor {
                     "version": version,
                     "outputs": outputs.iter().zip(published).map(|((n, p), o)| structured_output(n, p, o)).collect::<Vec<_>>(),
                 });
+                // Whether `job_undo` can undo it (as of its commit).
+                structured["undoable"] = undo.kept().into();
+                if let publish::UndoStatus::NotKept(why) = undo {
+                    structured["undoReason"] = why.to_string().into();
+                    rec.undo_reason = Some(why.to_string());
+                }
                 // A python function's structured result stays beside the commit's fields.
                 if let Some(result) = result {
                     structured["result"] = result;
@@ -376,8 +388,16 @@ impl Executor {
                 Ok::<(), CommitFailed>(())
             })
         });
-        if let Err(e) = published {
-            return Err(publish_failed(tool, &outputs, e));
+        let undo = match published {
+            Ok(u) => u,
+            Err(e) => return Err(publish_failed(tool, &outputs, e)),
+        };
+        // Its backups could not be kept after the commit point: it is not undoable after all.
+        if let (publish::UndoStatus::NotKept(why), Some(s)) = (&undo, reply.structured.as_mut()) {
+            if s["undoable"] == true {
+                s["undoable"] = false.into();
+                s["undoReason"] = why.to_string().into();
+            }
         }
         if let Some(rec) = record {
             // Under the session lock still: no later commit of the session comes first.
@@ -562,7 +582,7 @@ impl Executor {
 /// Why the commit step inside publication failed: the call does not commit, and
 /// publication rolls back.
 #[derive(Debug, thiserror::Error)]
-enum CommitFailed {
+pub(super) enum CommitFailed {
     /// The `commit` event could not be made durable.
     #[error("the commit event could not be recorded in the audit log")]
     Audit(crate::audit::AuditError),
@@ -591,6 +611,11 @@ fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::Publis
     if let publish::PublishError::Conflict { .. } = &e {
         return CallError::Conflict(e).into();
     }
+    commit_failed(e)
+}
+
+/// The call's error for a publication that failed otherwise (at its commit, or renaming).
+pub(super) fn commit_failed(e: publish::PublishError) -> Stop {
     // The commit event could not be recorded and every target was restored: AUDIT_FAILED.
     let e = match e {
         publish::PublishError::Commit(source) => match source.downcast::<CommitFailed>() {
@@ -633,7 +658,7 @@ fn structured_output(param: &str, path: &std::path::Path, o: &publish::Published
 
 /// One published output in the `commit` event: its path, size and SHA-256, or, above the
 /// hash limit, its size and identity only (and a note saying so).
-fn output(o: &publish::Published, hash_limit: u64) -> Output {
+pub(super) fn output(o: &publish::Published, hash_limit: u64) -> Output {
     Output {
         path: o.target.clone(),
         kind: o.kind,

@@ -112,6 +112,14 @@ pub fn builtins() -> BTreeMap<String, Tool> {
                 ),
             ],
         ),
+        mk(
+            "job_undo",
+            "Undo job",
+            "Undo a committed write call: its outputs and the session state go back to what they were before it, as a new session version; only the session's latest commit, only while every target is still what it left, and only if its backups fit undo_bytes (else UNDO_CONFLICT or NOT_UNDOABLE, and nothing changes)",
+            Builtin::JobUndo,
+            Capability::Write,
+            vec![("job", string("The job id of the call to undo (a write result's structuredContent.job)", true))],
+        ),
     ];
     tools.into_iter().map(|t| (t.name.clone(), t)).collect()
 }
@@ -210,7 +218,9 @@ impl Tool {
                     "created": {"type": "string"},
                     "ended": {"type": ["string", "null"]},
                     "error": {"description": "The error code and message of a failed call"},
-                    "undoable": {"type": "boolean"},
+                    "undoable": {"type": "boolean", "description": "Whether job_undo can undo it now: it is its session's latest commit and its undo data is kept"},
+                    "undoReason": {"type": "string", "description": "Why it cannot be undone, when it cannot"},
+                    "undoOf": {"type": "string", "description": "For an undo: the job it undid"},
                     "recovered": {"type": "boolean", "description": "Settled by startup recovery after a crash"},
                     "idempotencyKey": {"type": "string"},
                 }),
@@ -218,11 +228,25 @@ impl Tool {
                     "job", "state", "tool", "session", "outputs", "created", "undoable",
                 ],
             ),
+            (Some(Builtin::JobUndo), _) => object(
+                json!({
+                    "job": {"type": "string", "description": "The undo's own job id"},
+                    "undoOf": {"type": "string", "description": "The job it undid"},
+                    "session": {"type": "string"},
+                    "version": {"type": "integer", "minimum": 0, "description": "The session's version after the undo (its state is the one before the undone job)"},
+                    "outputs": {"type": "array", "description": "Each target and what it holds again"},
+                    "undoable": {"type": "boolean", "const": false},
+                    "undoReason": {"type": "string"},
+                }),
+                &["job", "undoOf", "session", "version", "outputs", "undoable"],
+            ),
             (None, Capability::Write) => object(
                 json!({
                     "job": {"type": "string", "description": "The call's job id (job_get tells what became of it)"},
                     "session": {"type": "string", "description": "The session the call committed to"},
                     "version": {"type": "integer", "minimum": 0, "description": "The session's version after the commit"},
+                    "undoable": {"type": "boolean", "description": "Whether job_undo can undo this call (at its commit: job_get says whether it still can)"},
+                    "undoReason": {"type": "string", "description": "Why it cannot be undone, when it cannot"},
                     "outputs": {
                         "type": "array",
                         "description": "Each output parameter and the workspace path it was published to",

@@ -94,6 +94,9 @@ pub struct DaemonConfig {
     /// Job records one uid keeps at most; past it the oldest go first (`idempotency_keys`,
     /// default 10,000).
     pub idempotency_keys: usize,
+    /// The most bytes of backups a session's latest commit keeps for `job_undo` (`undo_bytes`,
+    /// default 256 MiB; 0: no commit is undoable).
+    pub undo_bytes: u64,
 }
 
 /// `worker_user` in `[daemon]`: whether each worker gets a uid of its own.
@@ -161,6 +164,7 @@ impl Default for DaemonConfig {
             max_queued_per_principal: 256,
             idempotency_ttl: Duration::from_secs(24 * 3600),
             idempotency_keys: 10_000,
+            undo_bytes: 256 << 20,
         }
     }
 }
@@ -324,6 +328,8 @@ pub enum Builtin {
     SessionList,
     /// A write call's job record (`job_get`).
     JobGet,
+    /// Undo a session's latest commit (`job_undo`).
+    JobUndo,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -170,8 +170,8 @@ pub const MAX_TREE_DEPTH: usize = 64;
 /// What an in-out directory was when its copy was taken: every entry's snapshot, by its path
 /// in the tree (`.` the top), and the manifest (as a directory output's, `MANIFEST_FORMAT`)
 /// of the copy the worker got, to tell an untouched copy.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct TreeOrigin {
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeOrigin {
     pub entries: Vec<(Vec<u8>, Origin)>,
     /// `None` when the files' total size is over the hash limit: the copy then counts as
     /// changed.
@@ -502,6 +502,23 @@ pub(super) fn tree_differs(
     Ok(want.into_keys().next().map(|p| Conflict::InTree {
         entry: String::from_utf8_lossy(p).into_owned(),
         change: Box::new(Conflict::Removed),
+    }))
+}
+
+/// The snapshot of every entry of the directory open as `dir` (the top as `.`), as
+/// [`tree_differs`] compares it later; `None` when it is deeper than [`MAX_TREE_DEPTH`].
+pub(super) fn snapshot_tree(
+    dir: BorrowedFd<'_>,
+    abs: &Path,
+) -> Result<Option<TreeOrigin>, PublishError> {
+    let st = rustix::fs::fstat(dir).map_err(|e| io("stat directory", abs, e))?;
+    let mut entries = vec![(b".".to_vec(), Origin::of(&st))];
+    if snapshot_level(dir, abs, &mut Vec::new(), 0, &mut entries)?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(TreeOrigin {
+        entries,
+        manifest: None,
     }))
 }
 

@@ -24,11 +24,13 @@ use super::{
 
 mod inout;
 mod rollback;
+mod undo;
 mod validate;
 
 use inout::{check_origin, current, seed_copy, seed_tree, Seed};
 pub use rollback::Unreached;
 pub(super) use rollback::{rollback, unreachable_targets, Rolled};
+pub use undo::{NotKept, UndoKeep, UndoStatus};
 
 pub struct Job {
     spec: JobSpec,
@@ -47,8 +49,13 @@ pub struct Job {
     hash_limit: u64,
     /// What each target receives, once validated (same order as the targets).
     published: Vec<Published>,
-    /// For an in-out directory, what it was when its copy was taken (same order).
+    /// For an in-out directory, what it was when its copy was taken (same order); for an
+    /// undo, what the undone job left.
     trees: Vec<Option<copy::TreeOrigin>>,
+    /// Undo data to keep at the commit, if asked for ([`Job::keep_undo`]).
+    undo_keep: Option<UndoKeep>,
+    /// An undo's: the backups it took from the undone job's undo data.
+    taken: Option<undo::Taken>,
 }
 
 impl std::fmt::Debug for Job {
@@ -249,6 +256,7 @@ impl Job {
                     origin,
                     copy,
                     delete: false,
+                    undo: false,
                 });
                 trees.push(tree);
             }
@@ -261,6 +269,7 @@ impl Job {
                 phase: Phase::WorkerRunning,
                 targets,
                 created_dirs: Vec::new(),
+                removed_dirs: Vec::new(),
             };
             Ok((fd, journal, trees))
         })();
@@ -276,6 +285,8 @@ impl Job {
                 journal,
                 hash_limit: super::DEFAULT_HASH_LIMIT,
                 published: Vec::new(),
+                undo_keep: None,
+                taken: None,
             }),
             Err(e) => {
                 if let Err(c) = remove_tree(root.as_fd(), OsStr::new(&name), &dir) {
@@ -338,16 +349,29 @@ impl Job {
     /// identity, SHA-256), read from the validated outputs before anything was renamed.
     /// `commit`'s error is the caller's own type; it comes back in [`PublishError::Commit`].
     pub fn publish_and_commit_with<E: Into<super::CallbackError>>(
-        mut self,
+        self,
         commit: impl FnOnce(&[Published]) -> Result<(), E>,
     ) -> Result<(), PublishError> {
+        self.publish_and_commit_undoable(|p, _| commit(p)).map(drop)
+    }
+
+    /// As [`Job::publish_and_commit_with`], for a job that may keep undo data
+    /// ([`Job::keep_undo`]): `commit` is also told whether its record is written (before the
+    /// commit point); returns whether the committed job kept it (keeping its backups after
+    /// the commit point can still fail: then it did not).
+    pub fn publish_and_commit_undoable<E: Into<super::CallbackError>>(
+        mut self,
+        commit: impl FnOnce(&[Published], &UndoStatus) -> Result<(), E>,
+    ) -> Result<UndoStatus, PublishError> {
         if let Err(e) = self.publish() {
             return Err(self.fail(e));
         }
+        let undo = self.prepare_undo();
         // The commit point: the caller persists the session state recording this job.
-        if let Err(e) = commit(&self.published) {
+        if let Err(e) = commit(&self.published, &undo) {
             return Err(self.fail(PublishError::Commit(e.into())));
         }
+        let undo = self.after_commit_undo(undo);
         self.journal.phase = Phase::Committed;
         // The unlink of the journal is made durable here, under the session's lock: a
         // `publishing_outputs` journal left behind would make recovery ask the session again,
@@ -361,7 +385,7 @@ impl Job {
                 }
             }
         }
-        Ok(())
+        Ok(undo)
     }
 
     /// Removes the job dir once the targets are final (all-new after the commit, all-old
@@ -447,6 +471,9 @@ impl Job {
     /// Everything before the commit point: validate, journal (the job's one journal), create
     /// parents, rename, make durable.
     fn publish(&mut self) -> Result<(), PublishError> {
+        if self.taken.is_some() {
+            return self.publish_undo();
+        }
         // 1. Validate and fsync every staged output before anything is journaled or moved:
         //    a bad output fails the call with the workspace untouched.
         let news = self.validate_outputs()?;
@@ -757,6 +784,7 @@ impl Job {
             }
             Ok(Rolled { restored: n, .. }) => {
                 tracing::info!(job = %self.spec.id, restored = n, error = %crate::report::chain(&error), "publication failed; targets restored");
+                self.give_back_taken();
                 if let Err(e) = self.remove_dir(false) {
                     tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "could not remove the job dir; startup recovery will");
                 }

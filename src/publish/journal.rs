@@ -86,6 +86,10 @@ pub struct TargetRecord {
     /// to `backup`, deleting it; rollback moves it back.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub delete: bool,
+    /// An undo's target: what it puts at the target is a backup of the job it undoes, so a
+    /// rollback moves it back to its staged name rather than unlinking it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub undo: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,6 +104,11 @@ pub struct Journal {
     /// Directories publication creates, relative to the workspace root, in creation order
     /// (rollback removes them in reverse order if they are empty). Recorded before creating.
     pub created_dirs: Vec<PathBuf>,
+    /// An undo's: the directories the undone job created, deepest first; publication removes
+    /// those it leaves empty, rollback makes again those that are missing (before it puts
+    /// back any target).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed_dirs: Vec<PathBuf>,
 }
 
 impl Journal {

@@ -42,6 +42,7 @@ mod rejection;
 mod staged_tree;
 mod sys;
 mod tree;
+pub mod undo;
 mod workspace;
 
 #[cfg(test)]
@@ -55,6 +56,7 @@ pub use crate::policy::OutputKind;
 pub use copy::{Conflict, CopyRefusal};
 pub use job::Job;
 pub use job::Unreached;
+pub use job::{NotKept, UndoKeep, UndoStatus};
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};
 pub use recover::{recover, recover_with, Kept, MoveAside, RecoveryFault};
@@ -69,9 +71,12 @@ pub const JOB_DIR_PREFIX: &str = ".airlock-job-";
 /// Job dirs recovery could not remove are moved to `<root>/.airlock-quarantine-<id>/`; no
 /// path parameter may name one either.
 pub const QUARANTINE_PREFIX: &str = ".airlock-quarantine-";
+/// The undo data of each session's latest commit is in `<root>/.airlock-undo/` ([`undo`]); no
+/// path parameter may name it.
+pub const UNDO_PREFIX: &str = undo::UNDO_DIR;
 /// Names in the workspace root that belong to airlock: a path whose first component starts
 /// with one of these is rejected.
-pub const RESERVED_PREFIXES: [&str; 2] = [JOB_DIR_PREFIX, QUARANTINE_PREFIX];
+pub const RESERVED_PREFIXES: [&str; 3] = [JOB_DIR_PREFIX, QUARANTINE_PREFIX, UNDO_PREFIX];
 
 /// The job dir's staging subdirectory.
 const STAGE: &str = "stage";

@@ -293,6 +293,7 @@ fn recover_one(
                     match committed(&j.session, &j.job) {
                         Ok(true) => {
                             info.settled = Settled::Completed;
+                            keep_undo_backups(ws, fd.as_fd(), &dir, &j);
                             format!("completed {total} targets (session holds the commit)")
                         }
                         Ok(false) => match roll_back(&j)? {
@@ -315,7 +316,10 @@ fn recover_one(
                         }
                     }
                 }
-                Phase::Committed => format!("completed {total} targets"),
+                Phase::Committed => {
+                    keep_undo_backups(ws, fd.as_fd(), &dir, &j);
+                    format!("completed {total} targets")
+                }
             }
         }
     };
@@ -352,6 +356,15 @@ fn recover_one(
     }
     tracing::info!(job = %id, %action, "recovered job dir");
     Ok(Recovered { action, ..info })
+}
+
+/// A committed job whose undo record was written before its commit point: its backups go
+/// into that undo data, as the commit would have done after it. A failure is logged only:
+/// the undo data is then incomplete, and the startup sweep drops it.
+fn keep_undo_backups(ws: &Workspace, fd: std::os::fd::BorrowedFd<'_>, dir: &Path, j: &Journal) {
+    if let Err(e) = super::undo::keep_backups(ws.fd(), ws.root(), fd, dir, j) {
+        tracing::warn!(job = %j.job, error = %crate::report::chain(&e), "recovery cannot keep the job's backups as its undo data; it will not be undoable");
+    }
 }
 
 /// Moves a job dir that cannot be removed aside, under a name no tool path can reach and no

@@ -543,6 +543,17 @@ impl SessionStore {
         Ok(!file.destroyed && file.last_job.as_deref() == Some(job))
     }
 
+    /// The version of the session file and the job whose commit wrote it (`None` for a
+    /// session never committed to by a job), read from the file: which commit is the latest.
+    pub fn latest_commit(&self, id: &str) -> Result<(u64, Option<String>), SessionError> {
+        check_id(id)?;
+        let file = read_file(&self.path(id))?;
+        if file.destroyed {
+            return Err(SessionError::Destroyed(id.to_string()));
+        }
+        Ok((file.version, file.last_job))
+    }
+
     fn persist(
         &self,
         snap: &Snapshot,

@@ -900,3 +900,323 @@ async fn a_swapped_parent_keeps_the_job_dir_aside() {
 async fn a_swapped_parent_keeps_the_job_dir_aside_under_an_unprivileged_daemon() {
     kept_when_not_provably_disposable(Harm::ParentSwapped, true, true).await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Undo data: a commit that keeps it (dropping the previous commit's), and an undo.
+
+/// A crash-point scenario with a commit before it (`prelude`, run in each fresh daemon and
+/// restarted from, since undo data is told by inode identity and cannot be copied).
+struct UndoScenario {
+    name: &'static str,
+    pre: &'static [(&'static str, &'static str)],
+    /// The commit made before the crashed call: `(tool, arguments)`.
+    prelude: (&'static str, Value),
+    /// The crashed call: a write (which keeps undo data of its own and drops the prelude's),
+    /// or `None`: `job_undo` of the prelude's job.
+    call: Option<(&'static str, Value)>,
+}
+
+impl UndoScenario {
+    fn tool(&self) -> &'static str {
+        self.call.as_ref().map_or("job_undo", |(t, _)| t)
+    }
+
+    fn args(&self, prelude_job: &str) -> Value {
+        match &self.call {
+            Some((_, a)) => a.clone(),
+            None => json!({"job": prelude_job}),
+        }
+    }
+}
+
+/// A fresh copy of the template with the prelude committed in it (daemon stopped); the
+/// prelude's job.
+async fn with_prelude(t: &Template, s: &UndoScenario) -> (Daemon, String) {
+    let mut d = t.fresh();
+    d.start();
+    let c = d.client().await;
+    let mut a = s.prelude.1.clone();
+    a["session"] = "s".into();
+    let r = call(&c, s.prelude.0, a).await;
+    assert!(!is_error(&r), "{}: prelude: {r}", s.name);
+    assert_eq!(r["structuredContent"]["undoable"], true, "{}: {r}", s.name);
+    let job = r["structuredContent"]["job"].as_str().unwrap().to_string();
+    drop(c);
+    d.stop();
+    (d, job)
+}
+
+/// The first job of `tool` in the audit log, with its last `commit` or `rollback`.
+fn first_word(d: &Daemon, tool: &str) -> Option<(String, Option<String>)> {
+    last_words(d, tool).into_iter().next()
+}
+
+/// Restarts `d` cleanly and checks the promise with undo data: the workspace and session are
+/// the before or the after of the crashed call, its audit's last word agrees, and the undo
+/// data is exactly what that outcome implies, proven by undoing with it: before a crashed
+/// write, the prelude is still undoable and its undo gives back the template; after it, the
+/// write is undoable and its undo gives back the before. Before a crashed undo, the prelude
+/// is undoable iff `job_get` says so (and then its undo works); after it, nothing is left.
+/// `injected`: an error, not a crash, was injected: a write may then commit without undo data
+/// (it failed to keep it), which `job_get` must say.
+#[allow(clippy::too_many_arguments)]
+async fn check_undo_consistent(
+    d: &mut Daemon,
+    injected: bool,
+    s: &UndoScenario,
+    origin: &[String],
+    before: &(Vec<String>, Value),
+    after: &(Vec<String>, Value),
+    prelude: &str,
+    what: &str,
+) -> &'static str {
+    d.env.clear();
+    d.start();
+    let c = d.client().await;
+    let ws = tree(&d.workspace);
+    let sess = session_of(&c).await;
+    let outcome = if ws == before.0 {
+        assert_eq!(sess, before.1, "{what}: workspace before, session not");
+        "before"
+    } else if ws == after.0 {
+        assert_eq!(sess, after.1, "{what}: workspace after, session not");
+        "after"
+    } else {
+        panic!(
+            "{what}: INCONSISTENT workspace\nbefore: {:#?}\nafter: {:#?}\nnow: {:#?}\nlog:\n{}",
+            before.0,
+            after.0,
+            ws,
+            d.log_text()
+        );
+    };
+    assert!(d.job_dirs().is_empty(), "{what}: {:?}", d.job_dirs());
+    let (job, said) = first_word(d, s.tool()).unwrap_or_else(|| ("".into(), None));
+    assert_eq!(
+        said.as_deref() == Some("commit"),
+        outcome == "after",
+        "{what}: workspace {outcome}, audit's last word on {job}: {said:?}"
+    );
+    let gens = d.undo_generations();
+    let undoable = |j: &str| {
+        let c = &c;
+        let j = j.to_string();
+        async move {
+            let r = call(c, "job_get", json!({"job": j})).await;
+            r["structuredContent"]["undoable"] == true
+        }
+    };
+    // Which job's undo data must be there, and what its undo gives back.
+    let expect: Option<(String, &[String])> = match (s.call.is_some(), outcome) {
+        (true, "before") => Some((prelude.to_string(), origin)),
+        (true, _) if injected && gens.is_empty() => {
+            assert!(
+                !undoable(&job).await,
+                "{what}: {job} undoable without undo data"
+            );
+            None
+        }
+        (true, _) => Some((job.clone(), &before.0)),
+        (false, "before") => undoable(prelude)
+            .await
+            .then(|| (prelude.to_string(), origin)),
+        (false, _) => None,
+    };
+    match &expect {
+        Some((j, back)) => {
+            assert_eq!(gens, vec![format!("s/{j}")], "{what}: undo data");
+            assert!(undoable(j).await, "{what}: {j} not undoable");
+            let r = call(&c, "job_undo", json!({"session": "s", "job": j})).await;
+            assert!(!is_error(&r), "{what}: the undo with it: {r}");
+            assert_eq!(&tree(&d.workspace), back, "{what}: after the undo with it");
+        }
+        None => {
+            // An undo that failed in process after renaming a target gave the backups back,
+            // but the renames back changed that target's ctime: its data stays, refused.
+            let touched = injected && s.call.is_none() && outcome == "before";
+            if !(touched && gens == vec![format!("s/{prelude}")]) {
+                assert!(gens.is_empty(), "{what}: undo data left: {gens:?}");
+            }
+            assert!(!undoable(prelude).await, "{what}: {prelude} undoable");
+            let ws = tree(&d.workspace);
+            let r = call(&c, "job_undo", json!({"session": "s", "job": prelude})).await;
+            assert!(is_error(&r), "{what}: {r}");
+            assert_eq!(
+                tree(&d.workspace),
+                ws,
+                "{what}: a refused undo changed files"
+            );
+        }
+    }
+    drop(c);
+    d.stop();
+    d.assert_audit_verifies(what);
+    outcome
+}
+
+async fn run_undo_scenario(s: UndoScenario) {
+    let t = Template::new(&Scenario {
+        name: s.name,
+        tool: "",
+        args: json!({}),
+        pre: s.pre,
+    })
+    .await;
+    let origin = t.before.clone();
+    // The reference run: the prelude, then the call, no failpoint firing.
+    let (mut d, prelude) = with_prelude(&t, &s).await;
+    d.start();
+    let c = d.client().await;
+    let before = (tree(&d.workspace), session_of(&c).await);
+    drop(c);
+    let log = d.dir.path().join("points.log");
+    d.stop();
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    // The crashed call, naming the prelude's job of its run.
+    let run = |_: &Daemon, prelude: &str| Scenario {
+        name: s.name,
+        tool: s.tool(),
+        args: s.args(prelude),
+        pre: &[],
+    };
+    let sc = run(&d, &prelude);
+    let r = try_call(&d, &sc).await.expect("reference call");
+    assert!(!is_error(&r), "{}: reference call: {r}", s.name);
+    let c = d.client().await;
+    let after = (tree(&d.workspace), session_of(&c).await);
+    drop(c);
+    d.stop();
+    assert_ne!(after.0, before.0, "{}: the call changed nothing", s.name);
+    let points: Vec<String> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert!(!points.is_empty(), "{}: no failpoint reached", s.name);
+
+    let (mut crashes, mut recovery_crashes, mut outcomes) = (0, 0, [0usize; 2]);
+    let mut n = 0u64;
+    loop {
+        let (mut d, prelude) = with_prelude(&t, &s).await;
+        let sc = run(&d, &prelude);
+        d.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), n.to_string())];
+        d.start();
+        let r = try_call(&d, &sc).await;
+        if d.wait_exit(Duration::from_secs(10)).is_none() {
+            let r = r.expect("call without crash");
+            assert!(!is_error(&r), "{r}");
+            d.kill9();
+            break;
+        }
+        crashes += 1;
+        let what = format!("{} crash at {n}", s.name);
+        let o = check_undo_consistent(&mut d, false, &s, &origin, &before, &after, &prelude, &what)
+            .await;
+        outcomes[usize::from(o == "after")] += 1;
+        // A second crash at every point of the recovery.
+        let mut m = 0u64;
+        loop {
+            let (mut d2, prelude) = with_prelude(&t, &s).await;
+            let sc = run(&d2, &prelude);
+            d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), n.to_string())];
+            d2.start();
+            let _ = try_call(&d2, &sc).await;
+            assert!(
+                d2.wait_exit(Duration::from_secs(10)).is_some(),
+                "{}: crash at {n} did not repeat",
+                s.name
+            );
+            d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), m.to_string())];
+            let serving = d2.try_start().is_ok();
+            if serving {
+                d2.kill9();
+            } else {
+                recovery_crashes += 1;
+            }
+            let what = format!("{} crash at {n}, recovery crash at {m}", s.name);
+            check_undo_consistent(
+                &mut d2, false, &s, &origin, &before, &after, &prelude, &what,
+            )
+            .await;
+            if serving {
+                break;
+            }
+            m += 1;
+        }
+        n += 1;
+    }
+
+    let mut injected = 0;
+    for (n, point) in points.iter().enumerate() {
+        for errno in ["EIO", "ENOSPC"] {
+            let (mut d, prelude) = with_prelude(&t, &s).await;
+            let sc = run(&d, &prelude);
+            d.env = vec![
+                ("AIRLOCK_FAILPOINT_ERROR_AT".into(), n.to_string()),
+                ("AIRLOCK_FAILPOINT_ERRNO".into(), errno.into()),
+            ];
+            d.start();
+            let r = try_call(&d, &sc)
+                .await
+                .unwrap_or_else(|e| panic!("{} {errno} at {n}: {e}", s.name));
+            let ws: Vec<String> = tree(&d.workspace)
+                .into_iter()
+                .filter(|l| !l.starts_with(".airlock-job-"))
+                .collect();
+            let want = if is_error(&r) { &before.0 } else { &after.0 };
+            assert_eq!(&ws, want, "{} {errno} at {n} ({point}): {r}", s.name);
+            d.stop();
+            let what = format!("{} {errno} at {n} ({point})", s.name);
+            check_undo_consistent(&mut d, true, &s, &origin, &before, &after, &prelude, &what)
+                .await;
+            injected += 1;
+        }
+    }
+    println!(
+        "crash harness [{}]: {} failpoints per call; {crashes} crash points exercised ({} rolled back, {} completed), \
+         {recovery_crashes} second crashes during recovery, {injected} injected errors; 0 inconsistent outcomes",
+        s.name,
+        points.len(),
+        outcomes[0],
+        outcomes[1]
+    );
+}
+
+/// A commit that keeps undo data of its own (an overwritten file), after a commit that kept
+/// some: whatever the crash point, either the earlier commit stays undoable or the new one
+/// is, and the undo with what is kept gives back what was.
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_points_a_commit_that_keeps_undo_data() {
+    run_undo_scenario(UndoScenario {
+        name: "a commit keeping undo data",
+        pre: &[("y.txt", "old y"), ("keep.txt", "untouched")],
+        prelude: ("write_text", json!({"text": "p", "out": "p.txt"})),
+        call: Some(("write_file", json!({"path": "y.txt", "content": "new y"}))),
+    })
+    .await;
+}
+
+/// An undo of an overwritten file and a new one in a new directory.
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_points_an_undo() {
+    run_undo_scenario(UndoScenario {
+        name: "an undo",
+        pre: &[("y.txt", "old y"), ("keep.txt", "untouched")],
+        prelude: ("two_outputs", json!({"a": "x/a.txt", "b": "y.txt"})),
+        call: None,
+    })
+    .await;
+}
+
+/// An undo of an in-out deletion (the file renamed back).
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_points_an_undo_of_a_deletion() {
+    run_undo_scenario(UndoScenario {
+        name: "an undo of a deletion",
+        pre: &[("docs/a.txt", "alpha\n"), ("keep.txt", "untouched")],
+        prelude: ("edit_inout", json!({"path": "docs/a.txt", "action": "rm"})),
+        call: None,
+    })
+    .await;
+}

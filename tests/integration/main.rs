@@ -31,3 +31,4 @@ mod soak;
 mod spawner;
 mod systemd;
 mod uid_separation;
+mod undo;

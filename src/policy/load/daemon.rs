@@ -52,6 +52,7 @@ struct RawDaemon {
     max_queued_per_principal: Option<usize>,
     idempotency_ttl: Option<Spanned<String>>,
     idempotency_keys: Option<Spanned<usize>>,
+    undo_bytes: Option<Spanned<Size>>,
 }
 
 pub(super) fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
@@ -128,6 +129,7 @@ pub(super) fn load_daemon(cx: &mut Cx, path: &Path) -> Option<DaemonConfig> {
             0,
             &mut d.audit_hash_limit,
         ),
+        ("undo_bytes", r.undo_bytes, 0, &mut d.undo_bytes),
         (
             "audit_ring_bytes",
             r.audit_ring_bytes,

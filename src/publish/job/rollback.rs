@@ -25,6 +25,27 @@ pub(in crate::publish) fn rollback(
     if journal.phase == Phase::WorkerRunning {
         return Ok(out);
     }
+    // An undo's: the dirs it removed come back first (shallowest first), so that what it
+    // took out of them can go back.
+    for dir in journal.removed_dirs.iter().rev() {
+        let abs = root_path.join(dir);
+        let Some((parent, name)) = split_target(dir) else {
+            continue;
+        };
+        let pfd = match open_dir_beneath(root, parent) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV) => continue,
+            Err(e) => return Err(io("open parent dir", &root_path.join(parent), e)),
+        };
+        match mutate("publish.rollback_mkdir", &abs, || {
+            rustix::fs::mkdirat(pfd.as_fd(), name, Mode::from_raw_mode(0o777))
+        }) {
+            Ok(()) => fsync_dir(pfd.as_fd(), &abs)?,
+            Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {
+            }
+            Err(e) => return Err(e),
+        }
+    }
     for rec in journal.targets.iter().rev() {
         if rec.delete {
             restore_deleted(root, root_path, job_fd, job_dir, rec, &mut out)?;
@@ -79,9 +100,10 @@ pub(in crate::publish) fn rollback(
                 })?;
                 fsync_dir(bfd.as_fd(), &backup_abs)?;
             }
-            None if rec.kind == OutputKind::Directory => {
+            None if rec.kind == OutputKind::Directory || rec.undo => {
                 // A new tree goes back where it was staged, whole (its slot is still there:
-                // the job dir is removed only once the targets are settled).
+                // the job dir is removed only once the targets are settled); so does what an
+                // undo put back, the only copy of the undone job's backup.
                 let staged_abs = job_dir.join(&rec.staged);
                 let (sdir, sname) = split_target(&rec.staged).ok_or_else(|| PublishError::Io {
                     op: "locate staged dir",

@@ -85,3 +85,4 @@ mod job;
 mod paths;
 mod staging;
 mod trees;
+mod undo;

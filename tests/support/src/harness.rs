@@ -400,6 +400,29 @@ impl Daemon {
             .unwrap_or_default()
     }
 
+    /// The undo data kept in the workspace, as `session/job` (every entry beneath
+    /// `.airlock-undo/<session>/`), sorted.
+    pub fn undo_generations(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let top = self.workspace.join(UNDO_DIR);
+        for s in std::fs::read_dir(&top).into_iter().flatten().flatten() {
+            let mut any = false;
+            for j in std::fs::read_dir(s.path()).into_iter().flatten().flatten() {
+                any = true;
+                out.push(format!(
+                    "{}/{}",
+                    s.file_name().to_string_lossy(),
+                    j.file_name().to_string_lossy()
+                ));
+            }
+            if !any {
+                out.push(format!("{}/", s.file_name().to_string_lossy()));
+            }
+        }
+        out.sort();
+        out
+    }
+
     pub fn write(&self, rel: &str, content: &str) {
         let p = self.workspace.join(rel);
         if let Some(parent) = p.parent() {
@@ -609,6 +632,9 @@ fn command_lines() -> impl Iterator<Item = (i32, String)> {
 /// holds: its path relative to `root`, its full path and its `lstat`. Entries that vanish
 /// or cannot be read are passed over. The one tree walker of [`snapshot`], [`tree`] and
 /// [`tree_names`].
+/// The workspace's undo data dir (the daemon's `publish::undo::UNDO_DIR`).
+pub const UNDO_DIR: &str = ".airlock-undo";
+
 pub fn walk_tree(root: &Path, mut visit: impl FnMut(&str, &Path, &std::fs::Metadata)) {
     fn walk(root: &Path, dir: &Path, visit: &mut dyn FnMut(&str, &Path, &std::fs::Metadata)) {
         let Ok(rd) = std::fs::read_dir(dir) else {
@@ -616,6 +642,11 @@ pub fn walk_tree(root: &Path, mut visit: impl FnMut(&str, &Path, &std::fs::Metad
         };
         for e in rd.flatten() {
             let p = e.path();
+            // The workspace's undo data is the daemon's bookkeeping, named by job ids that
+            // differ at each run: `Daemon::undo_generations` shows it.
+            if dir == root && e.file_name() == UNDO_DIR {
+                continue;
+            }
             let rel = p.strip_prefix(root).unwrap_or(&p).display().to_string();
             let Ok(m) = std::fs::symlink_metadata(&p) else {
                 continue;
