@@ -1,0 +1,303 @@
+//! The daemon's requests to the spawner process ([`crate::sandbox::spawner`]), made by the
+//! calling task itself over the spawner's socket with async I/O: no thread hand-off per
+//! spawn (the spawner thread, [`super::spawner_thread`], only starts and replaces the
+//! process).
+//!
+//! A profile's seccomp programs go to the spawner once, before its first worker (the spawner
+//! keeps them for its template); templates of profiles a reload made unused are stopped at
+//! the next request. Requests on one spawner are made one at a time (the spawner answers in
+//! order), each in a task of its own, so a call that goes away mid-request never leaves an
+//! answer unread: a launcher forked for nobody is killed and reaped ([`abandon`]).
+//!
+//! A spawn in flight holds off the reaping of the spawner thread's children
+//! ([`Leaders::begin_spawn`]) from its request to the registration of the worker's leader, so
+//! the orphan reaper cannot reap a launcher that exited before it was registered. A spawner
+//! that is gone (killed, crashed) is noticed at the next request: a request that could not be
+//! delivered is retried once on a new spawner; one that was delivered fails the call ("the
+//! spawner died while starting the worker") and the next call starts a new spawner. A
+//! spawner that does not answer within [`ANSWER_TIMEOUT`] (2 s) is killed and replaced the
+//! same way.
+
+use std::collections::HashSet;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use rustix::process::Signal;
+use tokio::io::unix::AsyncFd;
+
+use super::filters::Programs;
+use super::group::{signal_group, Leaders, Pgid};
+use super::leftovers::Session;
+use super::spawner_thread::SpawnerThread;
+use crate::sandbox::wire::spawn_request::{self, Reply, MAX_FDS, REPLY_LEN};
+
+/// A launcher just started.
+pub(crate) struct Spawned {
+    pub leader: Pgid,
+    /// The session of the spawner the leader was forked in.
+    pub session: Session,
+    pub pidfd: OwnedFd,
+    pub stdin: OwnedFd,
+    pub stdout: OwnedFd,
+    pub stderr: OwnedFd,
+}
+
+/// How long the spawner may take to answer one request before it is replaced.
+///
+/// The answer is a clone and a message, microseconds; a spawner that was stopped must not
+/// hold the calls queued behind it for long.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The daemon's end of a running spawner's socket.
+#[derive(Debug)]
+pub(crate) struct Connection {
+    sock: AsyncFd<OwnedFd>,
+    /// The spawner's session, which every worker it forks is in.
+    pub(crate) session: Session,
+    /// Held from a request to its answer; the templates this spawner has the programs of.
+    exchange: tokio::sync::Mutex<HashSet<u64>>,
+}
+
+/// How a request failed.
+enum Failed {
+    /// The spawner is alive and said no (its clone failed): it stays.
+    Refused(io::Error),
+    /// Not delivered (the spawner is gone): safe to retry on a new one.
+    Undelivered(io::Error),
+    /// Delivered, but no answer (the spawner died or hangs): the call fails.
+    Lost(io::Error),
+}
+
+impl Connection {
+    /// Watches `sock` (the daemon's end, the spawner having said it is ready) on the current
+    /// runtime.
+    pub(crate) fn new(sock: OwnedFd, session: Session) -> io::Result<Connection> {
+        // SAFETY: an OwnedFd is open, returns the same descriptor from every `as_raw_fd`, and
+        // is owned by the AsyncFd from here on, so it stays open for the AsyncFd's whole life.
+        let sock = unsafe { AsyncFd::register(sock) }.map_err(|e| e.into_parts().1)?;
+        Ok(Connection {
+            sock,
+            session,
+            exchange: tokio::sync::Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// Sends one packet (with `fds`), waiting for room if the socket is full.
+    async fn send(&self, message: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]) -> io::Result<()> {
+        loop {
+            let mut ready = self.sock.writable().await?;
+            let sent = ready.try_io(|sock| {
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+                let mut control = SendAncillaryBuffer::new(&mut space);
+                if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+                    return Err(io::Error::other("too many descriptors for one request"));
+                }
+                rustix::net::sendmsg(
+                    sock.get_ref(),
+                    &[IoSlice::new(message)],
+                    &mut control,
+                    SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
+                )
+                .map_err(io::Error::from)
+            });
+            match sent {
+                Ok(result) => return result.map(drop),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    /// Receives one answer: its bytes (0: the spawner closed its end) and the descriptor
+    /// that came with it.
+    async fn receive(&self, answer: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+        loop {
+            let mut ready = self.sock.readable().await?;
+            let got = ready.try_io(|sock| {
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut control = RecvAncillaryBuffer::new(&mut space);
+                let got = rustix::net::recvmsg(
+                    sock.get_ref(),
+                    &mut [IoSliceMut::new(&mut *answer)],
+                    &mut control,
+                    RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT,
+                )
+                .map_err(io::Error::from)?;
+                let mut fd = None;
+                for message in control.drain() {
+                    if let RecvAncillaryMessage::ScmRights(received) = message {
+                        for received in received {
+                            fd.get_or_insert(received);
+                        }
+                    }
+                }
+                Ok((got.bytes, fd))
+            });
+            match got {
+                Ok(result) => return result,
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    /// One request: the worker's leader, registered, and its pidfd, forked from the template
+    /// of `programs` (whose programs go to the spawner first, once). `forget`: templates to
+    /// stop first.
+    async fn spawn(
+        &self,
+        leaders: &Arc<Leaders>,
+        programs: &Programs,
+        forget: &[u64],
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<(Pgid, OwnedFd), Failed> {
+        let mut templates = self.exchange.lock().await;
+        for id in forget {
+            if templates.remove(id) {
+                // Nothing to answer; a spawner that is gone took them with it.
+                let _ = self.send(&spawn_request::forget_message(*id), &[]).await;
+            }
+        }
+        if !templates.contains(&programs.id) {
+            let message =
+                spawn_request::template_message(programs.id, &programs.template, &programs.seal);
+            self.send(&message, &[])
+                .await
+                .map_err(Failed::Undelivered)?;
+            templates.insert(programs.id);
+        }
+        let spawning = leaders.begin_spawn();
+        self.send(&spawn_request::spawn_message(programs.id), fds)
+            .await
+            .map_err(Failed::Undelivered)?;
+        let mut answer = [0u8; REPLY_LEN];
+        let (bytes, pidfd) =
+            match tokio::time::timeout(ANSWER_TIMEOUT, self.receive(&mut answer)).await {
+                Ok(Ok(got)) => got,
+                Ok(Err(e)) => {
+                    return Err(Failed::Lost(io::Error::new(
+                        e.kind(),
+                        format!("cannot read the spawner's answer: {e}"),
+                    )))
+                }
+                Err(_) => {
+                    return Err(Failed::Lost(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("the spawner did not answer within {ANSWER_TIMEOUT:?}"),
+                    )))
+                }
+            };
+        match (bytes, Reply::decode(&answer[..bytes.min(REPLY_LEN)]), pidfd) {
+            (0, _, _) => Err(Failed::Lost(io::Error::other(
+                "the spawner process died while starting the worker",
+            ))),
+            (_, Some(Reply::Spawned(number)), Some(pidfd)) => match Pgid::from_raw(number) {
+                Some(leader) => {
+                    spawning.register(leader);
+                    Ok((leader, pidfd))
+                }
+                None => Err(Failed::Lost(io::Error::other(format!(
+                    "the spawner answered pid {number}"
+                )))),
+            },
+            (_, Some(Reply::Refused(number)), _) => {
+                Err(Failed::Refused(io::Error::from_raw_os_error(number)))
+            }
+            _ => Err(Failed::Lost(io::Error::other(
+                "the spawner's answer is malformed",
+            ))),
+        }
+    }
+}
+
+/// Starts a worker's leader, running the launcher with `channel` as its channel to us, and
+/// `progress` (the write end of the progress pipe) as the one extra descriptor the tool
+/// keeps. The request runs in a task of its own: if the caller goes away, the launcher is
+/// killed and reaped there.
+pub(crate) async fn spawn_launcher(
+    thread: &Arc<SpawnerThread>,
+    leaders: &Arc<Leaders>,
+    programs: Arc<Programs>,
+    forget: Vec<u64>,
+    channel: OwnedFd,
+    progress: Option<OwnedFd>,
+) -> io::Result<Spawned> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let (thread, leaders) = (thread.clone(), leaders.clone());
+    tokio::spawn(async move {
+        let result = spawn_now(&thread, &leaders, &programs, &forget, channel, progress).await;
+        if let Err(Ok(orphan)) = reply.send(result) {
+            // The caller went away: the launcher must not outlive the request.
+            tokio::task::spawn_blocking(move || abandon(&leaders, orphan));
+        }
+    });
+    answer
+        .await
+        .map_err(|_| io::Error::other("the spawn request was dropped"))?
+}
+
+async fn spawn_now(
+    thread: &SpawnerThread,
+    leaders: &Arc<Leaders>,
+    programs: &Programs,
+    forget: &[u64],
+    channel: OwnedFd,
+    progress: Option<OwnedFd>,
+) -> io::Result<Spawned> {
+    let (stdin_r, stdin_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let (stdout_r, stdout_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let (stderr_r, stderr_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let fds =
+        spawn_request::request_fds(&channel, &stdin_r, &stdout_w, &stderr_w, progress.as_ref());
+    let mut retried = false;
+    loop {
+        let spawner = thread.connect().await?;
+        let error = match spawner.spawn(leaders, programs, forget, &fds).await {
+            Ok((leader, pidfd)) => {
+                return Ok(Spawned {
+                    leader,
+                    session: spawner.session,
+                    pidfd,
+                    stdin: stdin_w,
+                    stdout: stdout_r,
+                    stderr: stderr_r,
+                });
+            }
+            Err(Failed::Refused(e)) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("the spawner cannot fork the worker: {e}"),
+                ));
+            }
+            Err(Failed::Undelivered(e)) if !retried => e,
+            Err(Failed::Undelivered(e) | Failed::Lost(e)) => {
+                tracing::warn!(
+                    "the spawner process is gone or stuck ({}); replacing it",
+                    crate::report::chain(&e)
+                );
+                thread.replace(spawner);
+                return Err(e);
+            }
+        };
+        tracing::warn!("the spawner process is gone ({error}); replacing it");
+        thread.replace(spawner);
+        retried = true;
+    }
+}
+
+/// For a launcher nobody will use (it has no children yet: it waits for its spec): SIGKILL
+/// and a blocking reap.
+fn abandon(registry: &Leaders, s: Spawned) {
+    signal_group(s.leader, &s.pidfd, Signal::KILL);
+    let mut leaders = registry.lock();
+    let _ = rustix::process::waitid(
+        rustix::process::WaitId::PidFd(s.pidfd.as_fd()),
+        rustix::process::WaitIdOptions::EXITED,
+    );
+    leaders.remove(&s.leader);
+}
