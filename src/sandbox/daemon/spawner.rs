@@ -6,8 +6,9 @@
 //! A profile's seccomp programs go to the spawner once, before its first worker (the spawner
 //! keeps them for its template); templates of profiles a reload made unused are stopped at
 //! the next request. Requests on one spawner are made one at a time (the spawner answers in
-//! order), each in a task of its own, so a call that goes away mid-request never leaves an
-//! answer unread: a launcher forked for nobody is killed and reaped ([`abandon`]).
+//! order). A call that goes away after its request was sent leaves the answer owed on the
+//! connection: the next request reads it first and kills and reaps the launcher it names
+//! ([`abandon`]), which has no spec and so no child.
 //!
 //! A spawn in flight holds off the reaping of the spawner thread's children
 //! ([`Leaders::begin_spawn`]) from its request to the registration of the worker's leader, so
@@ -33,7 +34,7 @@ use rustix::process::Signal;
 use tokio::io::unix::AsyncFd;
 
 use super::filters::Programs;
-use super::group::{signal_group, Leaders, Pgid};
+use super::group::{signal_group, Leaders, Pgid, Spawning};
 use super::leftovers::Session;
 use super::spawner_thread::SpawnerThread;
 use crate::sandbox::wire::spawn_request::{self, Reply, MAX_FDS, REPLY_LEN};
@@ -61,8 +62,34 @@ pub(crate) struct Connection {
     sock: AsyncFd<OwnedFd>,
     /// The spawner's session, which every worker it forks is in.
     pub(crate) session: Session,
-    /// Held from a request to its answer; the templates this spawner has the programs of.
-    exchange: tokio::sync::Mutex<HashSet<u64>>,
+    /// Held from a request to its answer (the spawner answers in order).
+    exchange: tokio::sync::Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The templates this spawner has the programs of.
+    templates: HashSet<u64>,
+    /// Spawn requests sent whose answers were not read (their caller went away while
+    /// waiting), oldest first: the next request reads them first, and kills and reaps the
+    /// launchers they name.
+    owed: Vec<Spawning>,
+}
+
+/// A spawn request sent and not yet answered: if the caller goes away before the answer is
+/// read, the request stays owed on the connection, its [`Spawning`] with it (the launcher may
+/// exist already, unregistered).
+struct Awaiting<'a> {
+    state: &'a mut State,
+    spawning: Option<Spawning>,
+}
+
+impl Drop for Awaiting<'_> {
+    fn drop(&mut self) {
+        if let Some(spawning) = self.spawning.take() {
+            self.state.owed.push(spawning);
+        }
+    }
 }
 
 /// How a request failed.
@@ -85,7 +112,7 @@ impl Connection {
         Ok(Connection {
             sock,
             session,
-            exchange: tokio::sync::Mutex::new(HashSet::new()),
+            exchange: tokio::sync::Mutex::new(State::default()),
         })
     }
 
@@ -146,35 +173,9 @@ impl Connection {
         }
     }
 
-    /// One request: the worker's leader, registered, and its pidfd, forked from the template
-    /// of `programs` (whose programs go to the spawner first, once). `forget`: templates to
-    /// stop first.
-    async fn spawn(
-        &self,
-        leaders: &Arc<Leaders>,
-        programs: &Programs,
-        forget: &[u64],
-        fds: &[std::os::fd::BorrowedFd<'_>],
-    ) -> Result<(Pgid, OwnedFd), Failed> {
-        let mut templates = self.exchange.lock().await;
-        for id in forget {
-            if templates.remove(id) {
-                // Nothing to answer; a spawner that is gone took them with it.
-                let _ = self.send(&spawn_request::forget_message(*id), &[]).await;
-            }
-        }
-        if !templates.contains(&programs.id) {
-            let message =
-                spawn_request::template_message(programs.id, &programs.template, &programs.seal);
-            self.send(&message, &[])
-                .await
-                .map_err(Failed::Undelivered)?;
-            templates.insert(programs.id);
-        }
-        let spawning = leaders.begin_spawn();
-        self.send(&spawn_request::spawn_message(programs.id), fds)
-            .await
-            .map_err(Failed::Undelivered)?;
+    /// Receives one answer within [`ANSWER_TIMEOUT`]: the pid it names and the pidfd that
+    /// came with it, or why there is none.
+    async fn answer(&self) -> Result<(i32, OwnedFd), Failed> {
         let mut answer = [0u8; REPLY_LEN];
         let (bytes, pidfd) =
             match tokio::time::timeout(ANSWER_TIMEOUT, self.receive(&mut answer)).await {
@@ -196,15 +197,7 @@ impl Connection {
             (0, _, _) => Err(Failed::Lost(io::Error::other(
                 "the spawner process died while starting the worker",
             ))),
-            (_, Some(Reply::Spawned(number)), Some(pidfd)) => match Pgid::from_raw(number) {
-                Some(leader) => {
-                    spawning.register(leader);
-                    Ok((leader, pidfd))
-                }
-                None => Err(Failed::Lost(io::Error::other(format!(
-                    "the spawner answered pid {number}"
-                )))),
-            },
+            (_, Some(Reply::Spawned(number)), Some(pidfd)) => Ok((number, pidfd)),
             (_, Some(Reply::Refused(number)), _) => {
                 Err(Failed::Refused(io::Error::from_raw_os_error(number)))
             }
@@ -213,32 +206,99 @@ impl Connection {
             ))),
         }
     }
+
+    /// Reads the answers owed to callers that went away, oldest first, and kills and reaps
+    /// each launcher they name (it has no spec, so no child: it waits for one). Each owed
+    /// request keeps the reaping of the spawner thread's children off until its launcher is
+    /// reaped, so its pid is never recycled under the kill.
+    async fn settle(&self, state: &mut State) -> Result<(), Failed> {
+        while !state.owed.is_empty() {
+            let answered = self.answer().await;
+            let spawning = state.owed.remove(0);
+            match answered {
+                Ok((number, pidfd)) => {
+                    if let Some(leader) = Pgid::from_raw(number) {
+                        tokio::task::spawn_blocking(move || {
+                            abandon(leader, &pidfd);
+                            drop(spawning);
+                        });
+                    }
+                }
+                Err(Failed::Refused(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// One request: the worker's leader, registered, and its pidfd, forked from the template
+    /// of `programs` (whose programs go to the spawner first, once). `forget`: templates to
+    /// stop first.
+    async fn spawn(
+        &self,
+        leaders: &Arc<Leaders>,
+        programs: &Programs,
+        forget: &[u64],
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<(Pgid, OwnedFd), Failed> {
+        let mut state = self.exchange.lock().await;
+        self.settle(&mut state).await?;
+        for id in forget {
+            if state.templates.remove(id) {
+                // Nothing to answer; a spawner that is gone took them with it.
+                let _ = self.send(&spawn_request::forget_message(*id), &[]).await;
+            }
+        }
+        if !state.templates.contains(&programs.id) {
+            let message =
+                spawn_request::template_message(programs.id, &programs.template, &programs.seal);
+            self.send(&message, &[])
+                .await
+                .map_err(Failed::Undelivered)?;
+            state.templates.insert(programs.id);
+        }
+        let spawning = leaders.begin_spawn();
+        self.send(&spawn_request::spawn_message(programs.id), fds)
+            .await
+            .map_err(Failed::Undelivered)?;
+        // Sent: from here, a caller that goes away leaves the answer owed.
+        let mut awaiting = Awaiting {
+            state: &mut state,
+            spawning: Some(spawning),
+        };
+        let answered = self.answer().await;
+        let Some(spawning) = awaiting.spawning.take() else {
+            return Err(Failed::Lost(io::Error::other(
+                "the spawn was settled twice",
+            )));
+        };
+        drop(awaiting);
+        let (number, pidfd) = answered?;
+        match Pgid::from_raw(number) {
+            Some(leader) => {
+                spawning.register(leader);
+                Ok((leader, pidfd))
+            }
+            None => Err(Failed::Lost(io::Error::other(format!(
+                "the spawner answered pid {number}"
+            )))),
+        }
+    }
 }
 
 /// Starts a worker's leader, running the launcher with `channel` as its channel to us, and
 /// `progress` (the write end of the progress pipe) as the one extra descriptor the tool
-/// keeps. The request runs in a task of its own: if the caller goes away, the launcher is
-/// killed and reaped there.
+/// keeps. Made in the caller's task: if the caller goes away after the request was sent, its
+/// answer stays owed on the connection and the next request settles it.
 pub(crate) async fn spawn_launcher(
-    thread: &Arc<SpawnerThread>,
+    thread: &SpawnerThread,
     leaders: &Arc<Leaders>,
     programs: Arc<Programs>,
     forget: Vec<u64>,
     channel: OwnedFd,
     progress: Option<OwnedFd>,
 ) -> io::Result<Spawned> {
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    let (thread, leaders) = (thread.clone(), leaders.clone());
-    tokio::spawn(async move {
-        let result = spawn_now(&thread, &leaders, &programs, &forget, channel, progress).await;
-        if let Err(Ok(orphan)) = reply.send(result) {
-            // The caller went away: the launcher must not outlive the request.
-            tokio::task::spawn_blocking(move || abandon(&leaders, orphan));
-        }
-    });
-    answer
-        .await
-        .map_err(|_| io::Error::other("the spawn request was dropped"))?
+    spawn_now(thread, leaders, &programs, &forget, channel, progress).await
 }
 
 async fn spawn_now(
@@ -291,13 +351,12 @@ async fn spawn_now(
 }
 
 /// For a launcher nobody will use (it has no children yet: it waits for its spec): SIGKILL
-/// and a blocking reap.
-fn abandon(registry: &Leaders, s: Spawned) {
-    signal_group(s.leader, &s.pidfd, Signal::KILL);
-    let mut leaders = registry.lock();
+/// and a blocking reap. It was never registered, and the reaping of the spawner thread's
+/// children is held off until it is reaped.
+fn abandon(leader: Pgid, pidfd: &OwnedFd) {
+    signal_group(leader, pidfd, Signal::KILL);
     let _ = rustix::process::waitid(
-        rustix::process::WaitId::PidFd(s.pidfd.as_fd()),
+        rustix::process::WaitId::PidFd(pidfd.as_fd()),
         rustix::process::WaitIdOptions::EXITED,
     );
-    leaders.remove(&s.leader);
 }

@@ -45,6 +45,9 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug)]
 pub(crate) struct SpawnerThread {
     tx: Mutex<mpsc::Sender<Request>>,
+    /// The running spawner's connection, once a call asked for it: the calls' tasks use it
+    /// without asking the thread.
+    current: Mutex<Option<Arc<Connection>>>,
     /// The binary started in spawner mode.
     pub exe: PathBuf,
 }
@@ -101,6 +104,7 @@ impl SpawnerThread {
             .map_err(|_| io::Error::other("the spawner thread is gone"))?;
         Ok(SpawnerThread {
             tx: Mutex::new(tx),
+            current: Mutex::new(None),
             exe,
         })
     }
@@ -113,18 +117,34 @@ impl SpawnerThread {
             .map_err(|_| io::Error::other("the spawner thread is gone"))
     }
 
-    /// The running spawner's connection, the spawner started first if none runs.
+    fn current(&self) -> std::sync::MutexGuard<'_, Option<Arc<Connection>>> {
+        self.current.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The running spawner's connection, the spawner started first (by the thread) if none
+    /// runs.
     pub(crate) async fn connect(&self) -> io::Result<Arc<Connection>> {
+        if let Some(connection) = self.current().as_ref() {
+            return Ok(connection.clone());
+        }
         let (answer, connection) = tokio::sync::oneshot::channel();
         self.send(Request::Connect(Some(answer)))?;
-        connection
+        let connection = connection
             .await
-            .map_err(|_| io::Error::other("the spawner thread dropped the request"))?
+            .map_err(|_| io::Error::other("the spawner thread dropped the request"))??;
+        *self.current() = Some(connection.clone());
+        Ok(connection)
     }
 
     /// `gone`'s spawner is gone or stuck: the thread kills and reaps it (if it still runs
     /// it), and the next [`SpawnerThread::connect`] starts a new one.
     pub(crate) fn replace(&self, gone: Arc<Connection>) {
+        {
+            let mut current = self.current();
+            if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &gone)) {
+                *current = None;
+            }
+        }
         let _ = self.send(Request::Replace(gone));
     }
 }
