@@ -108,6 +108,13 @@ impl Leaders {
         }
     }
 
+    /// Spawns in flight.
+    #[cfg(test)]
+    pub(crate) fn spawns_in_flight(&self) -> usize {
+        let _set = self.lock();
+        self.spawning.load(Ordering::Relaxed)
+    }
+
     /// Reaps `pid`, a zombie child of the spawner thread (the spawner, a template, or a
     /// leader handed to the orphan reaper), unless it is a registered leader or a spawn is
     /// in flight (then the pass is put off until the last one ends).

@@ -360,3 +360,152 @@ fn abandon(leader: Pgid, pidfd: &OwnedFd) {
         rustix::process::WaitIdOptions::EXITED,
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::wire::spawn_request::{decode_request, Request, MAX_REQUEST};
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    use std::os::unix::process::CommandExt;
+
+    /// The test's side of the socket: receives one request, returns its descriptors.
+    fn receive_request(sock: &OwnedFd) -> (Request, Vec<OwnedFd>) {
+        let mut message = vec![0u8; MAX_REQUEST];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = rustix::net::recvmsg(
+            sock,
+            &mut [IoSliceMut::new(&mut message)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        )
+        .expect("recvmsg");
+        let mut fds = Vec::new();
+        for m in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received) = m {
+                fds.extend(received);
+            }
+        }
+        let request = decode_request(&message[..got.bytes], fds.len()).expect("a request");
+        (request, fds)
+    }
+
+    fn answer(sock: &OwnedFd, reply: Reply, pidfd: Option<&OwnedFd>) {
+        let fds: Vec<_> = pidfd.iter().map(|f| f.as_fd()).collect();
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() {
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        }
+        rustix::net::sendmsg(
+            sock,
+            &[IoSlice::new(&reply.encode())],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        )
+        .expect("sendmsg");
+    }
+
+    fn pipe_fds() -> Vec<OwnedFd> {
+        let mut fds = Vec::new();
+        for _ in 0..2 {
+            let (r, w) = rustix::pipe::pipe().expect("pipe");
+            fds.extend([r, w]);
+        }
+        fds
+    }
+
+    #[tokio::test]
+    async fn an_answer_whose_caller_went_away_is_settled_by_the_next_request_which_kills_its_launcher(
+    ) {
+        let (ours, theirs) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .expect("socketpair");
+        let connection = Connection::new(ours, Session { sid: 1, start: 0 }).expect("watch");
+        let leaders = Arc::new(Leaders::default());
+        let programs = Programs {
+            id: 7,
+            template: vec![vec![(6, 0, 0, 0x7fff_0000)]],
+            seal: Vec::new(),
+        };
+        let fds = pipe_fds();
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+
+        // The first request is sent, and its caller goes away before the answer.
+        let (received, got) = tokio::sync::oneshot::channel();
+        let fake = std::thread::spawn(move || {
+            let template = receive_request(&theirs).0;
+            let spawn = receive_request(&theirs).0;
+            let _ = received.send(());
+            (template, spawn, theirs)
+        });
+        tokio::select! {
+            _ = connection.spawn(&leaders, &programs, &[], &borrowed) => {
+                panic!("a spawn finished with no answer sent")
+            }
+            _ = got => {}
+        }
+        let (template, spawn, theirs) = fake.join().expect("the fake spawner");
+        assert!(matches!(template, Request::Template { .. }));
+        assert_eq!(spawn, Request::Spawn(7));
+        assert_eq!(
+            leaders.spawns_in_flight(),
+            1,
+            "the owed request still holds off the reaping of the spawner's children"
+        );
+
+        // Its launcher exists (a child of ours, leading a group), and is answered for now.
+        let launcher = std::process::Command::new("/bin/sleep")
+            .arg("1000")
+            .process_group(0)
+            .spawn()
+            .expect("spawn sleep");
+        let pid = launcher.id() as i32;
+        drop(launcher);
+        let pidfd = rustix::process::pidfd_open(
+            rustix::process::Pid::from_raw(pid).expect("pid"),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .expect("pidfd_open");
+        answer(&theirs, Reply::Spawned(pid), Some(&pidfd));
+
+        // The next request reads that answer first, then is refused on its own.
+        let spawner = std::thread::spawn(move || {
+            let (request, _fds) = receive_request(&theirs);
+            answer(&theirs, Reply::Refused(libc::EAGAIN), None);
+            (request, theirs)
+        });
+        match connection.spawn(&leaders, &programs, &[], &borrowed).await {
+            Err(Failed::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EAGAIN)),
+            Err(Failed::Lost(e) | Failed::Undelivered(e)) => panic!("{e}"),
+            Ok((leader, _)) => panic!("spawned {leader}"),
+        }
+        let (second, _theirs) = spawner.join().expect("the fake spawner");
+        assert_eq!(second, Request::Spawn(7), "the template was sent once");
+
+        // The abandoned launcher is killed and reaped; no spawn is left in flight; it was
+        // never registered.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while leaders.spawns_in_flight() != 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the owed launcher was never settled"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            rustix::process::waitid(
+                rustix::process::WaitId::PidFd(pidfd.as_fd()),
+                rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOHANG,
+            )
+            .map(|_| ())
+            .expect_err("already reaped"),
+            rustix::io::Errno::CHILD
+        );
+        assert!(leaders.lock().is_empty());
+    }
+}
