@@ -2,8 +2,8 @@
 //! template, then [`Plan::run`] in each worker forked from it.
 //!
 //! Template (inherited by every worker forked from it): parent death, capabilities (lock:
-//! securebits, empty bounding set, no ambient), no_new_privs, seccomp (the profile's stack,
-//! the launcher's own calls carved out).
+//! securebits, empty bounding set, no ambient; both read back), no_new_privs, seccomp (the
+//! profile's stack, the launcher's own calls carved out).
 //!
 //! Worker: process group, parent death, cgroup, signals, close fds, rlimits, chdir, Landlock,
 //! identity (with PDEATHSIG re-armed and the parent re-checked), capabilities (drop),
@@ -136,7 +136,8 @@ impl Plan {
             rearm_parent_death(k, self.spec.parent)?;
         }
 
-        // 11. Capabilities: drop what is left of the five sets, and read them all back.
+        // 11. Capabilities: drop what is left of the sets, and read them back (the ambient and
+        //     bounding sets were read back in the template).
         drop_capabilities(k)?;
 
         // 12. (no_new_privs came from the template.)
@@ -201,8 +202,13 @@ pub(super) fn template_steps<K: Kernel>(
     // T2. Capabilities, the part that needs CAP_SETPCAP: lock the securebits (uid 0 can
     //     never regain capabilities, and a worker's uid switch does not drop them behind its
     //     back) and empty the bounding set. The permitted set stays (CAP_SETUID/CAP_SETGID
-    //     for the workers' uid switch); each worker empties it.
-    lock_capabilities(k)?;
+    //     for the workers' uid switch); each worker empties it. Then the ambient and bounding
+    //     sets are read back, here once for every worker: nothing a worker's steps do can
+    //     raise either (the bounding set only shrinks, and the ambient set is raised only by
+    //     PR_CAP_AMBIENT_RAISE, which the launcher never makes and the locked securebits
+    //     forbid).
+    let setpcap = lock_capabilities(k)?;
+    check_inherited_capabilities(k, setpcap)?;
     // T3. no_new_privs: no setuid bit or file capability can give anything back; seccomp
     //     requires it as well.
     k.set_no_new_privs()
@@ -265,7 +271,8 @@ fn set_rlimits<K: Kernel>(
 /// capabilities on execve and keep the uid switch from touching them, then an empty
 /// bounding set. Without it (an unprivileged daemon) neither is possible nor needed: its
 /// permitted set is emptied in step 11 and no_new_privs follows. Ambient goes either way.
-fn lock_capabilities<K: Kernel>(k: &mut K) -> Result<(), Failure> {
+/// Returns whether CAP_SETPCAP was held (the bounding set was emptied).
+fn lock_capabilities<K: Kernel>(k: &mut K) -> Result<bool, Failure> {
     const SECBIT_NOROOT: u32 = 1 << 0;
     const SECBIT_NOROOT_LOCKED: u32 = 1 << 1;
     const SECBIT_NO_SETUID_FIXUP: u32 = 1 << 2;
@@ -274,7 +281,8 @@ fn lock_capabilities<K: Kernel>(k: &mut K) -> Result<(), Failure> {
     const SECBIT_NO_CAP_AMBIENT_RAISE: u32 = 1 << 6;
     const SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED: u32 = 1 << 7;
     let step = Step::Capabilities;
-    if has_setpcap(k)? {
+    let setpcap = has_setpcap(k)?;
+    if setpcap {
         k.set_securebits(
             SECBIT_NOROOT
                 | SECBIT_NOROOT_LOCKED
@@ -289,7 +297,39 @@ fn lock_capabilities<K: Kernel>(k: &mut K) -> Result<(), Failure> {
             .map_err(|e| Failure::io(step, "PR_CAPBSET_DROP", e))?;
     }
     k.ambient_clear()
-        .map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_CLEAR_ALL", e))
+        .map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_CLEAR_ALL", e))?;
+    Ok(setpcap)
+}
+
+/// Template step T2, read back: the ambient set must be empty, and so must the bounding set
+/// where T2 could empty it (`setpcap`) or where it would matter (uid 0). Every worker forked
+/// from the template inherits both as read here.
+fn check_inherited_capabilities<K: Kernel>(k: &mut K, setpcap: bool) -> Result<(), Failure> {
+    let step = Step::Capabilities;
+    let ambient = k
+        .ambient_set()
+        .map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_IS_SET", e))?;
+    let bounding = k
+        .bounding_set()
+        .map_err(|e| Failure::io(step, "PR_CAPBSET_READ", e))?;
+    let mut left = Vec::new();
+    if ambient != 0 {
+        left.push(format!("ambient {ambient:#x}"));
+    }
+    // Without CAP_SETPCAP (a non-root daemon) the bounding set cannot be emptied; it then
+    // bounds nothing, since each worker's permitted set is emptied, its uid is not 0, and
+    // no_new_privs follows.
+    if bounding != 0 && (setpcap || k.ids().1 == 0) {
+        left.push(format!("bounding {bounding:#x}"));
+    }
+    if !left.is_empty() {
+        return Err(Failure::new(
+            step,
+            libc::EPERM,
+            format!("capabilities remain after dropping: {}", left.join(", ")),
+        ));
+    }
+    Ok(())
 }
 
 fn has_setpcap<K: Kernel>(k: &mut K) -> Result<bool, Failure> {
@@ -342,12 +382,12 @@ fn rearm_parent_death<K: Kernel>(k: &mut K, expected: i32) -> Result<(), Failure
     Ok(())
 }
 
-/// Step 11. Empties the permitted, effective and inheritable sets (ambient went in T2),
-/// then reads all five back: every one must be empty (the bounding set only where step 9
-/// could empty it).
+/// Step 11. Empties the permitted, effective and inheritable sets (ambient went in T2, and
+/// is cleared again), then reads them back: each must be empty. The ambient set needs no
+/// read here: the kernel keeps it inside permitted and inheritable, so it is empty once they
+/// are; the bounding set was read back in the template (T2) and nothing since can raise it.
 fn drop_capabilities<K: Kernel>(k: &mut K) -> Result<(), Failure> {
     let step = Step::Capabilities;
-    let setpcap = has_setpcap(k)?;
     k.ambient_clear()
         .map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_CLEAR_ALL", e))?;
     // A daemon that holds no capabilities (the shipped unit: none, and capset denied by its
@@ -362,28 +402,15 @@ fn drop_capabilities<K: Kernel>(k: &mut K) -> Result<(), Failure> {
 
     let (effective, permitted, inheritable) =
         k.capget().map_err(|e| Failure::io(step, "capget", e))?;
-    let ambient = k
-        .ambient_set()
-        .map_err(|e| Failure::io(step, "PR_CAP_AMBIENT_IS_SET", e))?;
-    let bounding = k
-        .bounding_set()
-        .map_err(|e| Failure::io(step, "PR_CAPBSET_READ", e))?;
     let mut left = Vec::new();
     for (name, mask) in [
         ("effective", effective),
         ("permitted", permitted),
         ("inheritable", inheritable),
-        ("ambient", ambient),
     ] {
         if mask != 0 {
             left.push(format!("{name} {mask:#x}"));
         }
-    }
-    // Without CAP_SETPCAP (a non-root daemon) the bounding set cannot be emptied; it then
-    // bounds nothing, since permitted is empty, uid is not 0, and no_new_privs follows.
-    let euid = k.ids().1;
-    if bounding != 0 && (setpcap || euid == 0) {
-        left.push(format!("bounding {bounding:#x}"));
     }
     if !left.is_empty() {
         return Err(Failure::new(

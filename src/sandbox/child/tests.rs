@@ -43,6 +43,10 @@ struct Fake {
     setresuid_is_noop: bool,
     /// The parent a worker forked from the template sees (the daemon died in between).
     parent_in_worker: Option<i32>,
+    /// PR_CAPBSET_DROP succeeds but leaves the bounding set as it is.
+    bounding_drop_is_noop: bool,
+    /// PR_CAP_AMBIENT_CLEAR_ALL succeeds but leaves the ambient set as it is.
+    ambient_clear_is_noop: bool,
 }
 
 impl Fake {
@@ -62,6 +66,8 @@ impl Fake {
             capset_is_noop: false,
             parent_in_worker: None,
             setresuid_is_noop: false,
+            bounding_drop_is_noop: false,
+            ambient_clear_is_noop: false,
         }
     }
 
@@ -178,7 +184,9 @@ impl Kernel for Fake {
     }
     fn bounding_drop_all(&mut self) -> io::Result<()> {
         self.call("bounding_drop_all", "").map_err(io_err)?;
-        self.bounding = 0;
+        if !self.bounding_drop_is_noop {
+            self.bounding = 0;
+        }
         Ok(())
     }
     fn bounding_set(&mut self) -> io::Result<u64> {
@@ -187,7 +195,9 @@ impl Kernel for Fake {
     }
     fn ambient_clear(&mut self) -> io::Result<()> {
         self.call("ambient_clear", "").map_err(io_err)?;
-        self.ambient = 0;
+        if !self.ambient_clear_is_noop {
+            self.ambient = 0;
+        }
         Ok(())
     }
     fn ambient_set(&mut self) -> io::Result<u64> {
@@ -331,6 +341,9 @@ fn a_root_daemon_worker_with_its_own_uid_runs_every_step_in_order() {
         "set_securebits(0xef)",
         "bounding_drop_all()",
         "ambient_clear()",
+        // Read back once, for every worker.
+        "ambient_set()",
+        "bounding_set()",
         "no_new_privs()",
         "seccomp(1)",
         "seccomp(1)",
@@ -363,15 +376,11 @@ fn a_root_daemon_worker_with_its_own_uid_runs_every_step_in_order() {
         // The switch cleared PDEATHSIG: set again, parent checked again.
         "pdeathsig(SIGKILL)",
         "getppid()",
-        // Drop, and read all five sets back.
-        "capget()",
+        // Drop, and read the three sets back (ambient and bounding: in the template).
         "ambient_clear()",
         "capget()",
         "capset_empty()",
         "capget()",
-        "ambient_set()",
-        "bounding_set()",
-        "ids()",
         // The seal.
         "seccomp(1)",
         &format!("report({OK_LINE})"),
@@ -555,6 +564,33 @@ fn capabilities_left_after_the_drop_fail_the_capabilities_step() {
         0
     );
     assert!(!names.contains(&"report") && !names.contains(&"execve"));
+}
+
+#[test]
+fn capabilities_the_template_could_not_drop_stop_it_before_any_worker() {
+    for (bounding_left, ambient_left, expected) in [
+        (true, false, "capabilities remain after dropping: bounding"),
+        (
+            false,
+            true,
+            "capabilities remain after dropping: ambient 0x4",
+        ),
+    ] {
+        let mut fake = Fake::root();
+        fake.bounding_drop_is_noop = bounding_left;
+        if ambient_left {
+            fake.ambient = 0x4;
+            fake.ambient_clear_is_noop = true;
+        }
+        let failure = super::plan::template_steps(&mut fake, DAEMON, &[allow()])
+            .expect_err("the template must not serve workers");
+        assert_eq!(failure.step, Step::Capabilities);
+        assert!(failure.message.contains(expected), "{}", failure.message);
+        // Stopped before no_new_privs and its stack: no worker is ever forked from it.
+        let names = fake.names();
+        assert!(!names.contains(&"no_new_privs"), "{names:?}");
+        assert!(!names.contains(&"seccomp"), "{names:?}");
+    }
 }
 
 #[test]

@@ -5,9 +5,10 @@
 //!   until then its pid, which is also the group id, cannot be recycled, so signalling the
 //!   group (`kill(-pgid)`) never reaches a stranger.
 //! - Nothing here calls `waitpid(-1)`: children are reaped by pid, and never a registered
-//!   leader except by its own worker. The registry lock is held across `fork` and the
-//!   registration, and across every reap by pid, so a reap can never hit a leader that is
-//!   being registered.
+//!   leader except by its own worker. A spawn in flight ([`Leaders::begin_spawn`], from the
+//!   request to the registration of the leader it forked) holds off the reaping of the
+//!   spawner thread's children, where a new leader appears, and every reap by pid is made
+//!   under the registry lock, so a reap can never hit a leader that is being registered.
 //! - All the daemon's children are workers (it uses no `tokio::process`), so a zombie child
 //!   that is not a registered leader is an orphan reparented to us, the subreaper.
 
@@ -16,7 +17,8 @@ use std::io;
 use std::num::NonZeroI32;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rustix::process::{Pid, Signal};
@@ -63,13 +65,19 @@ impl std::fmt::Display for Pgid {
 /// workers, the spawner thread and the orphan reaper.
 #[derive(Debug, Default)]
 pub(crate) struct Leaders {
-    /// Its lock is also the spawn lock.
+    /// The registered leaders. Every reap by pid is made under this lock.
     set: Mutex<BTreeSet<Pgid>>,
     /// Wakes the orphan reaper for what no SIGCHLD announces: a leader handed over unreaped.
     reap_now: tokio::sync::Notify,
     /// The spawner thread's tid (0 until it runs): the spawner and the worker templates are
     /// its children, listed under it, not under the main thread.
     spawner_thread: std::sync::atomic::AtomicI32,
+    /// Spawns in flight (see [`Leaders::begin_spawn`]); changed and read only under the
+    /// registry lock.
+    spawning: AtomicUsize,
+    /// A reap of a spawner thread's child was put off while spawns were in flight: the last
+    /// one to end asks for a pass.
+    deferred: AtomicBool,
 }
 
 impl Leaders {
@@ -88,6 +96,38 @@ impl Leaders {
             0 => None,
             tid => Some(tid),
         }
+    }
+
+    /// Starts a spawn: see [`Spawning`].
+    pub(crate) fn begin_spawn(self: &Arc<Self>) -> Spawning {
+        let _set = self.lock();
+        self.spawning.fetch_add(1, Ordering::Relaxed);
+        Spawning {
+            leaders: self.clone(),
+            ended: false,
+        }
+    }
+
+    /// Spawns in flight.
+    #[cfg(test)]
+    pub(crate) fn spawns_in_flight(&self) -> usize {
+        let _set = self.lock();
+        self.spawning.load(Ordering::Relaxed)
+    }
+
+    /// Reaps `pid`, a zombie child of the spawner thread (the spawner, a template, or a
+    /// leader handed to the orphan reaper), unless it is a registered leader or a spawn is
+    /// in flight (then the pass is put off until the last one ends).
+    pub(crate) fn reap_spawner_child(&self, pid: i32) -> bool {
+        let leaders = self.lock();
+        if self.spawning.load(Ordering::Relaxed) > 0 {
+            self.deferred.store(true, Ordering::Relaxed);
+            return false;
+        }
+        if Pgid::from_raw(pid).is_some_and(|g| leaders.contains(&g)) {
+            return false;
+        }
+        matches!(sys::reap_pid_nohang(pid), Ok(Some(_)))
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, BTreeSet<Pgid>> {
@@ -122,6 +162,46 @@ impl Leaders {
             return false;
         }
         matches!(sys::reap_pid_nohang(pid), Ok(Some(_)))
+    }
+}
+
+/// A spawn in flight, from its request to the registration of the leader it forked
+/// ([`Spawning::register`]) or its failure (dropped): until then no child of the spawner
+/// thread is reaped by pid, since the new leader may be one already (a launcher can exit
+/// before it is registered).
+#[derive(Debug)]
+pub(crate) struct Spawning {
+    leaders: Arc<Leaders>,
+    ended: bool,
+}
+
+impl Spawning {
+    /// Registers `leader` as live and ends the spawn, in one hold of the registry lock.
+    pub(crate) fn register(mut self, leader: Pgid) {
+        let leaders = self.leaders.clone();
+        let mut set = leaders.lock();
+        set.insert(leader);
+        self.end();
+    }
+
+    /// Ends the spawn; the caller holds the registry lock.
+    fn end(&mut self) {
+        self.ended = true;
+        if self.leaders.spawning.fetch_sub(1, Ordering::Relaxed) == 1
+            && self.leaders.deferred.swap(false, Ordering::Relaxed)
+        {
+            self.leaders.reap_soon();
+        }
+    }
+}
+
+impl Drop for Spawning {
+    fn drop(&mut self) {
+        if !self.ended {
+            let leaders = self.leaders.clone();
+            let _set = leaders.lock();
+            self.end();
+        }
     }
 }
 

@@ -6,11 +6,11 @@
 //! Life of a worker:
 //! 1. [`Worker::spawn`] takes the profile's seccomp programs ([`Filters`]: compiled once per
 //!    profile, at policy load), builds the spec, creates the worker's cgroup if one is
-//!    delegated, and hands the request to the daemon's spawner thread ([`spawner_thread`]),
-//!    which sends the launcher channel, the three stream pipes and the progress pipe (if
-//!    asked for) to the spawner process; the spawner forks the worker's leader
-//!    (`CLONE_PARENT`: the daemon's child) in a new process group and sends its pidfd back,
-//!    which the thread registers as a live leader.
+//!    delegated, and sends the request to the spawner process itself ([`spawner`]: async
+//!    I/O on its socket, from the call's task): the launcher channel, the three stream pipes
+//!    and the progress pipe (if asked for); the spawner has the profile's template fork the
+//!    worker's leader (`CLONE_PARENT`: the daemon's child) in a new process group and sends
+//!    its pidfd back, which the request registers as a live leader.
 //! 2. The launcher (the pre-exec child, [`crate::sandbox::child`]) reads the spec, sets itself
 //!    up step by step and reports `ok` (or `{step, errno, message}`, which becomes
 //!    [`SandboxError::Setup`]) before `execve`. `spawn` returns once it has read the channel
@@ -33,6 +33,7 @@ mod procfs;
 mod progress;
 mod reaper;
 mod seccomp;
+mod spawner;
 mod spawner_thread;
 
 use std::os::fd::OwnedFd;
@@ -268,7 +269,7 @@ impl Sandbox {
             .map_err(SandboxError::Subreaper)?;
         let leaders = Arc::new(Leaders::default());
         reaper::start_reaper(&handle, leaders.clone()).map_err(SandboxError::Reaper)?;
-        let spawner = spawner_thread::SpawnerThread::start(exe, leaders.clone())
+        let spawner = spawner_thread::SpawnerThread::start(exe, leaders.clone(), handle)
             .map_err(SandboxError::Spawner)?;
         Ok(Sandbox {
             leaders,
@@ -422,14 +423,19 @@ impl Worker {
         let bytes = serde_json::to_vec(&spec)
             .map_err(|e| SandboxError::Invalid(InvalidLaunch::Unencodable(e)))?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
-        let spawned = sandbox
-            .spawner
-            .spawn_launcher(programs, forget, OwnedFd::from(theirs), progress_fd)
-            .await
-            .map_err(|source| SandboxError::Spawn {
-                exe: exe.clone(),
-                source,
-            })?;
+        let spawned = spawner::spawn_launcher(
+            &sandbox.spawner,
+            &sandbox.leaders,
+            programs,
+            forget,
+            OwnedFd::from(theirs),
+            progress_fd,
+        )
+        .await
+        .map_err(|source| SandboxError::Spawn {
+            exe: exe.clone(),
+            source,
+        })?;
         let leader = spawned.leader;
         let pid = leader.as_u32();
         let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };

@@ -45,18 +45,27 @@ pub(crate) fn start_reaper(
 pub(crate) fn reap_orphans(leaders: &Leaders) -> usize {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let live_groups = leaders.lock().clone();
-    let mut candidates = orphan_candidates(me).unwrap_or_else(all_processes);
+    let (main, everything) = match orphan_candidates(me) {
+        Some(children) => (children, Vec::new()),
+        None => (Vec::new(), all_processes()),
+    };
     // The spawner thread's children: a worker template that died (killed, or stopped after
-    // its profile was forgotten) is a zombie there, in no worker's group.
-    if let Some(children) = leaders
+    // its profile was forgotten) is a zombie there, in no worker's group. So is a launcher
+    // that exited before it was registered: those are reaped only while no spawn is in
+    // flight (`Leaders::reap_spawner_child`), and so is everything when the main thread's
+    // list could not be read.
+    let mut spawner_children = leaders
         .spawner_thread()
         .and_then(|t| thread_children(me, t))
-    {
-        candidates.extend(children);
-    }
-    orphans(me, &candidates, &live_groups)
+        .unwrap_or_default();
+    spawner_children.extend(everything);
+    let from_main = orphans(me, &main, &live_groups)
         .filter(|pid| leaders.reap_if_not_leader(*pid))
-        .count()
+        .count();
+    from_main
+        + orphans(me, &spawner_children, &live_groups)
+            .filter(|pid| leaders.reap_spawner_child(*pid))
+            .count()
 }
 
 /// Of `candidates`, the pids the orphan reaper may reap: zombie children of `me` in no live
