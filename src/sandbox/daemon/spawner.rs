@@ -513,26 +513,9 @@ mod tests {
         .expect("pidfd_open");
         answer(&theirs, Reply::Spawned(pid), Some(&pidfd));
 
-        // The answer is read (by the task that settles it at once, or by the next request,
-        // whichever holds the connection first); the next request is refused on its own.
-        let spawner = std::thread::spawn(move || {
-            let (request, _fds) = receive_request(&theirs);
-            answer(&theirs, Reply::Refused(libc::EAGAIN), None);
-            (request, theirs)
-        });
-        match connection
-            .spawn(None, &leaders, &programs, &[], &borrowed)
-            .await
-        {
-            Err(Failed::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EAGAIN)),
-            Err(Failed::Lost(e) | Failed::Undelivered(e)) => panic!("{e}"),
-            Ok((leader, _)) => panic!("spawned {leader}"),
-        }
-        let (second, _theirs) = spawner.join().expect("the fake spawner");
-        assert_eq!(second, Request::Spawn(7), "the template was sent once");
-
-        // The abandoned launcher is killed and reaped; no spawn is left in flight; it was
-        // never registered.
+        // With no further request, the answer is settled at once (the worker may be running
+        // the tool already): the abandoned worker is killed and reaped, no spawn is left in
+        // flight, and it was never registered.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while leaders.spawns_in_flight() != 0 {
             assert!(
@@ -551,5 +534,22 @@ mod tests {
             rustix::io::Errno::CHILD
         );
         assert!(leaders.lock().is_empty());
+
+        // The next request finds nothing owed, and is refused on its own.
+        let spawner = std::thread::spawn(move || {
+            let (request, _fds) = receive_request(&theirs);
+            answer(&theirs, Reply::Refused(libc::EAGAIN), None);
+            (request, theirs)
+        });
+        match connection
+            .spawn(None, &leaders, &programs, &[], &borrowed)
+            .await
+        {
+            Err(Failed::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EAGAIN)),
+            Err(Failed::Lost(e) | Failed::Undelivered(e)) => panic!("{e}"),
+            Ok((leader, _)) => panic!("spawned {leader}"),
+        }
+        let (second, _theirs) = spawner.join().expect("the fake spawner");
+        assert_eq!(second, Request::Spawn(7), "the template was sent once");
     }
 }
