@@ -426,14 +426,6 @@ impl Worker {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
         ours.set_nonblocking(true).map_err(spawn_error)?;
         let mut channel = tokio::net::UnixStream::from_std(ours).map_err(spawn_error)?;
-        // The spec goes out with the request: the template reads it (to EOF) before it
-        // creates the worker. Written alongside the request, since a spec larger than the
-        // socket's buffer is only drained by the template. A launcher that died early makes
-        // the write fail; the report (or its absence) says why.
-        let send_spec = async {
-            let _ = channel.write_all(&bytes).await;
-            let _ = channel.shutdown().await;
-        };
         // The spawner's session is recorded before the request is sent, so before the tool
         // can fork anything a restart would have to find: a file at the first worker of a
         // spawner, nothing after.
@@ -445,8 +437,17 @@ impl Worker {
                 );
             }
         };
-        let (spawned, ()) = tokio::join!(
-            spawner::spawn_launcher(
+        // The spec goes out with the request: the template reads it (to EOF) before it
+        // creates the worker. Written alongside the request, since a spec larger than the
+        // socket's buffer is only drained by the template; and no longer than the request,
+        // since an answer means the template read it all (or never will). A launcher that
+        // died early makes the write fail; the report (or its absence) says why.
+        let spawned = {
+            let mut send_spec = std::pin::pin!(async {
+                let _ = channel.write_all(&bytes).await;
+                let _ = channel.shutdown().await;
+            });
+            let mut spawn = std::pin::pin!(spawner::spawn_launcher(
                 &sandbox.spawner,
                 &sandbox.leaders,
                 programs,
@@ -454,9 +455,15 @@ impl Worker {
                 OwnedFd::from(theirs),
                 progress_fd,
                 &record,
-            ),
-            send_spec
-        );
+            ));
+            let mut sent = false;
+            loop {
+                tokio::select! {
+                    spawned = &mut spawn => break spawned,
+                    () = &mut send_spec, if !sent => sent = true,
+                }
+            }
+        };
         let spawned = spawned.map_err(|source| SandboxError::Spawn {
             exe: exe.clone(),
             source,
