@@ -25,7 +25,8 @@
 use rustix::process::Resource;
 
 use super::kernel::Kernel;
-use super::{Failure, Message, Plan};
+use super::report::{Failure, Line, Message};
+use super::Plan;
 use crate::sandbox::wire::{LandlockStatus, Rlimits, Step};
 
 impl Plan {
@@ -181,7 +182,7 @@ impl Plan {
         //     daemon the tool is running. A failed execve still has the channel to report on.
         //     A daemon that went away (its end closed) makes the write fail (SIGPIPE, whose
         //     default is back since step 4): the tool is never run for nobody.
-        let mut ok = super::Line::new();
+        let mut ok = Line::new();
         {
             use std::fmt::Write as _;
             let _ = write!(

@@ -11,7 +11,8 @@ use rustix::process::Resource;
 
 use super::kernel::Kernel;
 use super::landlock::Prepared;
-use super::{Failure, Line, Message, Plan};
+use super::report::{Failure, Line, Message};
+use super::Plan;
 use crate::sandbox::wire::{
     verdict, LandlockSpec, LandlockStatus, Report, Rlimits, Spec, Step, Verdict,
 };
