@@ -1,27 +1,25 @@
-//! The system calls the launcher's plan makes, as a trait: [`Linux`] makes them for real (the
-//! same calls, in the same process, as before the trait existed), and the tests' recording
-//! fake answers them without root.
+//! The system calls the launcher's plan makes, as a trait: [`Linux`] makes them for real, and
+//! the tests' recording fake answers them without root.
 //!
-//! The launcher runs in a child forked from the single-threaded spawner, so ordinary Rust
-//! (allocation included) is fine on both sides of the trait, exactly as in the plan itself.
+//! A worker runs [`Linux`] in a child that shares its template's memory (`CLONE_VM |
+//! CLONE_VFORK`, see [`crate::sandbox::spawner`]): every method here is a plain system call
+//! on data the template prepared. None allocates, takes a lock, or touches anything but the
+//! child's own stack (and `errno`, the template's, which the suspended template does not
+//! read): each is async-signal-safe. The template's own steps use the same methods.
 
 use std::convert::Infallible;
-use std::ffi::{CStr, CString};
-use std::io::{self, Write};
+use std::ffi::{c_char, CStr};
 use std::os::fd::{BorrowedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
 
 use rustix::io::Errno;
 use rustix::process::{Resource, Rlimit};
 
-use super::landlock::{self, LandlockFailure};
+use super::landlock::Prepared;
 use crate::sandbox::sys;
-use crate::sandbox::wire::{Applied, LandlockSpec};
+use crate::sandbox::wire::LandlockStatus;
 
 /// What the launcher asks of the kernel, one method per system call (or per fixed group of
-/// calls, such as Landlock's ruleset).
+/// calls, such as reading a capability set).
 pub(super) trait Kernel {
     /// What a successful `execve` gives back: nothing for the real kernel ([`Infallible`]),
     /// a marker for the fake.
@@ -34,56 +32,67 @@ pub(super) trait Kernel {
     /// The parent's pid (0 if there is none).
     fn getppid(&mut self) -> i32;
     /// Writes "0" to the cgroup's `cgroup.procs`.
-    fn join_cgroup(&mut self, procs: &Path) -> io::Result<()>;
-    fn default_sigpipe(&mut self) -> io::Result<()>;
-    fn unblock_all_signals(&mut self) -> io::Result<()>;
+    fn join_cgroup(&mut self, procs: &CStr) -> Result<(), Errno>;
+    fn default_sigpipe(&mut self) -> Result<(), Errno>;
+    fn unblock_all_signals(&mut self) -> Result<(), Errno>;
     /// Clears FD_CLOEXEC on `fd`.
-    fn make_inheritable(&mut self, fd: BorrowedFd<'_>) -> io::Result<()>;
+    fn make_inheritable(&mut self, fd: RawFd) -> Result<(), Errno>;
     /// `dup2(from, to)`: the copy at `to` is inheritable.
-    fn dup2(&mut self, from: BorrowedFd<'_>, to: RawFd) -> io::Result<()>;
-    fn close_range(&mut self, first: u32, last: u32) -> io::Result<()>;
-    /// The real uid.
-    fn getuid(&mut self) -> u32;
-    /// How many tasks run under real uid `uid`.
-    fn tasks_of_uid(&mut self, uid: u32) -> u64;
+    fn dup2(&mut self, from: RawFd, to: RawFd) -> Result<(), Errno>;
+    /// `close_range(first, last, CLOSE_RANGE_CLOEXEC)`: every descriptor in the range closes
+    /// at `execve` (they stay open until then: the template's Landlock ruleset is one).
+    fn cloexec_range(&mut self, first: u32, last: u32) -> Result<(), Errno>;
     /// Sets both limits of `resource` to `value`.
     fn setrlimit(&mut self, resource: Resource, value: u64) -> Result<(), Errno>;
-    fn chdir(&mut self, dir: &Path) -> io::Result<()>;
-    fn landlock(&mut self, spec: &LandlockSpec) -> Result<Applied, LandlockFailure>;
+    fn chdir(&mut self, dir: &CStr) -> Result<(), Errno>;
+    /// `landlock_restrict_self` with the ruleset the template built: what the kernel enforces.
+    fn landlock(&mut self, ruleset: &Prepared) -> Result<LandlockStatus, Errno>;
     /// (effective, permitted, inheritable).
-    fn capget(&mut self) -> io::Result<(u64, u64, u64)>;
-    fn set_securebits(&mut self, bits: u32) -> io::Result<()>;
-    fn bounding_drop_all(&mut self) -> io::Result<()>;
-    fn bounding_set(&mut self) -> io::Result<u64>;
-    fn ambient_clear(&mut self) -> io::Result<()>;
-    fn ambient_set(&mut self) -> io::Result<u64>;
-    fn capset_empty(&mut self) -> io::Result<()>;
+    fn capget(&mut self) -> Result<(u64, u64, u64), Errno>;
+    fn set_securebits(&mut self, bits: u32) -> Result<(), Errno>;
+    fn bounding_drop_all(&mut self) -> Result<(), Errno>;
+    fn bounding_set(&mut self) -> Result<u64, Errno>;
+    fn ambient_clear(&mut self) -> Result<(), Errno>;
+    fn ambient_set(&mut self) -> Result<u64, Errno>;
+    fn capset_empty(&mut self) -> Result<(), Errno>;
+    /// `PR_SET_DUMPABLE` to 0: no process of the worker's uid may read our memory (the
+    /// template's, shared until `execve`) through /proc or ptrace.
+    fn set_undumpable(&mut self) -> Result<(), Errno>;
     fn setgroups_empty(&mut self) -> Result<(), Errno>;
     fn setresgid(&mut self, gid: u32) -> Result<(), Errno>;
     fn setresuid(&mut self, uid: u32) -> Result<(), Errno>;
     /// (real uid, effective uid, real gid, effective gid).
     fn ids(&mut self) -> (u32, u32, u32, u32);
     fn set_no_new_privs(&mut self) -> Result<(), Errno>;
-    fn seccomp(&mut self, program: &seccompiler::BpfProgram) -> Result<(), seccompiler::Error>;
+    fn seccomp(&mut self, program: &[seccompiler::sock_filter]) -> Result<(), Errno>;
     /// Writes one report line to the daemon's channel.
-    fn report(&mut self, line: &[u8]) -> io::Result<()>;
+    fn report(&mut self, line: &[u8]) -> Result<(), Errno>;
     /// Makes the channel close on exec.
     fn channel_cloexec(&mut self) -> Result<(), Errno>;
+    /// `argv` and `env` are null-terminated arrays of C strings.
     fn execve(
         &mut self,
         exe: &CStr,
-        argv: &[CString],
-        env: &[CString],
-    ) -> Result<Self::Exec, nix::errno::Errno>;
+        argv: &[*const c_char],
+        env: &[*const c_char],
+    ) -> Result<Self::Exec, Errno>;
 }
 
 /// The real kernel, with the daemon's channel (none in a template, whose steps report
 /// nothing on it).
-pub(super) struct Linux<'a> {
-    pub channel: Option<&'a mut UnixStream>,
+pub(super) struct Linux {
+    pub channel: Option<RawFd>,
 }
 
-impl Kernel for Linux<'_> {
+fn errno_of(e: std::io::Error) -> Errno {
+    Errno::from_io_error(&e).unwrap_or(Errno::INVAL)
+}
+
+fn last_errno() -> Errno {
+    errno_of(std::io::Error::last_os_error())
+}
+
+impl Kernel for Linux {
     type Exec = Infallible;
 
     fn getpid(&mut self) -> i32 {
@@ -104,45 +113,44 @@ impl Kernel for Linux<'_> {
             .unwrap_or(0)
     }
 
-    fn join_cgroup(&mut self, procs: &Path) -> io::Result<()> {
-        std::fs::write(procs, b"0")
+    fn join_cgroup(&mut self, procs: &CStr) -> Result<(), Errno> {
+        use rustix::fs::{Mode, OFlags};
+        let fd = rustix::fs::open(procs, OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty())?;
+        match rustix::io::write(&fd, b"0")? {
+            1 => Ok(()),
+            _ => Err(Errno::IO),
+        }
     }
 
-    fn default_sigpipe(&mut self) -> io::Result<()> {
-        sys::default_sigpipe()
+    fn default_sigpipe(&mut self) -> Result<(), Errno> {
+        sys::default_sigpipe().map_err(errno_of)
     }
 
-    fn unblock_all_signals(&mut self) -> io::Result<()> {
-        sys::unblock_all_signals()
+    fn unblock_all_signals(&mut self) -> Result<(), Errno> {
+        sys::unblock_all_signals().map_err(errno_of)
     }
 
-    fn make_inheritable(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
-        Ok(rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?)
+    fn make_inheritable(&mut self, fd: RawFd) -> Result<(), Errno> {
+        // SAFETY: `fd` is open in this process (the plan's progress pipe) for the duration
+        // of the call; fcntl only changes its flag.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())
     }
 
-    fn dup2(&mut self, from: BorrowedFd<'_>, to: RawFd) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
+    fn dup2(&mut self, from: RawFd, to: RawFd) -> Result<(), Errno> {
         // SAFETY: dup2 takes two integers and touches no memory of ours; the plan passes a
         // `to` that is neither the channel nor `from`, and whatever it held is closed like
         // every other inherited descriptor; nothing in this process owns it. The copy at
         // `to` is not close-on-exec.
-        let rc = unsafe { libc::dup2(from.as_raw_fd(), to) };
+        let rc = unsafe { libc::dup2(from, to) };
         if rc < 0 {
-            return Err(io::Error::last_os_error());
+            return Err(last_errno());
         }
         Ok(())
     }
 
-    fn close_range(&mut self, first: u32, last: u32) -> io::Result<()> {
-        sys::close_range(first, last)
-    }
-
-    fn getuid(&mut self) -> u32 {
-        rustix::process::getuid().as_raw()
-    }
-
-    fn tasks_of_uid(&mut self, uid: u32) -> u64 {
-        tasks_of_uid(uid)
+    fn cloexec_range(&mut self, first: u32, last: u32) -> Result<(), Errno> {
+        sys::cloexec_range(first, last).map_err(errno_of)
     }
 
     fn setrlimit(&mut self, resource: Resource, value: u64) -> Result<(), Errno> {
@@ -155,40 +163,44 @@ impl Kernel for Linux<'_> {
         )
     }
 
-    fn chdir(&mut self, dir: &Path) -> io::Result<()> {
-        std::env::set_current_dir(dir)
+    fn chdir(&mut self, dir: &CStr) -> Result<(), Errno> {
+        rustix::process::chdir(dir)
     }
 
-    fn landlock(&mut self, spec: &LandlockSpec) -> Result<Applied, LandlockFailure> {
-        landlock::apply(spec)
+    fn landlock(&mut self, ruleset: &Prepared) -> Result<LandlockStatus, Errno> {
+        ruleset.restrict_self()
     }
 
-    fn capget(&mut self) -> io::Result<(u64, u64, u64)> {
-        sys::capget()
+    fn capget(&mut self) -> Result<(u64, u64, u64), Errno> {
+        sys::capget().map_err(errno_of)
     }
 
-    fn set_securebits(&mut self, bits: u32) -> io::Result<()> {
-        sys::set_securebits(bits)
+    fn set_securebits(&mut self, bits: u32) -> Result<(), Errno> {
+        sys::set_securebits(bits).map_err(errno_of)
     }
 
-    fn bounding_drop_all(&mut self) -> io::Result<()> {
-        sys::bounding_drop_all()
+    fn bounding_drop_all(&mut self) -> Result<(), Errno> {
+        sys::bounding_drop_all().map_err(errno_of)
     }
 
-    fn bounding_set(&mut self) -> io::Result<u64> {
-        sys::bounding_set()
+    fn bounding_set(&mut self) -> Result<u64, Errno> {
+        sys::bounding_set().map_err(errno_of)
     }
 
-    fn ambient_clear(&mut self) -> io::Result<()> {
-        sys::ambient_clear()
+    fn ambient_clear(&mut self) -> Result<(), Errno> {
+        sys::ambient_clear().map_err(errno_of)
     }
 
-    fn ambient_set(&mut self) -> io::Result<u64> {
-        sys::ambient_set()
+    fn ambient_set(&mut self) -> Result<u64, Errno> {
+        sys::ambient_set().map_err(errno_of)
     }
 
-    fn capset_empty(&mut self) -> io::Result<()> {
-        sys::capset_empty()
+    fn capset_empty(&mut self) -> Result<(), Errno> {
+        sys::capset_empty().map_err(errno_of)
+    }
+
+    fn set_undumpable(&mut self) -> Result<(), Errno> {
+        rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
     }
 
     // The launcher is single-threaded: the per-thread calls below change the whole process.
@@ -219,62 +231,56 @@ impl Kernel for Linux<'_> {
         rustix::thread::set_no_new_privs(true)
     }
 
-    fn seccomp(&mut self, program: &seccompiler::BpfProgram) -> Result<(), seccompiler::Error> {
-        seccompiler::apply_filter(program)
+    fn seccomp(&mut self, program: &[seccompiler::sock_filter]) -> Result<(), Errno> {
+        // seccompiler: PR_SET_NO_NEW_PRIVS (already set), then seccomp(SET_MODE_FILTER) with a
+        // program header on the stack. Neither allocates.
+        seccompiler::apply_filter(program).map_err(|e| match e {
+            seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => errno_of(io),
+            _ => Errno::INVAL,
+        })
     }
 
-    fn report(&mut self, line: &[u8]) -> io::Result<()> {
-        match self.channel.as_mut() {
-            Some(channel) => channel.write_all(line),
-            None => Err(io::Error::from_raw_os_error(libc::EBADF)),
+    fn report(&mut self, line: &[u8]) -> Result<(), Errno> {
+        let Some(channel) = self.channel else {
+            return Err(Errno::BADF);
+        };
+        // SAFETY: the channel is open in this process until the plan ends (it is kept by the
+        // close-fds step and only made close-on-exec).
+        let channel = unsafe { BorrowedFd::borrow_raw(channel) };
+        let mut rest = line;
+        while !rest.is_empty() {
+            match rustix::io::write(channel, rest) {
+                Ok(0) => return Err(Errno::PIPE),
+                Ok(n) => rest = rest.get(n..).unwrap_or_default(),
+                Err(Errno::INTR) => {}
+                Err(e) => return Err(e),
+            }
         }
+        Ok(())
     }
 
     fn channel_cloexec(&mut self) -> Result<(), Errno> {
-        match self.channel.as_ref() {
-            Some(channel) => rustix::io::fcntl_setfd(&**channel, rustix::io::FdFlags::CLOEXEC),
-            None => Err(Errno::BADF),
-        }
+        let Some(channel) = self.channel else {
+            return Err(Errno::BADF);
+        };
+        // SAFETY: as in `report`.
+        let channel = unsafe { BorrowedFd::borrow_raw(channel) };
+        rustix::io::fcntl_setfd(channel, rustix::io::FdFlags::CLOEXEC)
     }
 
     fn execve(
         &mut self,
         exe: &CStr,
-        argv: &[CString],
-        env: &[CString],
-    ) -> Result<Infallible, nix::errno::Errno> {
-        nix::unistd::execve(exe, argv, env)
-    }
-}
-
-/// How many tasks (threads included, as the kernel counts them) run under real uid `uid`.
-fn tasks_of_uid(uid: u32) -> u64 {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    let mut count = 0u64;
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        if !name.as_bytes().iter().all(u8::is_ascii_digit) {
-            continue;
+        argv: &[*const c_char],
+        env: &[*const c_char],
+    ) -> Result<Infallible, Errno> {
+        if argv.last() != Some(&std::ptr::null()) || env.last() != Some(&std::ptr::null()) {
+            return Err(Errno::INVAL);
         }
-        let mut path = PathBuf::from("/proc");
-        path.push(&name);
-        path.push("status");
-        let Ok(status) = std::fs::read_to_string(&path) else {
-            continue;
-        };
-        let field = |key: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(key))
-                .and_then(|v| v.split_whitespace().next().map(str::to_owned))
-        };
-        if field("Uid:").and_then(|v| v.parse::<u32>().ok()) == Some(uid) {
-            count += field("Threads:")
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(1);
-        }
+        // SAFETY: `exe` is a C string, `argv` and `env` null-terminated arrays (checked above)
+        // of pointers to C strings the template prepared, all alive until the exec replaces
+        // this process image (or returns, when it failed).
+        unsafe { libc::execve(exe.as_ptr(), argv.as_ptr(), env.as_ptr()) };
+        Err(last_errno())
     }
-    count
 }

@@ -1,4 +1,5 @@
-//! The worker's Landlock ruleset, built and applied by the launcher.
+//! The worker's Landlock ruleset: built in the template for each worker ([`prepare`]), applied
+//! by the worker ([`Prepared::restrict_self`]).
 //!
 //! Rights, by path:
 //! - `writable` (the staging dir): every filesystem right but executing and creating device
@@ -22,10 +23,10 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use crate::sandbox::sys;
-use crate::sandbox::wire::{Applied, LandlockSpec, LandlockStatus};
+use crate::sandbox::wire::{LandlockSpec, LandlockStatus};
 use landlock::{
     make_bitflags, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath,
-    Ruleset, RulesetAttr, RulesetCreatedAttr, Scope, ABI,
+    Ruleset, RulesetAttr, RulesetCreated, RulesetCreatedAttr, Scope, ABI,
 };
 
 /// A failure, with the errno of the underlying call when there is one.
@@ -92,8 +93,45 @@ impl Rights {
     }
 }
 
-/// Applies the ruleset to the calling (single) thread.
-pub(crate) fn apply(spec: &LandlockSpec) -> Result<Applied, LandlockFailure> {
+/// A ruleset built in the template, for one worker: the worker restricts itself with it
+/// ([`Prepared::restrict_self`]), which is one `landlock_restrict_self` on a copy of its
+/// descriptor (close-on-exec, like every ruleset descriptor).
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    /// `None` only in the plan's tests, whose fake kernel never reads it.
+    pub created: Option<RulesetCreated>,
+    pub best_effort: bool,
+    /// The kernel's Landlock ABI (0: none).
+    pub kernel_abi: u8,
+    /// The profile's.
+    pub profile_abi: u8,
+}
+
+impl Prepared {
+    /// Restricts the calling (single) thread: what the kernel enforces. Allocates nothing
+    /// (a duplicate of the descriptor, the restriction, the duplicate closed), so a worker
+    /// sharing its template's memory may call it.
+    pub(crate) fn restrict_self(&self) -> Result<LandlockStatus, rustix::io::Errno> {
+        let Some(created) = &self.created else {
+            return Err(rustix::io::Errno::BADF);
+        };
+        let errno = |e: &(dyn std::error::Error + 'static)| {
+            rustix::io::Errno::from_raw_os_error(errno_in(e))
+        };
+        let copy = created
+            .try_clone()
+            .map_err(|e| errno(&e))?
+            // no_new_privs came from the template.
+            .no_new_privs(false);
+        let status = copy.restrict_self().map_err(|e| errno(&e))?;
+        Ok(LandlockStatus::from(status.ruleset))
+    }
+}
+
+/// Builds the worker's ruleset (in the template: every rule's path opened and added), for the
+/// worker to restrict itself with. Refuses up front a kernel below the profile's ABI, unless
+/// the profile says `best_effort`.
+pub(crate) fn prepare(spec: &LandlockSpec) -> Result<Prepared, LandlockFailure> {
     let kernel = sys::landlock_abi().map_err(|e| {
         LandlockFailure::new(
             e.raw_os_error().unwrap_or(0),
@@ -171,20 +209,11 @@ pub(crate) fn apply(spec: &LandlockSpec) -> Result<Applied, LandlockFailure> {
             })?;
         }
     }
-
-    let status = created
-        .restrict_self()
-        .map_err(|e| LandlockFailure::of(ctx("restrict the launcher"), &e))?;
-    let status = LandlockStatus::from(status.ruleset);
-    if status != LandlockStatus::FullyEnforced && !spec.best_effort {
-        return Err(LandlockFailure::new(
-            libc::EOPNOTSUPP,
-            format!("the ruleset is {} on a kernel with Landlock ABI {kernel_abi}; the profile requires ABI {} fully enforced", status.as_str(), spec.abi),
-        ));
-    }
-    Ok(Applied {
-        status,
-        abi: kernel_abi,
+    Ok(Prepared {
+        created: Some(created),
+        best_effort: spec.best_effort,
+        kernel_abi,
+        profile_abi: spec.abi,
     })
 }
 

@@ -2,19 +2,19 @@
 //! uid switch, and the report each failing step produces. No root needed: nothing here makes
 //! a system call of the plan's.
 
-use std::ffi::{CStr, CString};
-use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::path::{Path, PathBuf};
+use std::ffi::{c_char, CStr};
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::PathBuf;
 
 use rustix::io::Errno;
 use rustix::process::Resource;
 
 use super::kernel::Kernel;
-use super::landlock::LandlockFailure;
-use super::{Failure, Plan};
+use super::landlock::Prepared;
+use super::report::{Failure, Line, Message};
+use super::Plan;
 use crate::sandbox::wire::{
-    verdict, Applied, LandlockSpec, LandlockStatus, Report, Rlimits, Spec, Step, Verdict,
+    verdict, LandlockSpec, LandlockStatus, Report, Rlimits, Spec, Step, Verdict,
 };
 
 const DAEMON: i32 = 4242;
@@ -47,6 +47,8 @@ struct Fake {
     bounding_drop_is_noop: bool,
     /// PR_CAP_AMBIENT_CLEAR_ALL succeeds but leaves the ambient set as it is.
     ambient_clear_is_noop: bool,
+    /// What `landlock_restrict_self` enforces.
+    landlock: LandlockStatus,
 }
 
 impl Fake {
@@ -68,6 +70,7 @@ impl Fake {
             setresuid_is_noop: false,
             bounding_drop_is_noop: false,
             ambient_clear_is_noop: false,
+            landlock: LandlockStatus::FullyEnforced,
         }
     }
 
@@ -98,10 +101,6 @@ impl Fake {
     }
 }
 
-fn io_err(e: i32) -> io::Error {
-    io::Error::from_raw_os_error(e)
-}
-
 fn errno(e: i32) -> Errno {
     Errno::from_raw_os_error(e)
 }
@@ -128,88 +127,76 @@ impl Kernel for Fake {
             self.parent_after_switch
         }
     }
-    fn join_cgroup(&mut self, procs: &Path) -> io::Result<()> {
-        self.call("join_cgroup", procs.display()).map_err(io_err)
+    fn join_cgroup(&mut self, procs: &CStr) -> Result<(), Errno> {
+        self.call("join_cgroup", procs.to_string_lossy())
+            .map_err(errno)
     }
-    fn default_sigpipe(&mut self) -> io::Result<()> {
-        self.call("default_sigpipe", "").map_err(io_err)
+    fn default_sigpipe(&mut self) -> Result<(), Errno> {
+        self.call("default_sigpipe", "").map_err(errno)
     }
-    fn unblock_all_signals(&mut self) -> io::Result<()> {
-        self.call("unblock_all_signals", "").map_err(io_err)
+    fn unblock_all_signals(&mut self) -> Result<(), Errno> {
+        self.call("unblock_all_signals", "").map_err(errno)
     }
-    fn make_inheritable(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
-        self.call("make_inheritable", fd.as_raw_fd())
-            .map_err(io_err)
+    fn make_inheritable(&mut self, fd: RawFd) -> Result<(), Errno> {
+        self.call("make_inheritable", fd).map_err(errno)
     }
-    fn dup2(&mut self, _from: BorrowedFd<'_>, to: RawFd) -> io::Result<()> {
-        self.call("dup2", format!("pipe, {to}")).map_err(io_err)
+    fn dup2(&mut self, _from: RawFd, to: RawFd) -> Result<(), Errno> {
+        self.call("dup2", format!("pipe, {to}")).map_err(errno)
     }
-    fn close_range(&mut self, first: u32, last: u32) -> io::Result<()> {
-        self.call("close_range", format!("{first}, {last}"))
-            .map_err(io_err)
-    }
-    fn getuid(&mut self) -> u32 {
-        let _ = self.call("getuid", "");
-        self.ids.0
-    }
-    fn tasks_of_uid(&mut self, uid: u32) -> u64 {
-        let _ = self.call("tasks_of_uid", uid);
-        self.tasks
+    fn cloexec_range(&mut self, first: u32, last: u32) -> Result<(), Errno> {
+        self.call("cloexec_range", format!("{first}, {last}"))
+            .map_err(errno)
     }
     fn setrlimit(&mut self, resource: Resource, value: u64) -> Result<(), Errno> {
         self.call("setrlimit", format!("{resource:?}, {value}"))
             .map_err(errno)
     }
-    fn chdir(&mut self, dir: &Path) -> io::Result<()> {
-        self.call("chdir", dir.display()).map_err(io_err)
+    fn chdir(&mut self, dir: &CStr) -> Result<(), Errno> {
+        self.call("chdir", dir.to_string_lossy()).map_err(errno)
     }
-    fn landlock(&mut self, spec: &LandlockSpec) -> Result<Applied, LandlockFailure> {
-        self.call("landlock", spec.abi)
-            .map_err(|e| LandlockFailure {
-                errno: e,
-                message: "refused".into(),
-            })?;
-        Ok(Applied {
-            status: LandlockStatus::FullyEnforced,
-            abi: spec.abi,
-        })
+    fn landlock(&mut self, ruleset: &Prepared) -> Result<LandlockStatus, Errno> {
+        self.call("landlock", ruleset.profile_abi).map_err(errno)?;
+        Ok(self.landlock)
     }
-    fn capget(&mut self) -> io::Result<(u64, u64, u64)> {
-        self.call("capget", "").map_err(io_err)?;
+    fn capget(&mut self) -> Result<(u64, u64, u64), Errno> {
+        self.call("capget", "").map_err(errno)?;
         Ok(self.caps)
     }
-    fn set_securebits(&mut self, bits: u32) -> io::Result<()> {
+    fn set_securebits(&mut self, bits: u32) -> Result<(), Errno> {
         self.call("set_securebits", format!("{bits:#x}"))
-            .map_err(io_err)
+            .map_err(errno)
     }
-    fn bounding_drop_all(&mut self) -> io::Result<()> {
-        self.call("bounding_drop_all", "").map_err(io_err)?;
+    fn bounding_drop_all(&mut self) -> Result<(), Errno> {
+        self.call("bounding_drop_all", "").map_err(errno)?;
         if !self.bounding_drop_is_noop {
             self.bounding = 0;
         }
         Ok(())
     }
-    fn bounding_set(&mut self) -> io::Result<u64> {
-        self.call("bounding_set", "").map_err(io_err)?;
+    fn bounding_set(&mut self) -> Result<u64, Errno> {
+        self.call("bounding_set", "").map_err(errno)?;
         Ok(self.bounding)
     }
-    fn ambient_clear(&mut self) -> io::Result<()> {
-        self.call("ambient_clear", "").map_err(io_err)?;
+    fn ambient_clear(&mut self) -> Result<(), Errno> {
+        self.call("ambient_clear", "").map_err(errno)?;
         if !self.ambient_clear_is_noop {
             self.ambient = 0;
         }
         Ok(())
     }
-    fn ambient_set(&mut self) -> io::Result<u64> {
-        self.call("ambient_set", "").map_err(io_err)?;
+    fn ambient_set(&mut self) -> Result<u64, Errno> {
+        self.call("ambient_set", "").map_err(errno)?;
         Ok(self.ambient)
     }
-    fn capset_empty(&mut self) -> io::Result<()> {
-        self.call("capset_empty", "").map_err(io_err)?;
+    fn capset_empty(&mut self) -> Result<(), Errno> {
+        self.call("capset_empty", "").map_err(errno)?;
         if !self.capset_is_noop {
             self.caps = (0, 0, 0);
         }
         Ok(())
+    }
+    fn set_undumpable(&mut self) -> Result<(), Errno> {
+        self.call("undumpable", "").map_err(errno)
     }
     fn setgroups_empty(&mut self) -> Result<(), Errno> {
         self.call("setgroups", "[]").map_err(errno)
@@ -235,13 +222,12 @@ impl Kernel for Fake {
     fn set_no_new_privs(&mut self) -> Result<(), Errno> {
         self.call("no_new_privs", "").map_err(errno)
     }
-    fn seccomp(&mut self, program: &seccompiler::BpfProgram) -> Result<(), seccompiler::Error> {
-        self.call("seccomp", program.len())
-            .map_err(|e| seccompiler::Error::Seccomp(io_err(e)))
+    fn seccomp(&mut self, program: &[seccompiler::sock_filter]) -> Result<(), Errno> {
+        self.call("seccomp", program.len()).map_err(errno)
     }
-    fn report(&mut self, line: &[u8]) -> io::Result<()> {
+    fn report(&mut self, line: &[u8]) -> Result<(), Errno> {
         self.call("report", String::from_utf8_lossy(line).trim_end())
-            .map_err(io_err)
+            .map_err(errno)
     }
     fn channel_cloexec(&mut self) -> Result<(), Errno> {
         self.call("channel_cloexec", "").map_err(errno)
@@ -249,11 +235,21 @@ impl Kernel for Fake {
     fn execve(
         &mut self,
         exe: &CStr,
-        argv: &[CString],
-        _env: &[CString],
-    ) -> Result<(), nix::errno::Errno> {
-        self.call("execve", format!("{exe:?}, {} args", argv.len()))
-            .map_err(nix::errno::Errno::from_raw)
+        argv: &[*const c_char],
+        env: &[*const c_char],
+    ) -> Result<(), Errno> {
+        assert_eq!(
+            argv.last(),
+            Some(&std::ptr::null()),
+            "argv is null-terminated"
+        );
+        assert_eq!(
+            env.last(),
+            Some(&std::ptr::null()),
+            "envp is null-terminated"
+        );
+        self.call("execve", format!("{exe:?}, {} args", argv.len() - 1))
+            .map_err(errno)
     }
 }
 
@@ -297,33 +293,86 @@ fn allow() -> seccompiler::BpfProgram {
 }
 
 /// The template's steps over `fake`: a stack of two programs.
-fn template(fake: &mut Fake) -> Result<(), Failure> {
+fn template(fake: &mut Fake) -> Result<(), Failure<'static>> {
     super::plan::template_steps(fake, DAEMON, &[allow(), allow()])
 }
 
+/// A failure as the daemon gets it: its step, errno and message, and the line the worker
+/// rendered on its stack.
+#[derive(Debug)]
+struct Failed {
+    step: Step,
+    errno: i32,
+    message: String,
+    line: Vec<u8>,
+}
+
+impl From<Failure<'_>> for Failed {
+    fn from(f: Failure<'_>) -> Failed {
+        let mut line = Line::new();
+        f.write_line(&mut line);
+        Failed {
+            step: f.step,
+            errno: f.errno,
+            message: f.to_string(),
+            line: line.bytes().to_vec(),
+        }
+    }
+}
+
+/// The template's preparation of `spec` (its Landlock ruleset left to the fake), the way
+/// the template makes it: `fake`'s uid and task count.
+fn prepare(spec: Spec, channel_fd: RawFd, progress: Option<RawFd>, fake: &mut Fake) -> Plan {
+    let tasks = fake.tasks;
+    let mut counted = None;
+    let landlock = Prepared {
+        created: None,
+        best_effort: spec.landlock.best_effort,
+        kernel_abi: 6,
+        profile_abi: spec.landlock.abi,
+    };
+    // The seal: one program.
+    let plan = Plan::check(
+        spec,
+        channel_fd,
+        progress,
+        vec![allow()],
+        landlock,
+        fake.ids.0,
+        |uid| {
+            counted = Some(uid);
+            tasks
+        },
+    );
+    if let Some(uid) = counted {
+        fake.calls.push(format!("tasks_of_uid({uid})"));
+    }
+    match plan {
+        Ok(plan) => plan,
+        Err(f) => panic!("the spec is refused: {f:?}"),
+    }
+}
+
 /// The plan of `spec` with the channel at fd 5, run over `fake`.
-fn run(spec: Spec, progress: Option<OwnedFd>, fake: &mut Fake) -> Result<(), Failure> {
+fn run(spec: Spec, progress: Option<RawFd>, fake: &mut Fake) -> Result<(), Failed> {
     run_at(spec, 5, progress, fake)
 }
 
 fn run_at(
     spec: Spec,
     channel_fd: RawFd,
-    progress: Option<OwnedFd>,
+    progress: Option<RawFd>,
     fake: &mut Fake,
-) -> Result<(), Failure> {
-    // The seal: one program.
-    let plan = match Plan::check(spec, channel_fd, progress, vec![allow()]) {
-        Ok(plan) => plan,
-        Err(f) => panic!("the spec is refused: {f:?}"),
-    };
+) -> Result<(), Failed> {
     template(fake)?;
-    // The worker is forked from the template: it inherits its state.
-    fake.calls.push("fork()".into());
+    // Per call, in the template: the plan, then the worker is created from the template (it
+    // inherits its state).
+    let plan = prepare(spec, channel_fd, progress, fake);
+    fake.calls.push("clone()".into());
     if let Some(parent) = fake.parent_in_worker {
         fake.parent = parent;
     }
-    plan.run(fake)
+    plan.run(fake).map_err(Failed::from)
 }
 
 const OK_LINE: &str = r#"{"report":"ok","landlock":"fully_enforced","landlock_abi":6}"#;
@@ -348,7 +397,7 @@ fn a_root_daemon_worker_with_its_own_uid_runs_every_step_in_order() {
         "seccomp(1)",
         "seccomp(1)",
         // Each worker, forked from it.
-        "fork()",
+        "clone()",
         "getpgrp()",
         "getpid()",
         "pdeathsig(SIGKILL)",
@@ -356,10 +405,9 @@ fn a_root_daemon_worker_with_its_own_uid_runs_every_step_in_order() {
         "join_cgroup(/sys/fs/cgroup/airlock/job/cgroup.procs)",
         "default_sigpipe()",
         "unblock_all_signals()",
-        "close_range(3, 4)",
-        "close_range(6, 4294967295)",
+        "cloexec_range(3, 4)",
+        "cloexec_range(6, 4294967295)",
         // uid 0: RLIMIT_NPROC is the profile's, no count of /proc.
-        "getuid()",
         "setrlimit(Cpu, 10)",
         "setrlimit(As, 1073741824)",
         "setrlimit(Fsize, 1048576)",
@@ -368,7 +416,9 @@ fn a_root_daemon_worker_with_its_own_uid_runs_every_step_in_order() {
         "setrlimit(Core, 0)",
         "chdir(/staging/job)",
         "landlock(6)",
-        // The switch: groups, gid, uid (last), read back.
+        // Non-dumpable (we share the template's memory), then the switch: groups, gid, uid
+        // (last), read back.
+        "undumpable()",
         "setgroups([])",
         "setresgid(61000)",
         "setresuid(61000)",
@@ -457,10 +507,10 @@ fn a_daemon_gone_before_the_worker_was_forked_stops_it_at_the_first_check() {
     assert_eq!(failure.step, Step::ParentDeath);
     assert_eq!(failure.errno, libc::ESRCH);
     let names = fake.names();
-    let fork = names.iter().position(|n| *n == "fork").expect("forked");
+    let fork = names.iter().position(|n| *n == "clone").expect("created");
     assert_eq!(
         &names[fork..],
-        ["fork", "getpgrp", "getpid", "pdeathsig", "getppid"]
+        ["clone", "getpgrp", "getpid", "pdeathsig", "getppid"]
     );
 }
 
@@ -471,7 +521,7 @@ fn a_launcher_that_does_not_lead_its_group_stops_at_once() {
     let failure = run(spec(None, true), None, &mut fake).expect_err("not a group leader");
     assert_eq!(failure.step, Step::ProcessGroup);
     let names = fake.names();
-    assert_eq!(names[names.len() - 3..], ["fork", "getpgrp", "getpid"]);
+    assert_eq!(names[names.len() - 3..], ["clone", "getpgrp", "getpid"]);
 }
 
 /// Each call the plan makes, the step its failure is reported as.
@@ -480,7 +530,7 @@ const FAILING: &[(&str, Step)] = &[
     ("join_cgroup", Step::Cgroup),
     ("default_sigpipe", Step::Signals),
     ("unblock_all_signals", Step::Signals),
-    ("close_range", Step::CloseFds),
+    ("cloexec_range", Step::CloseFds),
     ("setrlimit", Step::Rlimits),
     ("chdir", Step::Chdir),
     ("landlock", Step::Landlock),
@@ -488,6 +538,7 @@ const FAILING: &[(&str, Step)] = &[
     ("set_securebits", Step::Capabilities),
     ("bounding_drop_all", Step::Capabilities),
     ("ambient_clear", Step::Capabilities),
+    ("undumpable", Step::Identity),
     ("setgroups", Step::Identity),
     ("setresgid", Step::Identity),
     ("setresuid", Step::Identity),
@@ -521,7 +572,8 @@ fn each_failing_call_stops_the_plan_and_its_report_names_its_step() {
         {
             stream.extend(format!("{OK_LINE}\n").into_bytes());
         }
-        stream.extend(failure.report().line());
+        // The line the worker rendered on its stack.
+        stream.extend(&failure.line);
         match verdict(&stream) {
             Verdict::Failed {
                 step: got,
@@ -558,7 +610,7 @@ fn capabilities_left_after_the_drop_fail_the_capabilities_step() {
     );
     // The worker stops there: no seal, no report, no execve.
     let names = fake.names();
-    let fork = names.iter().position(|n| *n == "fork").expect("forked");
+    let fork = names.iter().position(|n| *n == "clone").expect("created");
     assert_eq!(
         names.iter().skip(fork).filter(|n| **n == "seccomp").count(),
         0
@@ -585,7 +637,8 @@ fn capabilities_the_template_could_not_drop_stop_it_before_any_worker() {
         let failure = super::plan::template_steps(&mut fake, DAEMON, &[allow()])
             .expect_err("the template must not serve workers");
         assert_eq!(failure.step, Step::Capabilities);
-        assert!(failure.message.contains(expected), "{}", failure.message);
+        let message = failure.to_string();
+        assert!(message.contains(expected), "{message}");
         // Stopped before no_new_privs and its stack: no worker is ever forked from it.
         let names = fake.names();
         assert!(!names.contains(&"no_new_privs"), "{names:?}");
@@ -596,17 +649,17 @@ fn capabilities_the_template_could_not_drop_stop_it_before_any_worker() {
 #[test]
 fn the_progress_pipe_goes_to_the_lowest_number_the_channel_leaves_and_is_kept() {
     for (channel, to, closes) in [
-        (3, 4, vec!["close_range(5, 4294967295)"]),
+        (3, 4, vec!["cloexec_range(5, 4294967295)"]),
         (
             7,
             3,
-            vec!["close_range(4, 6)", "close_range(8, 4294967295)"],
+            vec!["cloexec_range(4, 6)", "cloexec_range(8, 4294967295)"],
         ),
     ] {
         let (_read, write) = rustix::pipe::pipe().expect("pipe");
         let at = write.as_raw_fd();
         let mut fake = Fake::root();
-        run_at(spec(None, false), channel, Some(write), &mut fake).expect("succeeds");
+        run_at(spec(None, false), channel, Some(at), &mut fake).expect("succeeds");
         let moved = if at == to {
             format!("make_inheritable({to})")
         } else {
@@ -629,7 +682,12 @@ fn the_progress_pipe_goes_to_the_lowest_number_the_channel_leaves_and_is_kept() 
 #[test]
 fn the_progress_variable_names_where_the_pipe_goes() {
     let (_read, write) = rustix::pipe::pipe().expect("pipe");
-    let plan = Plan::check(spec(None, false), 3, Some(write), vec![allow()]).expect("valid");
+    let plan = prepare(
+        spec(None, false),
+        3,
+        Some(write.as_raw_fd()),
+        &mut Fake::root(),
+    );
     let var = format!("{}=4", crate::sandbox::PROGRESS_FD_ENV);
     assert!(plan.env.iter().any(|e| e.to_bytes() == var.as_bytes()));
 }
@@ -667,12 +725,21 @@ fn bad_specs_are_refused_before_any_step() {
         ),
     ];
     // A seal the template holds is checked too.
-    match Plan::check(spec(None, false), 5, None, vec![vec![]]) {
+    let check = |spec: Spec, seal| {
+        let landlock = Prepared {
+            created: None,
+            best_effort: false,
+            kernel_abi: 6,
+            profile_abi: 6,
+        };
+        Plan::check(spec, 5, None, seal, landlock, 0, |_| 0)
+    };
+    match check(spec(None, false), vec![vec![]]) {
         Ok(_) => panic!("accepted an empty seal program"),
         Err(f) => assert!(f.message.contains("empty or oversized seccomp program")),
     }
     for (spec, says) in cases {
-        match Plan::check(spec, 5, None, vec![allow()]) {
+        match check(spec, vec![allow()]) {
             Ok(_) => panic!("accepted a spec that is {says}"),
             Err(f) => {
                 assert_eq!(f.step, Step::Spec);
@@ -685,16 +752,83 @@ fn bad_specs_are_refused_before_any_step() {
 
 #[test]
 fn a_failure_report_is_one_line_the_daemon_reads_back() {
-    let line = Failure::new(Step::Chdir, libc::ENOENT, "/x: gone")
-        .report()
-        .line();
-    assert_eq!(line.iter().filter(|b| **b == b'\n').count(), 1);
-    assert!(matches!(
-        serde_json::from_slice::<Report>(&line),
+    let failed = Failed::from(Failure::new(
+        Step::Chdir,
+        libc::ENOENT,
+        Message::Path("cannot chdir to", c"/x"),
+    ));
+    assert_eq!(failed.line.iter().filter(|b| **b == b'\n').count(), 1);
+    match serde_json::from_slice::<Report>(&failed.line) {
         Ok(Report::Failed {
             step: Step::Chdir,
             errno: libc::ENOENT,
-            ..
-        })
+            message,
+        }) => assert_eq!(
+            message,
+            "cannot chdir to /x: No such file or directory (os error 2)"
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_report_line_escapes_what_it_names_and_is_cut_to_valid_json() {
+    // Quotes, backslashes, control characters and bytes that are not UTF-8 in a path.
+    let path = std::ffi::CString::new(b"/a\"b\\c\nd\x01\xffe".to_vec()).expect("no NUL");
+    let failed = Failed::from(Failure::new(
+        Step::Execve,
+        libc::EACCES,
+        Message::Path("cannot execute", &path),
     ));
+    match serde_json::from_slice::<Report>(&failed.line) {
+        Ok(Report::Failed { message, .. }) => assert_eq!(
+            message,
+            "cannot execute /a\"b\\c\nd\u{1}\u{fffd}e: Permission denied (os error 13)"
+        ),
+        other => panic!("{other:?}"),
+    }
+    // A path longer than the line: cut, still one line of JSON naming the step.
+    let long = std::ffi::CString::new(vec![b'"'; 4000]).expect("no NUL");
+    let failed = Failed::from(Failure::new(
+        Step::Cgroup,
+        libc::EIO,
+        Message::Path("cannot join", &long),
+    ));
+    assert!(failed.line.len() <= 1024 && failed.line.ends_with(b"\n"));
+    assert!(matches!(
+        verdict(&failed.line),
+        Verdict::Failed {
+            step: Step::Cgroup,
+            errno: libc::EIO,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn a_ruleset_enforced_less_than_the_profile_requires_stops_the_worker_unless_best_effort() {
+    for (best_effort, runs) in [(false, false), (true, true)] {
+        let mut fake = Fake::root();
+        fake.landlock = LandlockStatus::PartiallyEnforced;
+        let mut s = spec(None, false);
+        s.landlock.best_effort = best_effort;
+        match run(s, None, &mut fake) {
+            Ok(()) => {
+                assert!(
+                    runs,
+                    "ran with a partial ruleset the profile does not allow"
+                );
+                let ok =
+                    r#"report({"report":"ok","landlock":"partially_enforced","landlock_abi":6})"#;
+                assert!(fake.calls.iter().any(|c| c == ok), "{:?}", fake.calls);
+            }
+            Err(f) => {
+                assert!(!runs, "best effort refused: {f:?}");
+                assert_eq!(f.step, Step::Landlock);
+                assert_eq!(f.errno, libc::EOPNOTSUPP);
+                assert!(f.message.contains("partially_enforced"), "{}", f.message);
+                assert_eq!(fake.names().last(), Some(&"landlock"));
+            }
+        }
+    }
 }

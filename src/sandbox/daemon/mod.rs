@@ -8,11 +8,12 @@
 //!    profile, at policy load), builds the spec, creates the worker's cgroup if one is
 //!    delegated, and sends the request to the spawner process itself ([`spawner`]: async
 //!    I/O on its socket, from the call's task): the launcher channel, the three stream pipes
-//!    and the progress pipe (if asked for); the spawner has the profile's template fork the
-//!    worker's leader (`CLONE_PARENT`: the daemon's child) in a new process group and sends
-//!    its pidfd back, which the request registers as a live leader.
-//! 2. The launcher (the pre-exec child, [`crate::sandbox::child`]) reads the spec, sets itself
-//!    up step by step and reports `ok` (or `{step, errno, message}`, which becomes
+//!    and the progress pipe (if asked for), the spec written on the channel alongside; the
+//!    spawner has the profile's template read the spec, prepare the plan and create the
+//!    worker's leader (`CLONE_PARENT`: the daemon's child) in a new process group, and sends
+//!    its pidfd back once the leader has exec'd, which the request registers as a live leader.
+//! 2. The launcher (the pre-exec child, [`crate::sandbox::child`]) sets itself up step by step
+//!    on the prepared plan and reports `ok` (or `{step, errno, message}`, which becomes
 //!    [`SandboxError::Setup`]) before `execve`. `spawn` returns once it has read the channel
 //!    to EOF.
 //! 3. [`Worker::finish`] feeds stdin, drains stdout and stderr under a cap, waits for the
@@ -423,32 +424,53 @@ impl Worker {
         let bytes = serde_json::to_vec(&spec)
             .map_err(|e| SandboxError::Invalid(InvalidLaunch::Unencodable(e)))?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
-        let spawned = spawner::spawn_launcher(
-            &sandbox.spawner,
-            &sandbox.leaders,
-            programs,
-            forget,
-            OwnedFd::from(theirs),
-            progress_fd,
-        )
-        .await
-        .map_err(|source| SandboxError::Spawn {
+        ours.set_nonblocking(true).map_err(spawn_error)?;
+        let mut channel = tokio::net::UnixStream::from_std(ours).map_err(spawn_error)?;
+        // The spawner's session is recorded before the request is sent, so before the tool
+        // can fork anything a restart would have to find: a file at the first worker of a
+        // spawner, nothing after.
+        let record = |session| {
+            if let Some(Err(e)) = registry.as_ref().map(|r| r.record_session(session)) {
+                tracing::warn!(
+                    "cannot record the spawner's session for the next start: {}",
+                    crate::report::chain(&e)
+                );
+            }
+        };
+        // The spec goes out with the request: the template reads it (to EOF) before it
+        // creates the worker. Written alongside the request, since a spec larger than the
+        // socket's buffer is only drained by the template; and no longer than the request,
+        // since an answer means the template read it all (or never will). A launcher that
+        // died early makes the write fail; the report (or its absence) says why.
+        let spawned = {
+            let mut send_spec = std::pin::pin!(async {
+                let _ = channel.write_all(&bytes).await;
+                let _ = channel.shutdown().await;
+            });
+            let mut spawn = std::pin::pin!(spawner::spawn_launcher(
+                &sandbox.spawner,
+                &sandbox.leaders,
+                programs,
+                forget,
+                OwnedFd::from(theirs),
+                progress_fd,
+                &record,
+            ));
+            let mut sent = false;
+            loop {
+                tokio::select! {
+                    spawned = &mut spawn => break spawned,
+                    () = &mut send_spec, if !sent => sent = true,
+                }
+            }
+        };
+        let spawned = spawned.map_err(|source| SandboxError::Spawn {
             exe: exe.clone(),
             source,
         })?;
         let leader = spawned.leader;
         let pid = leader.as_u32();
         let io = |what: &'static str| move |source| SandboxError::Io { pid, what, source };
-        // Recorded before the launcher has its spec, so before the tool can fork anything a
-        // restart would have to find: the spawner's session, once per spawner (a file at its
-        // first worker, nothing after), not a file per worker.
-        if let Some(Err(e)) = registry.as_ref().map(|r| r.record_session(spawned.session)) {
-            tracing::warn!(
-                pid,
-                "cannot record the spawner's session for the next start: {}",
-                crate::report::chain(&e)
-            );
-        }
 
         // From here on the worker exists: on any error, dropping it kills the group.
         let pidfd = match sys::watch_pidfd(spawned.pidfd) {
@@ -505,15 +527,8 @@ impl Worker {
                 Some(pipe::Sender::from_owned_fd(spawned.stdin).map_err(io("feed stdin"))?);
         }
 
-        // The spec out, the report back. A launcher that died early makes the write fail;
-        // the report (or its absence) says why.
-        ours.set_nonblocking(true)
-            .map_err(io("use the launcher channel"))?;
-        let mut channel =
-            tokio::net::UnixStream::from_std(ours).map_err(io("use the launcher channel"))?;
+        // The report back (the spec went out with the request).
         let exchange = async {
-            let _ = channel.write_all(&bytes).await;
-            let _ = channel.shutdown().await;
             let mut report = Vec::new();
             channel.read_to_end(&mut report).await.map(|_| report)
         };

@@ -6,9 +6,13 @@
 //! A profile's seccomp programs go to the spawner once, before its first worker (the spawner
 //! keeps them for its template); templates of profiles a reload made unused are stopped at
 //! the next request. Requests on one spawner are made one at a time (the spawner answers in
-//! order). A call that goes away after its request was sent leaves the answer owed on the
-//! connection: the next request reads it first and kills and reaps the launcher it names
-//! ([`abandon`]), which has no spec and so no child.
+//! order). The spec travels on the launcher's channel alongside the request (the template reads
+//! it before it creates the worker, and answers once the worker has exec'd the tool). A call
+//! that goes away after its request was sent leaves the answer owed on the connection, and a
+//! task settles it at once: it reads the answer and kills and reaps the worker's group it
+//! names ([`abandon`]). Such a worker rarely runs the tool: its `ok` report to a channel the
+//! call closed fails first (SIGPIPE); if the call went away after that, the tool dies with
+//! its group as soon as the answer is in.
 //!
 //! A spawn in flight holds off the reaping of the spawner thread's children
 //! ([`Leaders::begin_spawn`]) from its request to the registration of the worker's leader, so
@@ -42,8 +46,6 @@ use crate::sandbox::wire::spawn_request::{self, Reply, MAX_FDS, REPLY_LEN};
 /// A launcher just started.
 pub(crate) struct Spawned {
     pub leader: Pgid,
-    /// The session of the spawner the leader was forked in.
-    pub session: Session,
     pub pidfd: OwnedFd,
     pub stdin: OwnedFd,
     pub stdout: OwnedFd,
@@ -82,12 +84,39 @@ struct State {
 struct Awaiting<'a> {
     state: &'a mut State,
     spawning: Option<Spawning>,
+    /// The connection and its thread (which replaces a spawner found out of step), for
+    /// settling the owed answer at once.
+    settle: Option<(Arc<Connection>, Option<Arc<SpawnerThread>>)>,
 }
 
 impl Drop for Awaiting<'_> {
     fn drop(&mut self) {
         if let Some(spawning) = self.spawning.take() {
             self.state.owed.push(spawning);
+            // The worker may be running the tool already (its template answers once it has
+            // exec'd): settle it now, in a task of its own, rather than at the next request.
+            // The task waits for this caller's hold on the connection to end.
+            if let (Some((connection, thread)), Ok(runtime)) =
+                (self.settle.take(), tokio::runtime::Handle::try_current())
+            {
+                runtime.spawn(async move {
+                    let mut state = connection.exchange.lock().await;
+                    if let Err(Failed::Lost(e) | Failed::Undelivered(e) | Failed::Refused(e)) =
+                        connection.settle(&mut state).await
+                    {
+                        // The answers are out of step: nothing on this connection can be
+                        // trusted, as when a request finds it so.
+                        tracing::warn!(
+                            "the spawner process is gone or stuck ({}); replacing it",
+                            crate::report::chain(&e)
+                        );
+                        drop(state);
+                        if let Some(thread) = thread {
+                            thread.replace(connection);
+                        }
+                    }
+                });
+            }
         }
     }
 }
@@ -208,7 +237,7 @@ impl Connection {
     }
 
     /// Reads the answers owed to callers that went away, oldest first, and kills and reaps
-    /// each launcher they name (it has no spec, so no child: it waits for one). Each owed
+    /// the group of each worker they name (it may have run the tool already). Each owed
     /// request keeps the reaping of the spawner thread's children off until its launcher is
     /// reaped, so its pid is never recycled under the kill.
     async fn settle(&self, state: &mut State) -> Result<(), Failed> {
@@ -235,7 +264,8 @@ impl Connection {
     /// of `programs` (whose programs go to the spawner first, once). `forget`: templates to
     /// stop first.
     async fn spawn(
-        &self,
+        self: &Arc<Self>,
+        thread: Option<&Arc<SpawnerThread>>,
         leaders: &Arc<Leaders>,
         programs: &Programs,
         forget: &[u64],
@@ -265,6 +295,7 @@ impl Connection {
         let mut awaiting = Awaiting {
             state: &mut state,
             spawning: Some(spawning),
+            settle: Some((self.clone(), thread.cloned())),
         };
         let answered = self.answer().await;
         let Some(spawning) = awaiting.spawning.take() else {
@@ -291,23 +322,28 @@ impl Connection {
 /// keeps. Made in the caller's task: if the caller goes away after the request was sent, its
 /// answer stays owed on the connection and the next request settles it.
 pub(crate) async fn spawn_launcher(
-    thread: &SpawnerThread,
+    thread: &Arc<SpawnerThread>,
     leaders: &Arc<Leaders>,
     programs: Arc<Programs>,
     forget: Vec<u64>,
     channel: OwnedFd,
     progress: Option<OwnedFd>,
+    on_session: &(dyn Fn(Session) + Sync),
 ) -> io::Result<Spawned> {
-    spawn_now(thread, leaders, &programs, &forget, channel, progress).await
+    spawn_now(
+        thread, leaders, &programs, &forget, channel, progress, on_session,
+    )
+    .await
 }
 
 async fn spawn_now(
-    thread: &SpawnerThread,
+    thread: &Arc<SpawnerThread>,
     leaders: &Arc<Leaders>,
     programs: &Programs,
     forget: &[u64],
     channel: OwnedFd,
     progress: Option<OwnedFd>,
+    on_session: &(dyn Fn(Session) + Sync),
 ) -> io::Result<Spawned> {
     let (stdin_r, stdin_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     let (stdout_r, stdout_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
@@ -317,11 +353,15 @@ async fn spawn_now(
     let mut retried = false;
     loop {
         let spawner = thread.connect().await?;
-        let error = match spawner.spawn(leaders, programs, forget, &fds).await {
+        // Before the request: its worker may run the tool before the answer comes back.
+        on_session(spawner.session);
+        let error = match spawner
+            .spawn(Some(thread), leaders, programs, forget, &fds)
+            .await
+        {
             Ok((leader, pidfd)) => {
                 return Ok(Spawned {
                     leader,
-                    session: spawner.session,
                     pidfd,
                     stdin: stdin_w,
                     stdout: stdout_r,
@@ -350,8 +390,8 @@ async fn spawn_now(
     }
 }
 
-/// For a launcher nobody will use (it has no children yet: it waits for its spec): SIGKILL
-/// and a blocking reap. It was never registered, and the reaping of the spawner thread's
+/// For a worker nobody will use (its caller went away; it may be running the tool): SIGKILL
+/// to its group and a blocking reap of its leader. It was never registered, and the reaping of the spawner thread's
 /// children is held off until it is reaped.
 fn abandon(leader: Pgid, pidfd: &OwnedFd) {
     signal_group(leader, pidfd, Signal::KILL);
@@ -416,8 +456,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_answer_whose_caller_went_away_is_settled_by_the_next_request_which_kills_its_launcher(
-    ) {
+    async fn an_answer_whose_caller_went_away_is_settled_and_its_worker_killed() {
         let (ours, theirs) = rustix::net::socketpair(
             AddressFamily::UNIX,
             SocketType::SEQPACKET,
@@ -425,7 +464,8 @@ mod tests {
             None,
         )
         .expect("socketpair");
-        let connection = Connection::new(ours, Session { sid: 1, start: 0 }).expect("watch");
+        let connection =
+            Arc::new(Connection::new(ours, Session { sid: 1, start: 0 }).expect("watch"));
         let leaders = Arc::new(Leaders::default());
         let programs = Programs {
             id: 7,
@@ -444,7 +484,7 @@ mod tests {
             (template, spawn, theirs)
         });
         tokio::select! {
-            _ = connection.spawn(&leaders, &programs, &[], &borrowed) => {
+            _ = connection.spawn(None, &leaders, &programs, &[], &borrowed) => {
                 panic!("a spawn finished with no answer sent")
             }
             _ = got => {}
@@ -473,22 +513,9 @@ mod tests {
         .expect("pidfd_open");
         answer(&theirs, Reply::Spawned(pid), Some(&pidfd));
 
-        // The next request reads that answer first, then is refused on its own.
-        let spawner = std::thread::spawn(move || {
-            let (request, _fds) = receive_request(&theirs);
-            answer(&theirs, Reply::Refused(libc::EAGAIN), None);
-            (request, theirs)
-        });
-        match connection.spawn(&leaders, &programs, &[], &borrowed).await {
-            Err(Failed::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EAGAIN)),
-            Err(Failed::Lost(e) | Failed::Undelivered(e)) => panic!("{e}"),
-            Ok((leader, _)) => panic!("spawned {leader}"),
-        }
-        let (second, _theirs) = spawner.join().expect("the fake spawner");
-        assert_eq!(second, Request::Spawn(7), "the template was sent once");
-
-        // The abandoned launcher is killed and reaped; no spawn is left in flight; it was
-        // never registered.
+        // With no further request, the answer is settled at once (the worker may be running
+        // the tool already): the abandoned worker is killed and reaped, no spawn is left in
+        // flight, and it was never registered.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while leaders.spawns_in_flight() != 0 {
             assert!(
@@ -507,5 +534,22 @@ mod tests {
             rustix::io::Errno::CHILD
         );
         assert!(leaders.lock().is_empty());
+
+        // The next request finds nothing owed, and is refused on its own.
+        let spawner = std::thread::spawn(move || {
+            let (request, _fds) = receive_request(&theirs);
+            answer(&theirs, Reply::Refused(libc::EAGAIN), None);
+            (request, theirs)
+        });
+        match connection
+            .spawn(None, &leaders, &programs, &[], &borrowed)
+            .await
+        {
+            Err(Failed::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EAGAIN)),
+            Err(Failed::Lost(e) | Failed::Undelivered(e)) => panic!("{e}"),
+            Ok((leader, _)) => panic!("spawned {leader}"),
+        }
+        let (second, _theirs) = spawner.join().expect("the fake spawner");
+        assert_eq!(second, Request::Spawn(7), "the template was sent once");
     }
 }

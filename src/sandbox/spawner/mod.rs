@@ -10,10 +10,29 @@
 //! is the daemon (the thread that started the spawner). It keeps only its socket to the
 //! spawner, runs the template steps ([`child::template`]: PDEATHSIG + parent check, the
 //! capability lock and empty bounding set, no_new_privs, the profile's seccomp stack with the
-//! launcher's calls carved out), says it is ready, and forks each worker the same way
-//! (`CLONE_PARENT | CLONE_PIDFD`: the worker is the daemon's child too, covered by its
-//! subreaper and kill-and-confirm, its PDEATHSIG following the daemon), passing the pidfd
-//! back with the pid. The spawner forwards the daemon's request and the template's answer.
+//! launcher's calls carved out), says it is ready, and creates each worker posix_spawn's way:
+//! it first reads the worker's spec from its channel and prepares everything that is not
+//! per-process state ([`child::prepare`]: C strings, argv and envp, rlimits, the Landlock
+//! ruleset), then clones the worker with `CLONE_VM | CLONE_VFORK | CLONE_PARENT |
+//! CLONE_PIDFD` on a stack of its own (the worker is the daemon's child too, covered by its
+//! subreaper and kill-and-confirm, its PDEATHSIG following the daemon). The worker shares the
+//! template's memory and runs only system calls on the prepared data until `execve`; the
+//! template is suspended until then (or until the worker exits), frees what it prepared, and
+//! passes the pidfd back with the pid. No page table is copied, and the worker faults in
+//! none of the template's pages. The spawner forwards the daemon's request and the
+//! template's answer.
+//!
+//! Sharing memory, and how each end can fail: the worker writes only its own stack (the
+//! template's worker stack, one worker at a time) and `errno` (the suspended template's,
+//! which it does not read); it allocates nothing, takes no lock and never unwinds, and a
+//! failing step is reported from a buffer on that stack before `_exit`. A worker killed
+//! before its `execve` releases the template (CLONE_VFORK's wait ends at the exit too); a
+//! template killed while suspended dies at once (the wait is killable) and the worker goes
+//! on with the memory it holds, answered for by nobody: the daemon's call fails ("the
+//! spawner died") and closes its channel, so the worker's `ok` report dies of SIGPIPE
+//! before any `execve`, or, past it, the group is killed with the others the orphan reaper
+//! finds. Before its uid switch the worker makes itself non-dumpable, so no process of the
+//! worker's uid can read the template's memory through /proc or ptrace.
 //!
 //! A template is created at the first worker of its profile, stopped (SIGKILL through its
 //! pidfd; the daemon's orphan reaper reaps it) when the daemon forgets its profile after a
@@ -23,15 +42,14 @@
 //! daemon dies.
 //!
 //! The worker's leader closes the template's socket, takes the three streams as 0, 1 and 2,
-//! leads a new process group, and runs [`child::run`], whose first step re-checks all of
+//! leads a new process group, and runs [`child::launch`], whose first step re-checks all of
 //! that, and whose close-range step leaves the tool nothing else (but the progress pipe,
 //! moved to fd 3 or 4 and named by `$AIRLOCK_PROGRESS_FD`).
 
 use std::collections::HashMap;
 use std::io::{IoSlice, IoSliceMut, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::UnixStream;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Duration;
 
 use rustix::io::Errno;
@@ -382,6 +400,14 @@ fn template_main(sock: OwnedFd, daemon: i32, stack: &[BpfProgram], seal: &[BpfPr
     }
     // Its name in /proc/PID/comm: its command line is the spawner's.
     let _ = rustix::thread::set_name(c"airlock-tmpl");
+    // The workers' stack, mapped before our filters (which need not allow mprotect).
+    let worker_stack = match WorkerStack::new() {
+        Ok(stack) => stack,
+        Err(e) => {
+            say(Reply::Refused(e.raw_os_error()));
+            std::process::exit(super::wire::SETUP_FAILED);
+        }
+    };
     if let Err((step, errno, message)) = child::template(daemon, stack) {
         let _ = writeln!(
             std::io::stderr(),
@@ -419,14 +445,12 @@ fn template_main(sock: OwnedFd, daemon: i32, stack: &[BpfProgram], seal: &[BpfPr
             }
         }
         let reply = match spawn_request::decode_request(&tag[..got.bytes], fds.len()) {
-            Some(Request::Spawn(_)) => match clone_parent() {
-                Ok(Forked::Child) => worker(sock, fds, seal),
-                Ok(Forked::Parent(pid, pidfd)) => Ok((pid, pidfd)),
-                Err(errno) => Err(errno),
+            Some(Request::Spawn(_)) => match SpawnFds::from_received(fds) {
+                Some(fds) => spawn_worker(&worker_stack, &fds, seal),
+                None => Err(Errno::INVAL),
             },
             _ => Err(Errno::INVAL),
         };
-        drop(fds);
         let sent = match reply {
             Ok((pid, pidfd)) => {
                 let message = Reply::Spawned(pid).encode();
@@ -452,6 +476,165 @@ fn template_main(sock: OwnedFd, daemon: i32, stack: &[BpfProgram], seal: &[BpfPr
         if sent.is_err() {
             std::process::exit(0);
         }
+    }
+}
+
+/// In the template: prepares the worker's plan (the spec read from its channel, see
+/// [`child::prepare`]), then creates the worker with `clone(CLONE_VM | CLONE_VFORK |
+/// CLONE_PARENT | CLONE_PIDFD)` on `stack`: the daemon's child, sharing our memory, while we
+/// are suspended until it `execve`s or exits. Then what was prepared is freed, and our
+/// copies of the request's descriptors closed. Returns the worker's pid and pidfd.
+fn spawn_worker(
+    stack: &WorkerStack,
+    fds: &SpawnFds,
+    seal: &[BpfProgram],
+) -> Result<(i32, OwnedFd), Errno> {
+    let prepared = child::prepare(
+        fds.channel.as_fd(),
+        fds.progress.as_ref().map(|p| p.as_raw_fd()),
+        seal,
+    );
+    let args = WorkerArgs {
+        prepared: &prepared,
+        channel: fds.channel.as_raw_fd(),
+        stdin: fds.stdin.as_raw_fd(),
+        stdout: fds.stdout.as_raw_fd(),
+        stderr: fds.stderr.as_raw_fd(),
+    };
+    let mut pidfd: libc::c_int = -1;
+    // The exit signal stays 0: with CLONE_PARENT the worker gets ours (SIGCHLD, to the
+    // daemon). The legacy clone: our filters make clone3 fail (see `clone_parent`).
+    let flags = libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_PARENT | libc::CLONE_PIDFD;
+    // SAFETY: the worker runs `worker_entry` on `stack` (ours, unused by anyone else: the
+    // template is single-threaded and suspended by CLONE_VFORK until the worker execs or
+    // exits, so one worker at a time runs on it), with `args`, which outlives it for the same
+    // reason. It shares our memory but writes only its stack: it reads `prepared` and the
+    // descriptor numbers, makes system calls on them, and never returns into our frames
+    // (`worker_entry` execs or _exits). The kernel writes the pidfd into `pidfd` before
+    // clone returns.
+    let rc = unsafe {
+        libc::clone(
+            worker_entry,
+            stack.top(),
+            flags,
+            std::ptr::addr_of!(args) as *mut libc::c_void,
+            std::ptr::addr_of_mut!(pidfd),
+        )
+    };
+    if rc < 0 {
+        return Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::INVAL));
+    }
+    drop(prepared);
+    // SAFETY: CLONE_PIDFD made the kernel open this descriptor for us; nothing else owns it.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    Ok((rc, pidfd))
+}
+
+/// What a worker gets from its template: the prepared plan and the request's descriptors
+/// (ours, open in the worker's copy of our descriptor table).
+struct WorkerArgs<'a> {
+    prepared: &'a child::Prepared,
+    channel: RawFd,
+    stdin: RawFd,
+    stdout: RawFd,
+    stderr: RawFd,
+}
+
+/// The worker's first frame, on the template's worker stack: never returns.
+extern "C" fn worker_entry(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `WorkerArgs` of `spawn_worker`, alive (in the template's memory,
+    // which we share) until we exec or exit, and only read here.
+    let args = unsafe { &*(arg as *const WorkerArgs<'_>) };
+    worker(args)
+}
+
+/// In the worker's leader, sharing the template's memory: nothing here allocates.
+fn worker(args: &WorkerArgs<'_>) -> ! {
+    // The template's socket (at 3) is the one descriptor of ours that must never reach the
+    // tool: closed first (everything else of ours is close-on-exec, and marked so again by
+    // the close-fds step).
+    //
+    // SAFETY: close takes an integer; 3 is the template's socket in our own copy of its
+    // descriptor table, which nothing in this process uses.
+    unsafe { libc::close(TEMPLATE_SOCKET) };
+    let streams = (|| {
+        rustix::process::setpgid(None, None)?;
+        // SAFETY: the three are the request's stream descriptors, open in our table until
+        // exec (close-on-exec), borrowed only for the calls.
+        let (stdin, stdout, stderr) = unsafe {
+            (
+                BorrowedFd::borrow_raw(args.stdin),
+                BorrowedFd::borrow_raw(args.stdout),
+                BorrowedFd::borrow_raw(args.stderr),
+            )
+        };
+        rustix::stdio::dup2_stdin(stdin)?;
+        rustix::stdio::dup2_stdout(stdout)?;
+        rustix::stdio::dup2_stderr(stderr)?;
+        Ok::<(), Errno>(())
+    })();
+    if let Err(e) = streams {
+        child::fail_early(
+            args.channel,
+            Step::Spawn,
+            "cannot set up the process group and standard streams",
+            e,
+        );
+    }
+    child::launch(args.prepared, args.channel)
+}
+
+/// Where a template keeps its socket to the spawner.
+const TEMPLATE_SOCKET: RawFd = 3;
+
+/// The stack each worker runs on until its `execve`, mapped once per template (before its
+/// filters), with a guard page below it.
+struct WorkerStack {
+    base: *mut libc::c_void,
+    len: usize,
+}
+
+impl WorkerStack {
+    /// The launcher's deepest path (Landlock, the seal, a report line of 1 KiB) needs a few
+    /// KiB; this leaves ample room.
+    const SIZE: usize = 256 * 1024;
+
+    fn new() -> Result<WorkerStack, Errno> {
+        // SAFETY: sysconf reads a constant of the system.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            n if n > 0 => n as usize,
+            _ => 4096,
+        };
+        let len = Self::SIZE + page;
+        // SAFETY: a fresh anonymous private mapping at an address the kernel picks: it
+        // aliases nothing of ours.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Errno::NOMEM);
+        }
+        // The lowest page is the guard: a worker that overflowed its stack faults there
+        // instead of writing into our memory.
+        //
+        // SAFETY: the first page of the mapping just made, which nothing uses.
+        if unsafe { libc::mprotect(base, page, libc::PROT_NONE) } != 0 {
+            return Err(Errno::NOMEM);
+        }
+        Ok(WorkerStack { base, len })
+    }
+
+    /// The top of the stack (it grows down), 16-byte aligned.
+    fn top(&self) -> *mut libc::c_void {
+        let top = (self.base as usize + self.len) & !15;
+        top as *mut libc::c_void
     }
 }
 
@@ -518,38 +701,4 @@ fn clone_parent() -> Result<Forked, rustix::io::Errno> {
     // SAFETY: CLONE_PIDFD made the kernel open this descriptor for us; nothing else owns it.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
     Ok(Forked::Parent(rc as i32, pidfd))
-}
-
-/// In the worker's leader, right after the clone from its template: never returns.
-fn worker(sock: OwnedFd, fds: Vec<OwnedFd>, seal: &[BpfProgram]) -> ! {
-    // The template's socket is the one descriptor of ours that must never reach the tool.
-    drop(sock);
-    let Some(SpawnFds {
-        channel,
-        stdin,
-        stdout,
-        stderr,
-        progress,
-    }) = SpawnFds::from_received(fds)
-    else {
-        std::process::exit(super::wire::SETUP_FAILED);
-    };
-    let streams = (|| {
-        rustix::process::setpgid(None, None)?;
-        rustix::stdio::dup2_stdin(&stdin)?;
-        rustix::stdio::dup2_stdout(&stdout)?;
-        rustix::stdio::dup2_stderr(&stderr)?;
-        Ok::<(), rustix::io::Errno>(())
-    })();
-    drop((stdin, stdout, stderr));
-    let mut channel = UnixStream::from(channel);
-    if let Err(e) = streams {
-        child::fail(
-            &mut channel,
-            Step::Spawn,
-            e.raw_os_error(),
-            format!("cannot set up the process group and standard streams: {e}"),
-        );
-    }
-    child::run(channel, progress, seal)
 }

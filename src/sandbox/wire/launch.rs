@@ -1,7 +1,8 @@
 //! The messages between the daemon and the launcher (the pre-exec child), over the launcher's
 //! channel (a Unix stream socket whose child end the spawner hands to the worker's leader).
 //!
-//! The daemon writes one [`Spec`] as JSON and shuts its write side; the launcher answers with
+//! The daemon writes one [`Spec`] as JSON and shuts its write side (alongside its spawn
+//! request: the worker's template reads it before it creates the worker); the launcher answers with
 //! [`Report`] lines: `ok` just before `execve` (the channel is close-on-exec, so EOF after
 //! `ok` means the tool is running), or one failure, after which it exits 126.
 
@@ -260,14 +261,6 @@ impl From<landlock::RulesetStatus> for LandlockStatus {
             landlock::RulesetStatus::NotEnforced => LandlockStatus::NotEnforced,
         }
     }
-}
-
-/// What the kernel enforces.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub(crate) struct Applied {
-    pub status: LandlockStatus,
-    /// The kernel's Landlock ABI (0: no Landlock).
-    pub abi: u8,
 }
 
 /// A classic BPF program as plain tuples `(code, jt, jf, k)`, for the spec.

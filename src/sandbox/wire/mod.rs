@@ -6,7 +6,5 @@
 pub(crate) mod launch;
 pub(crate) mod spawn_request;
 
-pub(crate) use launch::{
-    verdict, Applied, LandlockSpec, Report, Rlimits, Spec, Verdict, SETUP_FAILED,
-};
+pub(crate) use launch::{verdict, LandlockSpec, Report, Rlimits, Spec, Verdict, SETUP_FAILED};
 pub use launch::{LandlockStatus, Step};
