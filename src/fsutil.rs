@@ -34,7 +34,20 @@ pub fn atomic_write_no_dir_sync(
     mode: u32,
     point: &'static str,
 ) -> std::io::Result<()> {
-    let tmp = dir.join(format!(".{name}.tmp"));
+    write_temp(dir, name, bytes, mode, point)?.sync_all()?;
+    rename_temp(dir, name, point)
+}
+
+/// The first half of [`atomic_write_no_dir_sync`]: `bytes` written to the temp file of
+/// `dir/name`, the name itself untouched; returns the temp file, for the caller to fsync
+/// before [`rename_temp`]. Failpoint `point` before it.
+pub fn write_temp(
+    dir: &Path,
+    name: &str,
+    bytes: &[u8],
+    mode: u32,
+    point: &'static str,
+) -> std::io::Result<File> {
     failpoint::hit(point)?;
     let mut f = OpenOptions::new()
         .write(true)
@@ -42,12 +55,20 @@ pub fn atomic_write_no_dir_sync(
         .truncate(true)
         .mode(mode)
         .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)?;
+        .open(temp_path(dir, name))?;
     f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
+    Ok(f)
+}
+
+/// The second half: the temp file [`write_temp`] left renamed over `dir/name`. Failpoint
+/// `point` before it.
+pub fn rename_temp(dir: &Path, name: &str, point: &'static str) -> std::io::Result<()> {
     failpoint::hit(point)?;
-    std::fs::rename(&tmp, dir.join(name))
+    std::fs::rename(temp_path(dir, name), dir.join(name))
+}
+
+fn temp_path(dir: &Path, name: &str) -> std::path::PathBuf {
+    dir.join(format!(".{name}.tmp"))
 }
 
 /// Why [`lock_dir`] failed.

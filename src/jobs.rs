@@ -306,6 +306,16 @@ struct Inner {
     dir_sync: crate::session::DirSync,
 }
 
+/// A job's record written before its commit point, not yet synced
+/// ([`JobStore::write_pending`]).
+#[derive(Debug)]
+pub struct Pending {
+    file: std::fs::File,
+    path: PathBuf,
+    /// A keyed call's: made durable before the commit point.
+    durable: bool,
+}
+
 /// The job records.
 #[derive(Clone)]
 pub struct JobStore {
@@ -378,7 +388,13 @@ impl JobStore {
                         }
                         rec.recovered = true;
                         rec.ended_ms.get_or_insert(now);
-                        store.write(&rec, TERMINAL, true)?;
+                        store.write(&rec, TERMINAL)?.sync_data().map_err(|source| {
+                            JobError::Io {
+                                op: "fsync",
+                                path: path.clone(),
+                                source,
+                            }
+                        })?;
                     } else if mark == COMMITTED {
                         rec.state = JobState::Committed;
                     }
@@ -471,18 +487,57 @@ impl JobStore {
     /// The record of a call about to commit, with the result it returns if it does: written
     /// before the commit point, durably if `durable` (a keyed call).
     pub fn prepare_commit(&self, rec: &JobRecord, durable: bool) -> Result<(), JobError> {
-        self.write(rec, PENDING, durable)?;
-        if durable {
-            self.inner
-                .dir_sync
-                .after_rename(&self.inner.dir)
-                .map_err(|source| JobError::Io {
-                    op: "fsync",
-                    path: self.inner.dir.clone(),
-                    source,
-                })?;
+        let pending = self.write_pending(rec, durable)?;
+        self.sync_beside(&pending, || ()).0
+    }
+
+    /// [`JobStore::prepare_commit`] in two halves, for a caller that makes the record durable
+    /// beside other work due before the commit point: the record written (its failpoint
+    /// passed), not yet synced.
+    pub fn write_pending(&self, rec: &JobRecord, durable: bool) -> Result<Pending, JobError> {
+        Ok(Pending {
+            file: self.write(rec, PENDING)?,
+            path: self.path(&rec.job),
+            durable,
+        })
+    }
+
+    /// The second half: a durable record's data and its new entry in the jobs dir (the dir's
+    /// fsync group-committed) made durable, together (the record was created before either
+    /// fsync begins, and neither orders the other), while `beside` runs on the calling
+    /// thread. A record that need not be durable is left as written.
+    pub fn sync_beside<R>(
+        &self,
+        pending: &Pending,
+        beside: impl FnOnce() -> R,
+    ) -> (Result<(), JobError>, R) {
+        if !pending.durable {
+            return (Ok(()), beside());
         }
-        Ok(())
+        let (data, dir, r) = std::thread::scope(|s| {
+            let data = s.spawn(|| pending.file.sync_data());
+            let dir = s.spawn(|| self.inner.dir_sync.after_rename(&self.inner.dir));
+            let r = beside();
+            (data.join(), dir.join(), r)
+        });
+        // A thread that cannot be joined panicked in fsync: that fsync failed.
+        let failed = || Err(std::io::Error::from_raw_os_error(libc::EIO));
+        let synced = data
+            .unwrap_or_else(|_| failed())
+            .map_err(|source| JobError::Io {
+                op: "fsync",
+                path: pending.path.clone(),
+                source,
+            })
+            .and_then(|()| {
+                dir.unwrap_or_else(|_| failed())
+                    .map_err(|source| JobError::Io {
+                        op: "fsync",
+                        path: self.inner.dir.clone(),
+                        source,
+                    })
+            });
+        (synced, r)
     }
 
     /// The call committed (after the commit point, under its session lock): its record is
@@ -513,7 +568,7 @@ impl JobStore {
             lock(&self.inner.index).live.remove(&rec.job);
             return;
         }
-        if let Err(e) = self.write(rec, TERMINAL, false) {
+        if let Err(e) = self.write(rec, TERMINAL) {
             tracing::warn!(job = %rec.job, error = %crate::report::chain(&e), "cannot write the job record");
         }
         self.settle(rec);
@@ -623,7 +678,8 @@ impl JobStore {
         Some(rec)
     }
 
-    fn write(&self, rec: &JobRecord, mark: u8, durable: bool) -> Result<(), JobError> {
+    /// Writes the record (`mark`, then its JSON); returns the file, not synced.
+    fn write(&self, rec: &JobRecord, mark: u8) -> Result<std::fs::File, JobError> {
         let path = self.path(&rec.job);
         let mut bytes = vec![mark, b'\n'];
         serde_json::to_writer(&mut bytes, rec).map_err(|source| JobError::Encode {
@@ -645,10 +701,7 @@ impl JobStore {
             .open(&path)
             .map_err(|e| io("create", e))?;
         f.write_all(&bytes).map_err(|e| io("write", e))?;
-        if durable {
-            f.sync_data().map_err(|e| io("fsync", e))?;
-        }
-        Ok(())
+        Ok(f)
     }
 }
 

@@ -330,63 +330,100 @@ impl Executor {
             version_before: before.version,
             state_before: before.state.clone(),
         });
+        // The reply and the job's record as the call returns them if it commits, for an undo
+        // status (whether `job_undo` can undo it, as of its commit).
+        let (content, is_error) = (reply.content.clone(), reply.is_error);
+        let build = |published: &[publish::Published],
+                     undo: &publish::UndoStatus,
+                     commit_outputs: &[Output]| {
+            let mut rec = self.job_record(cx, crate::jobs::JobState::Committed);
+            rec.outputs = commit_outputs
+                .iter()
+                .map(|o| serde_json::to_value(o).unwrap_or_default())
+                .collect();
+            let mut structured = json!({
+                "job": call.call,
+                "session": session,
+                "version": version,
+                "outputs": outputs.iter().zip(published).map(|((n, p), o)| structured_output(n, p, o)).collect::<Vec<_>>(),
+            });
+            structured["undoable"] = undo.kept().into();
+            if let publish::UndoStatus::NotKept(why) = undo {
+                structured["undoReason"] = why.to_string().into();
+                rec.undo_reason = Some(why.to_string());
+            }
+            // A python function's structured result stays beside the commit's fields.
+            if let Some(result) = &result {
+                structured["result"] = result.clone();
+            }
+            rec.version_before = Some(before.version);
+            rec.version_after = Some(version);
+            rec.ended_ms = Some(crate::audit::time::now_ms());
+            rec.reply = Some(crate::jobs::RecordedReply {
+                is_error,
+                content: content.clone(),
+                structured: Some(structured.clone()),
+            });
+            (structured, rec)
+        };
         let mut record = None;
         let published = tokio::task::block_in_place(|| {
-            job.publish_and_commit_undoable(|published, undo| {
-                let commit_outputs: Vec<_> =
-                    published.iter().map(|o| output(o, hash_limit)).collect();
-                let mut rec = self.job_record(cx, crate::jobs::JobState::Committed);
-                rec.outputs = commit_outputs
-                    .iter()
-                    .map(|o| serde_json::to_value(o).unwrap_or_default())
-                    .collect();
-                let commit = Commit::Published {
-                    version,
-                    outputs: commit_outputs,
-                    ran: Ran {
-                        duration_ms: call.elapsed_ms(),
-                        worker_ms: Some(waited.end.worker_ms),
-                        exit: waited.end.exit,
-                    },
-                };
-                self.record_commit(cx, commit)
-                    .map_err(CommitFailed::Audit)?;
-                let mut structured = json!({
-                    "job": call.call,
-                    "session": session,
-                    "version": version,
-                    "outputs": outputs.iter().zip(published).map(|((n, p), o)| structured_output(n, p, o)).collect::<Vec<_>>(),
-                });
-                // Whether `job_undo` can undo it (as of its commit).
-                structured["undoable"] = undo.kept().into();
-                if let publish::UndoStatus::NotKept(why) = undo {
-                    structured["undoReason"] = why.to_string().into();
-                    rec.undo_reason = Some(why.to_string());
-                }
-                // A python function's structured result stays beside the commit's fields.
-                if let Some(result) = result {
-                    structured["result"] = result;
-                }
-                reply.structured = Some(structured);
-                rec.version_before = Some(before.version);
-                rec.version_after = Some(version);
-                rec.ended_ms = Some(crate::audit::time::now_ms());
-                rec.reply = Some(crate::jobs::RecordedReply {
-                    is_error: reply.is_error,
-                    content: reply.content.clone(),
-                    structured: reply.structured.clone(),
-                });
-                // The job's record, with the key and the result, durable (for a keyed call)
-                // before the commit point: a crash cannot keep one without the other.
-                self.jobs
-                    .prepare_commit(&rec, keyed)
-                    .map_err(CommitFailed::Job)?;
-                record = Some(rec);
-                self.sessions
-                    .commit_reserved(&guard, reserved, state, &call.call)
-                    .map_err(CommitFailed::Session)?;
-                Ok::<(), CommitFailed>(())
-            })
+            job.publish_and_commit_staged(
+                // Beside the fsyncs of the renames and of the undo record, every other record
+                // due before the commit point, each written here and made durable together:
+                // the new session file under its temp name, the job's record (with the key
+                // and the result: durable for a keyed call, so that a crash cannot keep one
+                // without the other), and the `commit` event.
+                |published, undo| {
+                    let commit_outputs: Vec<Output> =
+                        published.iter().map(|o| output(o, hash_limit)).collect();
+                    let commit = Commit::Published {
+                        version,
+                        outputs: commit_outputs.clone(),
+                        ran: Ran {
+                            duration_ms: call.elapsed_ms(),
+                            worker_ms: Some(waited.end.worker_ms),
+                            exit: waited.end.exit,
+                        },
+                    };
+                    let (structured, rec) = build(published, undo, &commit_outputs);
+                    let staged = self
+                        .sessions
+                        .stage_commit(&guard, state, &call.call)
+                        .map_err(CommitFailed::Session)?;
+                    let pending = self
+                        .jobs
+                        .write_pending(&rec, keyed)
+                        .map_err(CommitFailed::Job)?;
+                    let (synced, (recorded_job, recorded)) = staged.sync_beside(|| {
+                        self.jobs
+                            .sync_beside(&pending, || self.record_commit(cx, commit))
+                    });
+                    recorded.map_err(CommitFailed::Audit)?;
+                    recorded_job.map_err(CommitFailed::Job)?;
+                    synced.map_err(CommitFailed::Session)?;
+                    Ok::<_, CommitFailed>((commit_outputs, staged, undo.clone(), structured, rec))
+                },
+                |published, undo, (commit_outputs, staged, tentative, structured, rec)| {
+                    // The undo record's fsync failed: the job's record says so, durably (for
+                    // a keyed call), before the commit point.
+                    let (structured, rec) = if *undo == tentative {
+                        (structured, rec)
+                    } else {
+                        let (structured, rec) = build(published, undo, &commit_outputs);
+                        self.jobs
+                            .prepare_commit(&rec, keyed)
+                            .map_err(CommitFailed::Job)?;
+                        (structured, rec)
+                    };
+                    reply.structured = Some(structured);
+                    record = Some(rec);
+                    self.sessions
+                        .commit_staged(&guard, reserved, staged)
+                        .map_err(CommitFailed::Session)?;
+                    Ok::<(), CommitFailed>(())
+                },
+            )
         });
         let undo = match published {
             Ok(u) => u,

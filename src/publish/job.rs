@@ -12,8 +12,8 @@ use super::copy::{self, Conflict, Origin};
 use super::journal::{Journal, Phase, TargetRecord, JOURNAL};
 use super::staged_tree::{check_tree, Refused};
 use super::sys::{
-    describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath, stat_at,
-    sync_point, FileId,
+    describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath,
+    run_together_with, stat_at, sync_point, FileId, Syncs,
 };
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
@@ -360,15 +360,59 @@ impl Job {
     /// commit point); returns whether the committed job kept it (keeping its backups after
     /// the commit point can still fail: then it did not).
     pub fn publish_and_commit_undoable<E: Into<super::CallbackError>>(
-        mut self,
+        self,
         commit: impl FnOnce(&[Published], &UndoStatus) -> Result<(), E>,
     ) -> Result<UndoStatus, PublishError> {
-        if let Err(e) = self.publish() {
-            return Err(self.fail(e));
-        }
-        let undo = self.prepare_undo();
+        self.publish_and_commit_staged(|_, _| Ok::<(), E>(()), |p, u, ()| commit(p, u))
+    }
+
+    /// As [`Job::publish_and_commit_undoable`], with the caller's own records that are due
+    /// before the commit point written while publication's are made durable: `prepare` runs
+    /// on the calling thread while the renames' and the undo record's fsyncs run, and what it
+    /// returns goes to `commit` (the commit point), which runs only once both succeeded. A
+    /// failure of either rolls the job back, as a failure of `commit` does. `prepare` is told
+    /// the undo status as it stands before the undo record's fsyncs ran; `commit`, as it
+    /// stands after them (an fsync that failed makes a `Kept` one `NotKept`).
+    pub fn publish_and_commit_staged<S, E: Into<super::CallbackError>>(
+        mut self,
+        prepare: impl FnOnce(&[Published], &UndoStatus) -> Result<S, E>,
+        commit: impl FnOnce(&[Published], &UndoStatus, S) -> Result<(), E>,
+    ) -> Result<UndoStatus, PublishError> {
+        let renamed = match self.publish() {
+            Ok(renamed) => renamed,
+            Err(e) => return Err(self.fail(e)),
+        };
+        // The renames' dirs, the undo record and the caller's records made durable together:
+        // all are due before the commit point, and none orders another. A failure of the
+        // renames' or the caller's fails the job; of the undo record's, only its undo.
+        let (undo, undo_syncs) = self.prepare_undo();
+        let (published, tentative) = (&self.published, &undo);
+        let ([renamed, kept], prepared) =
+            run_together_with([renamed, undo_syncs], || prepare(published, tentative));
+        let prepared = match (renamed, prepared) {
+            (Ok(()), Ok(staged)) => Ok(staged),
+            (Err(e), _) => Err(e),
+            (Ok(()), Err(e)) => Err(PublishError::Commit(e.into())),
+        };
+        let staged = match prepared {
+            Ok(staged) => staged,
+            Err(e) => {
+                if undo.kept() {
+                    self.drop_own_undo();
+                }
+                return Err(self.fail(e));
+            }
+        };
+        let undo = match (undo, kept) {
+            (UndoStatus::Kept, Err(e)) => {
+                tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "cannot make the undo record durable; the job will not be undoable");
+                self.drop_own_undo();
+                UndoStatus::NotKept(NotKept::Failed(crate::report::chain(&e).to_string()))
+            }
+            (undo, _) => undo,
+        };
         // The commit point: the caller persists the session state recording this job.
-        if let Err(e) = commit(&self.published, &undo) {
+        if let Err(e) = commit(&self.published, &undo, staged) {
             return Err(self.fail(PublishError::Commit(e.into())));
         }
         let undo = self.after_commit_undo(undo);
@@ -468,15 +512,17 @@ impl Job {
         remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
     }
 
-    /// Everything before the commit point: validate, journal (the job's one journal), create
-    /// parents, rename, make durable.
-    fn publish(&mut self) -> Result<(), PublishError> {
+    /// Everything before the commit point but the fsyncs of the renames, which it returns
+    /// for the caller to run with the other records due before the commit point: validate,
+    /// journal (the job's one journal), make both durable, create parents, rename.
+    fn publish(&mut self) -> Result<Syncs, PublishError> {
         if self.taken.is_some() {
             return self.publish_undo();
         }
-        // 1. Validate and fsync every staged output before anything is journaled or moved:
-        //    a bad output fails the call with the workspace untouched.
-        let news = self.validate_outputs()?;
+        // 1. Validate every staged output before anything is journaled or moved: a bad
+        //    output fails the call with the workspace untouched.
+        let mut before_renames = Syncs::default();
+        let news = self.validate_outputs(&mut before_renames)?;
         // 2. Plan: what each target holds now and which parents are missing. No mutation.
         let created = self.plan(&news)?;
         // 3. Journal the identities and the dirs to create before touching the workspace.
@@ -487,23 +533,29 @@ impl Job {
             &self.dir,
             self.root.as_fd(),
             &self.root_path,
+            &mut before_renames,
         )?;
-        // 4. Create missing parents, one component at a time beneath the root.
-        let mut synced_dirs = self.make_parents()?;
-        // 5. Rename each staged file into place.
+        // 4. The outputs' data and the journal durable, together, before the first rename:
+        //    none of them orders another, and a crash before the rename leaves the workspace
+        //    untouched whichever of them survived.
+        before_renames.run()?;
+        // 5. Create missing parents, one component at a time beneath the root.
+        let mut renamed = Syncs::default();
+        for fd in self.make_parents()? {
+            renamed.push("publish.fsync_renamed", fd, &self.root_path);
+        }
+        // 6. Rename each staged file into place.
         for i in 0..self.journal.targets.len() {
             if let Some((parent_fd, slot_fd)) = self.rename_one(i)? {
-                synced_dirs.push(parent_fd);
-                synced_dirs.push(slot_fd);
+                renamed.push("publish.fsync_renamed", parent_fd, &self.root_path);
+                renamed.push("publish.fsync_renamed", slot_fd, &self.root_path);
             }
         }
-        // 6. Make the renames (and the mkdirs) durable before the commit point: a session
-        //    that records this job must imply every target holds its new file. From here,
-        //    only the session commit decides between all-new and all-old.
-        for fd in &synced_dirs {
-            sync_point("publish.fsync_renamed", fd.as_fd(), &self.root_path)?;
-        }
-        Ok(())
+        // 7. The renames (and the mkdirs) must be durable before the commit point: a session
+        //    that records this job must imply every target holds its new file. The caller
+        //    runs them; from then on, only the session commit decides between all-new and
+        //    all-old.
+        Ok(renamed)
     }
 
     /// Records the new identities and what each target holds now; returns the parent dirs

@@ -17,7 +17,7 @@ use rustix::fs::{FileType, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
 use super::copy::Origin;
-use super::sys::{self, file_type, mutate, FileId};
+use super::sys::{self, file_type, mutate, FileId, Syncs};
 use super::{OutputKind, PublishError};
 
 pub(super) const JOURNAL: &str = "recovery.json";
@@ -121,24 +121,25 @@ impl Journal {
         }
     }
 
-    /// Writes the job's one journal: `recovery.json` created (it must not exist), written,
-    /// fsynced, then the job dir and the workspace root fsynced, so that the journal and the
-    /// job dir holding it (and every backup to come) are durable before the first rename.
-    /// A crash mid-way leaves no journal or an unreadable one, and nothing renamed yet
-    /// (recovery still keeps a dir whose journal it cannot read: it cannot tell).
+    /// Writes the job's one journal: `recovery.json` created (it must not exist) and written;
+    /// its fsync, the job dir's and the workspace root's join `syncs`, which the caller runs
+    /// before the first rename, so that the journal and the job dir holding it (and every
+    /// backup to come) are durable by then. A crash before they ran leaves no journal or an
+    /// unreadable one, and nothing renamed yet (recovery still keeps a dir whose journal it
+    /// cannot read: it cannot tell).
     pub fn create(
         &self,
         job_fd: BorrowedFd<'_>,
         job_dir: &Path,
         root_fd: BorrowedFd<'_>,
         root: &Path,
+        syncs: &mut Syncs,
     ) -> Result<(), PublishError> {
         let path = job_dir.join(JOURNAL);
         let file = self.write_to(job_fd, JOURNAL, &path, OFlags::EXCL)?;
-        sys::sync_point("publish.fsync_journal", file.as_fd(), &path)?;
-        drop(file);
-        sys::sync_point("publish.fsync_job_dir", job_fd, job_dir)?;
-        sys::sync_point("publish.fsync_root", root_fd, root)
+        syncs.push("publish.fsync_journal", file.into(), &path);
+        syncs.push_dup("publish.fsync_job_dir", job_fd, job_dir)?;
+        syncs.push_dup("publish.fsync_root", root_fd, root)
     }
 
     /// Serializes the journal into `name` of the job dir (`path` for messages), opened with

@@ -10,18 +10,23 @@
 //! * What a target holds is told by its (device, inode), journaled before any rename.
 //! * Every filesystem mutation is preceded by a failpoint named `publish.<what>`, and so is
 //!   every fsync of the write path (`fsync_*`: where durability is decided, and where a
-//!   failed writeback surfaces as EIO). For a call with outputs `a.txt` (exists), `n/m/b.txt`
+//!   failed writeback surfaces as EIO). fsyncs due before the same next step, none of which
+//!   orders another, are issued together (`sys::Syncs`): their failpoints are passed first,
+//!   in order, on the calling thread, then the fsyncs run at once, so that a journaling
+//!   filesystem commits them together. For a call with outputs `a.txt` (exists), `n/m/b.txt`
 //!   and `c.txt` (new), in order:
 //!   - `Job::create`: `mkdir_job`, `mkdir_stage`, `mkdir_slot` x3 (each followed by
 //!     `chown_stage` when the worker has a uid of its own); no journal, no fsync: a job dir
 //!     without a journal never published, whether or not it survives a crash;
-//!   - `Job::publish_and_commit`: `seal_output`, `fsync_output` x3 (owner and mode of each
-//!     staged output, then its data), the job's one journal: `journal_write`,
-//!     `fsync_journal`, `fsync_job_dir`, `fsync_root` (`publishing_outputs`),
-//!     `mkdir_parent` x2 (`n`, `n/m`), `exchange` (a.txt), `rename_noreplace` x2,
-//!     `fsync_renamed` per changed dir (each parent, each staging slot), then the caller's
-//!     `commit()`, then `cleanup_unlink` of the journal and `fsync_unlink` (under the
-//!     session's lock), then `cleanup_unlink` / `cleanup_rmdir` (and `cleanup_chmod` for
+//!   - `Job::publish_and_commit`: `seal_output` x3 (owner and mode of each staged output),
+//!     the job's one journal: `journal_write` (`publishing_outputs`), then together
+//!     `fsync_output` x3 (the outputs' data), `fsync_journal`, `fsync_job_dir`, `fsync_root`;
+//!     `mkdir_parent` x2 (`n`, `n/m`), `exchange` (a.txt), `rename_noreplace` x2, the undo
+//!     record if one is kept (`undo_mkdir`, `undo_write`), then together `fsync_renamed` per
+//!     changed dir (each parent, each staging slot), `fsync_undo` per undo dir that changed,
+//!     and the caller's own records due before the commit point (`prepare`), then the
+//!     caller's `commit()`, then `cleanup_unlink` of the journal and `fsync_unlink` (under
+//!     the session's lock), then `cleanup_unlink` / `cleanup_rmdir` (and `cleanup_chmod` for
 //!     unreadable dirs a worker left) per entry, without fsync.
 //!   - Rollback (in-process or in recovery): `rollback_exchange` / `rollback_unlink` per
 //!     target holding its new file, `rollback_rmdir` per created dir, then the cleanup points.

@@ -2,8 +2,8 @@
 //! directory fd, never through a symlink, a magic link or a mount crossing.
 
 use std::ffi::OsStr;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
-use std::path::Path;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags, Stat};
 use rustix::io::Errno;
@@ -156,6 +156,116 @@ pub(super) fn sync_point(
     path: &Path,
 ) -> Result<(), PublishError> {
     mutate(op, path, || rustix::fs::fsync(fd))
+}
+
+/// fsyncs of the write path that must all be durable before the next step, none of which
+/// orders another: each keeps its own failpoint, and they are issued together, one thread
+/// each, so that on a journaling filesystem they wait for one commit together rather than
+/// one each (ext4 and xfs commit every concurrent fsync's metadata in one transaction).
+///
+/// [`Syncs::run`] passes every item's failpoint first, in the order the items were added and
+/// on the calling thread (so a crash or an injected error lands where a real one would, and
+/// the points of a call keep one order), then issues the fsyncs.
+#[derive(Default)]
+pub(super) struct Syncs {
+    /// (failpoint or, unmarked, the operation's name; the fd; its path; whether a failpoint).
+    items: Vec<(&'static str, OwnedFd, PathBuf, bool)>,
+}
+
+impl Syncs {
+    /// Adds the fsync of `fd` (kept open until the group runs), failpoint `op`.
+    pub(super) fn push(&mut self, op: &'static str, fd: OwnedFd, path: &Path) {
+        self.items.push((op, fd, path.to_path_buf(), true));
+    }
+
+    /// Adds an fsync that passes no failpoint (one that only follows a failpoint of its
+    /// own step, as after moving a backup, where a crash is already simulated).
+    pub(super) fn push_unmarked(&mut self, op: &'static str, fd: OwnedFd, path: &Path) {
+        self.items.push((op, fd, path.to_path_buf(), false));
+    }
+
+    /// [`Syncs::push`] of a duplicate of a descriptor the caller keeps.
+    pub(super) fn push_dup(
+        &mut self,
+        op: &'static str,
+        fd: BorrowedFd<'_>,
+        path: &Path,
+    ) -> Result<(), PublishError> {
+        let dup = fd
+            .try_clone_to_owned()
+            .map_err(|e| fp_err("dup for fsync", path, e))?;
+        self.push(op, dup, path);
+        Ok(())
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Passes each failpoint, then fsyncs every item at once; the first failure in the
+    /// order of the items.
+    pub(super) fn run(self) -> Result<(), PublishError> {
+        let [r] = run_together([self]);
+        r
+    }
+}
+
+/// Runs several groups of [`Syncs`] at once: every failpoint first (group by group, in
+/// order; a group whose failpoint fails issues none of its fsyncs), then every remaining
+/// fsync together. Each group gets its own result (its first failure), so that a caller can
+/// tell a failure that stops it from one that only costs it something optional.
+pub(super) fn run_together<const N: usize>(groups: [Syncs; N]) -> [Result<(), PublishError>; N] {
+    run_together_with(groups, || ()).0
+}
+
+/// [`run_together`], running `alongside` on the calling thread (after every failpoint of
+/// the groups, so that its own failpoints come after theirs, in one order) while the fsyncs
+/// run, one thread each.
+pub(super) fn run_together_with<const N: usize, R>(
+    groups: [Syncs; N],
+    alongside: impl FnOnce() -> R,
+) -> ([Result<(), PublishError>; N], R) {
+    let mut results: [Result<(), PublishError>; N] = std::array::from_fn(|_| Ok(()));
+    let mut issued: Vec<(usize, &'static str, &OwnedFd, &Path)> = Vec::new();
+    for (g, group) in groups.iter().enumerate() {
+        let mut passed = Vec::with_capacity(group.items.len());
+        for (op, fd, path, marked) in &group.items {
+            if let Err(e) = if *marked { fp(op) } else { Ok(()) } {
+                results[g] = Err(fp_err(op, path, e));
+                passed.clear();
+                break;
+            }
+            passed.push((g, *op, fd, path.as_path()));
+        }
+        issued.extend(passed);
+    }
+    let sync = |(_, op, fd, path): &(usize, &'static str, &OwnedFd, &Path)| {
+        rustix::fs::fsync(fd.as_fd()).map_err(|e| io(op, path, e))
+    };
+    let (done, ran) = std::thread::scope(|s| {
+        let handles: Vec<_> = issued
+            .iter()
+            .map(|item| (item, s.spawn(move || sync(item))))
+            .collect();
+        let ran = alongside();
+        let done: Vec<Result<(), PublishError>> = handles
+            .into_iter()
+            .map(|(item, handle)| {
+                // A thread that cannot be joined panicked in fsync: report it as that
+                // fsync's failure, never as success.
+                handle
+                    .join()
+                    .unwrap_or_else(|_| Err(io(item.1, item.3, Errno::IO)))
+            })
+            .collect();
+        (done, ran)
+    });
+    for ((g, ..), r) in issued.iter().zip(done) {
+        if let (Err(e), Ok(())) = (r, &results[*g]) {
+            results[*g] = Err(e);
+        }
+    }
+    (results, ran)
 }
 
 pub(super) fn fsync_dir(fd: BorrowedFd<'_>, path: &Path) -> Result<(), PublishError> {

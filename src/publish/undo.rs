@@ -30,9 +30,7 @@ use serde_json::{Map, Value};
 
 use super::copy::{tree_differs, Conflict, Origin, TreeOrigin};
 use super::journal::Journal;
-use super::sys::{
-    file_type, fsync_dir, io, mutate, open_beneath, open_dir_beneath, stat_at, sync_point, FileId,
-};
+use super::sys::{file_type, io, mutate, open_beneath, open_dir_beneath, stat_at, FileId, Syncs};
 use super::tree::remove_tree;
 use super::workspace::split_target;
 use super::{OutputKind, PublishError, Workspace};
@@ -142,13 +140,15 @@ fn mkdir_private(parent: BorrowedFd<'_>, name: &str, abs: &Path) -> Result<bool,
     }
 }
 
-/// Writes `rec` as a new generation of its session: `<job>/undo.json`, durable (the file,
-/// its dir and every dir above it up to the root) when this returns. A dir of the same job
-/// left by a crash is replaced. Called before the commit point of `rec.job`.
+/// Writes `rec` as a new generation of its session: `<job>/undo.json`, and adds to `syncs`
+/// what makes it durable (the file, its dir and every dir above it up to the root whose
+/// entries changed), which the caller runs before the commit point of `rec.job`. A dir of
+/// the same job left by a crash is replaced.
 pub(super) fn write_record(
     root: BorrowedFd<'_>,
     root_path: &Path,
     rec: &UndoRecord,
+    syncs: &mut Syncs,
 ) -> Result<(), PublishError> {
     let top_abs = root_path.join(UNDO_DIR);
     let new_top = mkdir_private(root, UNDO_DIR, &top_abs)?;
@@ -182,19 +182,36 @@ pub(super) fn write_record(
         path: path.clone(),
         source: e,
     })?;
-    sync_point("publish.fsync_undo", file.as_fd(), &path)?;
-    drop(file);
+    syncs.push("publish.fsync_undo", file.into(), &path);
     // Each dir whose entries changed: the record's, the generation's, and above them only
     // what this write created.
-    sync_point("publish.fsync_undo", gen.as_fd(), &gen_abs)?;
-    sync_point("publish.fsync_undo", sess.as_fd(), &sess_abs)?;
+    syncs.push("publish.fsync_undo", gen, &gen_abs);
+    syncs.push("publish.fsync_undo", sess, &sess_abs);
     if new_sess {
-        sync_point("publish.fsync_undo", top.as_fd(), &top_abs)?;
+        syncs.push("publish.fsync_undo", top, &top_abs);
     }
     if new_top {
-        sync_point("publish.fsync_undo", root, root_path)?;
+        syncs.push_dup("publish.fsync_undo", root, root_path)?;
     }
     Ok(())
+}
+
+/// Removes generation `job` of `session` (a record written for a job that did not commit,
+/// or whose record could not be made durable). Not made durable, as [`drop_generations`].
+pub(super) fn drop_generation_at(
+    root: BorrowedFd<'_>,
+    root_path: &Path,
+    session: &str,
+    job: &str,
+) -> Result<(), PublishError> {
+    let sess_rel = Path::new(UNDO_DIR).join(session);
+    let sess_abs = root_path.join(&sess_rel);
+    let sess = match open_dir_beneath(root, &sess_rel) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(io("open undo dir", &sess_abs, e)),
+    };
+    remove_tree(sess.as_fd(), OsStr::new(job), &sess_abs.join(job))
 }
 
 /// Reads the record of generation `job` of `session` (bounded, never through a symlink).
@@ -298,7 +315,7 @@ pub(super) fn keep_backups(
     let dir_rel = generation_dir(&journal.session, &journal.job);
     let dir_abs = root_path.join(&dir_rel);
     let gen = open_dir_beneath(root, &dir_rel).map_err(|e| io("open undo dir", &dir_abs, e))?;
-    let mut moved = false;
+    let mut syncs = Syncs::default();
     for (i, t) in journal.targets.iter().enumerate() {
         let Some(old) = t.old else { continue };
         let Some(backup) = t.backup.as_ref() else {
@@ -334,11 +351,12 @@ pub(super) fn keep_backups(
                 RenameFlags::NOREPLACE,
             )
         })?;
-        fsync_dir(bfd.as_fd(), &job_dir.join(bdir))?;
-        moved = true;
+        // The dir it left and the generation, durable together below.
+        syncs.push_unmarked("fsync", bfd, &job_dir.join(bdir));
     }
-    if moved {
-        sync_point("publish.fsync_undo", gen.as_fd(), &dir_abs)?;
+    if !syncs.is_empty() {
+        syncs.push("publish.fsync_undo", gen, &dir_abs);
+        syncs.run()?;
     }
     Ok(true)
 }

@@ -483,7 +483,7 @@ impl SessionStore {
     pub fn commit_reserved(
         &self,
         guard: &SessionGuard,
-        mut reserved: Reserved<'_>,
+        reserved: Reserved<'_>,
         state: Map<String, Value>,
         job: &str,
     ) -> Result<Snapshot, SessionError> {
@@ -495,6 +495,57 @@ impl SessionStore {
             owner: cur.owner,
         };
         self.persist(&next, Some(job), false)?;
+        Ok(self.took(guard, reserved, next))
+    }
+
+    /// The first half of [`SessionStore::commit_reserved`], for a caller that makes it
+    /// durable beside other work due before the commit point: the session file that records
+    /// `job` with `state`, written under its temp name, to be fsynced ([`Staged::sync`]).
+    /// Nothing changes until [`SessionStore::commit_staged`] renames it into place; a staged
+    /// file never committed is overwritten by the session's next write.
+    pub fn stage_commit(
+        &self,
+        guard: &SessionGuard,
+        state: Map<String, Value>,
+        job: &str,
+    ) -> Result<Staged, SessionError> {
+        let cur = guard.meta();
+        let next = Snapshot {
+            id: cur.id,
+            version: cur.version + 1,
+            state,
+            owner: cur.owner,
+        };
+        let (name, bytes) = self.file_bytes(&next, Some(job), false)?;
+        let file = fsutil::write_temp(&self.dir, &name, &bytes, 0o600, "session.write")
+            .map_err(|source| self.io_error(&next.id, source))?;
+        let path = self.path(&next.id);
+        Ok(Staged {
+            next,
+            name,
+            file,
+            path,
+        })
+    }
+
+    /// The commit point of a [`SessionStore::stage_commit`] (its file fsynced by
+    /// [`Staged::sync`]): renamed into place and made durable (the dir's fsync,
+    /// group-committed), then the store's memory.
+    pub fn commit_staged(
+        &self,
+        guard: &SessionGuard,
+        reserved: Reserved<'_>,
+        staged: Staged,
+    ) -> Result<Snapshot, SessionError> {
+        fsutil::rename_temp(&self.dir, &staged.name, "session.write")
+            .and_then(|()| self.dir_sync.after_rename(&self.dir))
+            .map_err(|source| self.io_error(&staged.next.id, source))?;
+        Ok(self.took(guard, reserved, staged.next))
+    }
+
+    /// The store's memory after a commit of `next`, whose file is durable.
+    fn took(&self, guard: &SessionGuard, mut reserved: Reserved<'_>, next: Snapshot) -> Snapshot {
+        let cur = guard.meta();
         reserved.committed = true;
         let shrunk = cur.bytes.saturating_sub(reserved.bytes);
         if let (Some(uid), true) = (cur.owner, shrunk > 0) {
@@ -508,7 +559,7 @@ impl SessionStore {
             owner: next.owner,
             bytes: reserved.bytes,
         };
-        Ok(next)
+        next
     }
 
     /// Destroys a session under its lock: marks it destroyed, writes the tombstone, then
@@ -560,6 +611,19 @@ impl SessionStore {
         job: Option<&str>,
         destroyed: bool,
     ) -> Result<(), SessionError> {
+        let (name, bytes) = self.file_bytes(snap, job, destroyed)?;
+        fsutil::atomic_write_no_dir_sync(&self.dir, &name, &bytes, 0o600, "session.write")
+            .and_then(|()| self.dir_sync.after_rename(&self.dir))
+            .map_err(|source| self.io_error(&snap.id, source))
+    }
+
+    /// The session file of `snap` (its name and bytes).
+    fn file_bytes(
+        &self,
+        snap: &Snapshot,
+        job: Option<&str>,
+        destroyed: bool,
+    ) -> Result<(String, Vec<u8>), SessionError> {
         let file = SessionFile {
             id: snap.id.clone(),
             version: snap.version,
@@ -577,14 +641,47 @@ impl SessionStore {
             path: self.path(&snap.id),
             cause,
         })?;
-        let name = format!("{}.json", snap.id);
-        fsutil::atomic_write_no_dir_sync(&self.dir, &name, &bytes, 0o600, "session.write")
-            .and_then(|()| self.dir_sync.after_rename(&self.dir))
+        Ok((format!("{}.json", snap.id), bytes))
+    }
+
+    fn io_error(&self, id: &str, source: std::io::Error) -> SessionError {
+        SessionError::Io {
+            op: "write",
+            path: self.path(id),
+            source,
+        }
+    }
+}
+
+/// A session write staged by [`SessionStore::stage_commit`], for
+/// [`SessionStore::commit_staged`].
+#[derive(Debug)]
+pub struct Staged {
+    next: Snapshot,
+    name: String,
+    /// The temp file, written.
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl Staged {
+    /// Makes the staged file's content durable (no failpoint: its write passed one) on a
+    /// thread of its own, while `beside` runs on the calling thread.
+    pub fn sync_beside<R>(&self, beside: impl FnOnce() -> R) -> (Result<(), SessionError>, R) {
+        let (synced, r) = std::thread::scope(|s| {
+            let synced = s.spawn(|| self.file.sync_all());
+            let r = beside();
+            (synced.join(), r)
+        });
+        // A thread that cannot be joined panicked in fsync: that fsync failed.
+        let synced = synced
+            .unwrap_or_else(|_| Err(std::io::Error::from_raw_os_error(libc::EIO)))
             .map_err(|source| SessionError::Io {
-                op: "write",
-                path: self.path(&snap.id),
+                op: "fsync",
+                path: self.path.clone(),
                 source,
-            })
+            });
+        (synced, r)
     }
 }
 

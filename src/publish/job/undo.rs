@@ -8,8 +8,8 @@
 //! so that publication, rollback and recovery are the ones every job has.
 
 use super::super::undo::{
-    backup_name, drop_generations_at, generation_dir, keep_backups, snapshot_tree, write_record,
-    Before, UndoRecord, UndoTarget,
+    backup_name, drop_generation_at, drop_generations_at, generation_dir, keep_backups,
+    snapshot_tree, write_record, Before, UndoRecord, UndoTarget,
 };
 use super::*;
 
@@ -76,28 +76,47 @@ impl Job {
         self.undo_keep = Some(keep);
     }
 
-    /// After the renames, before the commit point: the undo record, durable, if asked for and
-    /// within the bound. A failure keeps none (the job still commits).
-    pub(super) fn prepare_undo(&mut self) -> UndoStatus {
+    /// After the renames, before the commit point: the undo record, if asked for and within
+    /// the bound, written; its fsyncs are returned, for the caller to run with the renames'.
+    /// A failure keeps none (the job still commits).
+    pub(super) fn prepare_undo(&mut self) -> (UndoStatus, Syncs) {
+        let mut syncs = Syncs::default();
         if self.taken.is_some() {
-            return UndoStatus::NotKept(NotKept::IsUndo);
+            return (UndoStatus::NotKept(NotKept::IsUndo), syncs);
         }
         let Some(keep) = self.undo_keep.take() else {
-            return UndoStatus::NotKept(NotKept::NotAsked);
+            return (UndoStatus::NotKept(NotKept::NotAsked), syncs);
         };
         if keep.limit == 0 {
-            return UndoStatus::NotKept(NotKept::Disabled);
+            return (UndoStatus::NotKept(NotKept::Disabled), syncs);
         }
-        match self.undo_record(keep) {
-            Ok(Ok(rec)) => match write_record(self.root.as_fd(), &self.root_path, &rec) {
+        let status = match self.undo_record(keep) {
+            Ok(Ok(rec)) => match write_record(self.root.as_fd(), &self.root_path, &rec, &mut syncs)
+            {
                 Ok(()) => UndoStatus::Kept,
                 Err(e) => {
                     tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "cannot write the undo record; the job will not be undoable");
+                    syncs = Syncs::default();
                     UndoStatus::NotKept(NotKept::Failed(crate::report::chain(&e).to_string()))
                 }
             },
             Ok(Err(why)) => UndoStatus::NotKept(why),
             Err(e) => UndoStatus::NotKept(NotKept::Failed(crate::report::chain(&e).to_string())),
+        };
+        (status, syncs)
+    }
+
+    /// Removes the undo record this job wrote, which will not be used (its fsyncs or the
+    /// job's failed). Best effort: a generation left behind is not its session's latest
+    /// commit's, so nothing uses it, and the session's next commit or the next start drops it.
+    pub(super) fn drop_own_undo(&self) {
+        if let Err(e) = drop_generation_at(
+            self.root.as_fd(),
+            &self.root_path,
+            &self.spec.session,
+            &self.spec.id,
+        ) {
+            tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "cannot remove an unused undo record; the next start will");
         }
     }
 
@@ -260,6 +279,7 @@ impl Job {
                 .map_err(|e| io("open undo dir", &gen_abs, e))?;
             let mut targets = Vec::with_capacity(n);
             let mut published = Vec::with_capacity(n);
+            let mut taken_syncs = Syncs::default();
             for (i, t) in rec.targets.iter().enumerate() {
                 let slot = i.to_string();
                 let slot_path = stage.join(&slot);
@@ -295,7 +315,7 @@ impl Job {
                                 reason: Change::ReplacedDuringRename,
                             });
                         }
-                        sync_point("publish.fsync_taken", slot_fd.as_fd(), &slot_path)?;
+                        taken_syncs.push_dup("publish.fsync_taken", slot_fd.as_fd(), &slot_path)?;
                         published.push(restored(
                             slot_fd.as_fd(),
                             base,
@@ -342,9 +362,11 @@ impl Job {
                     undo: true,
                 });
             }
+            // The moves out of the generation durable, every dir they changed at once.
             if !taken.backups.is_empty() {
-                sync_point("publish.fsync_taken", gen.as_fd(), &gen_abs)?;
+                taken_syncs.push("publish.fsync_taken", gen, &gen_abs);
             }
+            taken_syncs.run()?;
             let journal = Journal {
                 version: super::super::journal::VERSION_KINDS,
                 job: id.to_string(),
@@ -385,20 +407,24 @@ impl Job {
 
     /// An undo's publication: its journal, then each target's rename (the in-out checks of
     /// [`Job::rename_one`] prove, just before it, that the target is still what the undone
-    /// job left), then the undone job's created dirs removed if empty, all made durable.
-    pub(super) fn publish_undo(&mut self) -> Result<(), PublishError> {
+    /// job left), then the undone job's created dirs removed if empty; returns the fsyncs
+    /// that make them durable, as [`Job::publish`] does.
+    pub(super) fn publish_undo(&mut self) -> Result<Syncs, PublishError> {
         self.journal.phase = Phase::PublishingOutputs;
+        let mut journal = Syncs::default();
         self.journal.create(
             self.fd.as_fd(),
             &self.dir,
             self.root.as_fd(),
             &self.root_path,
+            &mut journal,
         )?;
-        let mut synced_dirs = Vec::new();
+        journal.run()?;
+        let mut renamed = Syncs::default();
         for i in 0..self.journal.targets.len() {
             if let Some((parent_fd, slot_fd)) = self.rename_one(i)? {
-                synced_dirs.push(parent_fd);
-                synced_dirs.push(slot_fd);
+                renamed.push("publish.fsync_renamed", parent_fd, &self.root_path);
+                renamed.push("publish.fsync_renamed", slot_fd, &self.root_path);
             }
         }
         let root = self.root.as_fd();
@@ -413,7 +439,7 @@ impl Job {
             match mutate("publish.undo_rmdir", &abs, || {
                 rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::REMOVEDIR)
             }) {
-                Ok(()) => synced_dirs.push(pfd),
+                Ok(()) => renamed.push("publish.fsync_renamed", pfd, &self.root_path),
                 // Gone, or holding what someone else put there since: it stays.
                 Err(PublishError::Io { source, .. })
                     if matches!(
@@ -423,10 +449,7 @@ impl Job {
                 Err(e) => return Err(e),
             }
         }
-        for fd in &synced_dirs {
-            sync_point("publish.fsync_renamed", fd.as_fd(), &self.root_path)?;
-        }
-        Ok(())
+        Ok(renamed)
     }
 
     /// After a failed undo was rolled back: the backups it took go back to their generation,

@@ -1,10 +1,16 @@
-//! What the worker left, judged: each staged output checked, sealed and made durable, and
-//! what publication will do with each target decided.
+//! What the worker left, judged: each staged output checked and sealed, its fsync added to
+//! the group that runs before the first rename, and what publication will do with each
+//! target decided.
 
 use super::*;
 
 impl Job {
-    pub(super) fn validate_outputs(&mut self) -> Result<Vec<Decision>, PublishError> {
+    /// Each staged file output's fsync joins `syncs` (a directory output is made durable
+    /// here, by its `syncfs`).
+    pub(super) fn validate_outputs(
+        &mut self,
+        syncs: &mut Syncs,
+    ) -> Result<Vec<Decision>, PublishError> {
         let mut ids = Vec::with_capacity(self.journal.targets.len());
         let mut published = Vec::with_capacity(self.journal.targets.len());
         for (i, rec) in self.journal.targets.iter().enumerate() {
@@ -131,14 +137,14 @@ impl Job {
                     || rec.origin.is_some_and(|o| {
                         o.size == size && self.holds_same(&rec.target, o, fd.as_fd())
                     }));
-            if !unchanged {
-                sync_point("publish.fsync_output", fd.as_fd(), &staged)?;
-            }
             let sha256 = if size <= self.hash_limit {
                 Some(hash(fd.as_fd()).map_err(|e| io("read staged output", &staged, e))?)
             } else {
                 None
             };
+            if !unchanged {
+                syncs.push("publish.fsync_output", fd, &staged);
+            }
             let (id, edit, decision) = match (unchanged, rec.origin) {
                 (true, Some(o)) => (o.id, Some(Edit::Unchanged), Decision::Keep),
                 _ => (

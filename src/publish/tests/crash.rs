@@ -98,15 +98,16 @@ fn failpoints_of_a_typical_call_are_named_and_ordered() {
         "publish.mkdir_slot",
         "publish.mkdir_slot",
         "publish.mkdir_slot",
-        // owner and mode of each staged output, and its fsync
+        // owner and mode of each staged output
         "publish.seal_output",
-        "publish.fsync_output",
         "publish.seal_output",
-        "publish.fsync_output",
         "publish.seal_output",
-        "publish.fsync_output",
-        // the one journal (publishing_outputs), durable with its dir before any rename
+        // the one journal (publishing_outputs)
         "publish.journal_write",
+        // the outputs' data, the journal and its dir, durable together before any rename
+        "publish.fsync_output",
+        "publish.fsync_output",
+        "publish.fsync_output",
         "publish.fsync_journal",
         "publish.fsync_job_dir",
         "publish.fsync_root",
@@ -289,8 +290,8 @@ fn recovery_reports_one_action_per_job() {
     let j2 = Job::create(&ws, spec("j2", &["a.txt", "new/b.txt"])).unwrap();
     stage(&j2, 0, "new a");
     stage(&j2, 1, "new b");
-    // Crash after the renames, before the commit point: after the 2 seals and fsyncs, the
-    // journal with its 3 fsyncs, the mkdir and the 2 renames.
+    // Crash after the renames, before the commit point: after the 2 seals, the journal,
+    // the 2 outputs' and the journal's 3 fsyncs, the mkdir and the 2 renames.
     let mut seen = 0;
     testsim::arm(Mode::Crash(11));
     let _ = j2.publish_and_commit(|| {
@@ -303,10 +304,10 @@ fn recovery_reports_one_action_per_job() {
         names[..12],
         [
             "publish.seal_output",
-            "publish.fsync_output",
             "publish.seal_output",
-            "publish.fsync_output",
             "publish.journal_write",
+            "publish.fsync_output",
+            "publish.fsync_output",
             "publish.fsync_journal",
             "publish.fsync_job_dir",
             "publish.fsync_root",

@@ -84,5 +84,6 @@ mod crash;
 mod job;
 mod paths;
 mod staging;
+mod syncs;
 mod trees;
 mod undo;
