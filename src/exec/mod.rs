@@ -45,7 +45,10 @@ pub struct CallRequest {
     pub tool: String,
     pub args: Map<String, Value>,
     pub principal: Principal,
-    /// Cancelled by `notifications/cancelled` or the client's disconnect.
+    /// Cancelled by `notifications/cancelled`, the client's disconnect or the daemon's
+    /// shutdown: a descendant of the token the executor was started with (the MCP layer's
+    /// tokens are: connection, rmcp's request, the call), so the shutdown reaches the call
+    /// synchronously, with no task of its own per call.
     pub cancel: CancellationToken,
     /// Where the call reports its phases and its worker's progress, if the client asked.
     pub progress: Option<progress::Progress>,
@@ -156,6 +159,13 @@ pub struct Executor {
     slots: slots::Slots,
     shutdown: CancellationToken,
     counter: AtomicU64,
+    /// The daemon's pid, in every call id (read once, not per call).
+    pid: u32,
+    /// The workspace root opened at start (`O_PATH`), for a look at a path argument that
+    /// only chooses the thread its resolution runs on (`run::may_list_a_directory`); the
+    /// resolution itself goes through `workspace`. `None` if it could not be opened: every
+    /// resolution then runs off the async threads.
+    workspace_dir: Option<std::os::fd::OwnedFd>,
     /// Who workers run as.
     identities: Identities,
     /// How workers name the workspace's files (absolute, or from their working directory).
@@ -223,7 +233,14 @@ impl Executor {
         });
         let filters = Filters::new();
         prepare_filters(&filters, &policy, identities.range().is_none());
+        let workspace_dir = rustix::fs::open(
+            workspace.root(),
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .ok();
         Executor {
+            workspace_dir,
             filters,
             sandbox,
             identities,
@@ -247,6 +264,7 @@ impl Executor {
             targets: locks::TargetLocks::default(),
             shutdown,
             counter: AtomicU64::new(0),
+            pid: std::process::id(),
         }
     }
 
@@ -255,7 +273,7 @@ impl Executor {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        format!("{:x}-{}-{n}", nanos, std::process::id())
+        format!("{:x}-{}-{n}", nanos, self.pid)
     }
 
     /// The policy new calls start on.
@@ -381,11 +399,11 @@ impl Executor {
             digest: crate::jobs::digest(&tool.name, &req.args),
             tracked: writes && session.is_some(),
         };
-        // Cancelled by the client's request or by the daemon's shutdown.
-        // The client's cancellation reaches `cancel` synchronously (a child token), so the
-        // point of no return in `run_write` sees every cancel that came before it.
+        // Cancelled by the client's request or by the daemon's shutdown (`req.cancel`
+        // descends from the shutdown token). Either reaches `cancel` synchronously (a child
+        // token), so the point of no return in `run_write` sees every cancel that came
+        // before it.
         let cancel = req.cancel.child_token();
-        let _link = link(&self.shutdown, &cancel);
         let progress = req.progress.as_ref();
         if let Some(p) = progress {
             p.phase(progress::Phase::Queued);
@@ -755,20 +773,6 @@ fn error_message(reply: &ToolReply) -> Option<String> {
         .as_ref()
         .and_then(|s| s["error"]["message"].as_str())
         .map(str::to_string)
-}
-
-/// Cancels `to` when `from` is cancelled, for as long as the returned guard lives.
-fn link(from: &CancellationToken, to: &CancellationToken) -> tokio_util::sync::DropGuard {
-    let (from, to2) = (from.clone(), to.clone());
-    let stop = CancellationToken::new();
-    let stop2 = stop.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = from.cancelled() => to2.cancel(),
-            _ = stop2.cancelled() => {}
-        }
-    });
-    stop.drop_guard()
 }
 
 /// The longest argument value (as JSON) the audit's `allow` event shows; a longer one is

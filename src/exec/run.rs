@@ -565,9 +565,54 @@ impl Executor {
         tool: &Tool,
         values: &Map<String, Value>,
     ) -> Result<Vec<(String, PathRole, PathBuf)>, Stop> {
-        // Off the async threads: resolution walks each path, and an input directory is
-        // listed and checked against the mount table.
-        tokio::task::block_in_place(|| self.resolve_paths_blocking(tool, values))
+        // Off the async threads when it may list a directory: an input directory is listed
+        // and checked against the mount table. Otherwise (each path argument an input naming
+        // no directory, as a read tool's file arguments do) a few syscalls on (dirfd, name)
+        // pairs, beneath the workspace and on its filesystem, cheaper on the call's own
+        // thread than handing that thread's runtime core to another.
+        if self.may_list_a_directory(tool, values) {
+            tokio::task::block_in_place(|| self.resolve_paths_blocking(tool, values))
+        } else {
+            self.resolve_paths_blocking(tool, values)
+        }
+    }
+
+    /// Whether resolving `values` may list a directory (or do more than look up a path):
+    /// a path argument that is not an input, or an input that names a directory or could
+    /// not be looked at. A look only: it chooses the thread, the resolution decides (an input
+    /// made a directory in between is listed all the same, on the call's thread).
+    fn may_list_a_directory(&self, tool: &Tool, values: &Map<String, Value>) -> bool {
+        use rustix::fs::{Mode, OFlags, ResolveFlags};
+        let Some(dir) = &self.workspace_dir else {
+            return true;
+        };
+        tool.params.iter().any(|(name, p)| {
+            let (Some(role), Some(raw)) = (p.path, values.get(name).and_then(Value::as_str)) else {
+                return false;
+            };
+            if role != PathRole::Input {
+                return true;
+            }
+            // Beneath the workspace, on its filesystem, no symlink: the look cannot wait on
+            // another mount. An absolute or escaping path is refused by the resolution.
+            let looked = rustix::fs::openat2(
+                dir,
+                raw,
+                OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+                ResolveFlags::BENEATH
+                    | ResolveFlags::NO_SYMLINKS
+                    | ResolveFlags::NO_XDEV
+                    | ResolveFlags::NO_MAGICLINKS,
+            )
+            .and_then(|fd| rustix::fs::fstat(&fd));
+            match looked {
+                Ok(st) => rustix::fs::FileType::from_raw_mode(st.st_mode).is_dir(),
+                // Nothing to list: the resolution refuses it.
+                Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => false,
+                Err(_) => true,
+            }
+        })
     }
 
     fn resolve_paths_blocking(

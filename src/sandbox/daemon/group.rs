@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use rustix::process::{Pid, Signal};
 
 use super::cgroup::{cgroup_is_empty, cgroup_kill};
-use super::procfs::{all_processes, read_stat, ProcStat};
+use super::procfs::{all_processes, read_proc_file, read_stat, ProcStat};
 use super::sys::{self, Exit};
 
 /// A worker's process group id, which is its leader's pid (always positive). The leader stays
@@ -207,12 +207,11 @@ impl Drop for Spawning {
 
 /// One pass over the group: reaps what is ours to reap, and says whether any process of it
 /// other than the leader's zombie is still there.
-fn group_is_empty(leaders: &Leaders, group: Pgid, me: i32) -> bool {
+fn group_is_empty(leaders: &Leaders, group: Pgid, pidfd: &OwnedFd, me: i32) -> bool {
     let pgid = group.raw();
     // The leader first: while it runs, the group is not empty, whatever else is in it.
-    match read_stat(pgid) {
-        Some(leader) if leader.pgrp == pgid && !leader.dead() => return false,
-        _ => {}
+    if !leader_exited(pidfd, pgid) {
+        return false;
     }
     let candidates = match orphan_candidates(me) {
         Some(children) => children,
@@ -232,6 +231,20 @@ fn group_is_empty(leaders: &Leaders, group: Pgid, me: i32) -> bool {
     empty
 }
 
+/// Whether the leader behind `pidfd` has exited, asked of its pidfd (`waitid` with `WNOWAIT`
+/// leaves its zombie unreaped, so its pid, the group's id, stays taken). A leader that has not
+/// exited counts as a member of its group even if it left it: `signal_group` reaches it
+/// through its pidfd anyway. On an error (not expected for our own unreaped child) `/proc`
+/// decides, as it did alone before: exited unless a live leader is still in the group.
+fn leader_exited(pidfd: &OwnedFd, pgid: i32) -> bool {
+    use rustix::process::{waitid, WaitId, WaitIdOptions};
+    let options = WaitIdOptions::EXITED | WaitIdOptions::NOHANG | WaitIdOptions::NOWAIT;
+    match waitid(WaitId::PidFd(pidfd.as_fd()), options) {
+        Ok(status) => status.is_some(),
+        Err(_) => !read_stat(pgid).is_some_and(|l| l.pgrp == pgid && !l.dead()),
+    }
+}
+
 /// Where the survivors of a group whose leader is dead can be, when the daemon is the child
 /// subreaper: every process of a worker's group descends from its leader (setsid and setpgid
 /// are denied), so once the leader has exited, the topmost survivors have been reparented to
@@ -247,7 +260,8 @@ pub(crate) fn orphan_candidates(me: i32) -> Option<Vec<ProcStat>> {
 
 /// The children of thread `tid` of the daemon `me`, as [`orphan_candidates`] reads them.
 pub(crate) fn thread_children(me: i32, tid: i32) -> Option<Vec<ProcStat>> {
-    let children = std::fs::read_to_string(format!("/proc/{me}/task/{tid}/children")).ok()?;
+    // Room for 64 children at once; more is read on.
+    let children = read_proc_file(&format!("/proc/{me}/task/{tid}/children"), 512)?;
     Some(
         children
             .split_ascii_whitespace()
@@ -272,7 +286,7 @@ pub(crate) async fn terminate(leaders: &Leaders, pgid: Pgid, pidfd: &OwnedFd, gr
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let deadline = Instant::now() + grace;
     let mut delay = Duration::from_millis(2);
-    while !group_is_empty(leaders, pgid, me) {
+    while !group_is_empty(leaders, pgid, pidfd, me) {
         let now = Instant::now();
         if now >= deadline {
             return;
@@ -299,7 +313,7 @@ pub(crate) async fn kill_and_confirm(
         if let Some(cg) = cgroup {
             cgroup_kill(cg);
         }
-        if group_is_empty(leaders, pgid, me) && cgroup.is_none_or(cgroup_is_empty) {
+        if group_is_empty(leaders, pgid, pidfd, me) && cgroup.is_none_or(cgroup_is_empty) {
             return;
         }
         if !warned && started.elapsed() > Duration::from_secs(10) {

@@ -357,10 +357,10 @@ impl Worker {
                 readable,
             },
         };
-        // Serialize before creating anything that would need cleaning up.
-        let probe = serde_json::to_vec(&spec)
-            .map_err(|e| SandboxError::Invalid(InvalidLaunch::Unencodable(e)))?;
-        drop(probe);
+        // Serialized before anything is created that would need cleaning up; again with its
+        // cgroup once that exists.
+        let unencodable = |e| SandboxError::Invalid(InvalidLaunch::Unencodable(e));
+        let mut bytes = serde_json::to_vec(&spec).map_err(unencodable)?;
 
         let (cgroup, cgroup_limits) = match &cgroup_parent {
             Some(parent) => {
@@ -370,13 +370,24 @@ impl Worker {
             }
             None => (None, Vec::new()),
         };
-        let spec = wire::Spec {
-            cgroup: cgroup.clone(),
-            ..spec
-        };
+        if cgroup.is_some() {
+            let spec = wire::Spec {
+                cgroup: cgroup.clone(),
+                ..spec
+            };
+            bytes = match serde_json::to_vec(&spec) {
+                Ok(b) => b,
+                Err(e) => {
+                    if let Some(path) = &cgroup {
+                        cgroup::cgroup_remove(path).await;
+                    }
+                    return Err(unencodable(e));
+                }
+            };
+        }
         let started = Self::start(
             sandbox,
-            spec,
+            bytes,
             stdin,
             limits.output_bytes,
             limits.grace,
@@ -397,7 +408,7 @@ impl Worker {
     #[allow(clippy::too_many_arguments)]
     async fn start(
         sandbox: &Sandbox,
-        spec: wire::Spec,
+        bytes: Vec<u8>,
         stdin_data: Vec<u8>,
         output_cap: usize,
         grace: Duration,
@@ -421,8 +432,6 @@ impl Worker {
             }
             None => (None, None),
         };
-        let bytes = serde_json::to_vec(&spec)
-            .map_err(|e| SandboxError::Invalid(InvalidLaunch::Unencodable(e)))?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_error)?;
         ours.set_nonblocking(true).map_err(spawn_error)?;
         let mut channel = tokio::net::UnixStream::from_std(ours).map_err(spawn_error)?;
@@ -498,18 +507,15 @@ impl Worker {
                 pidfd,
                 stdin: None,
                 stdin_data,
-                stdout: pipe::Receiver::from_owned_fd(spawned.stdout)
-                    .map_err(io("watch stdout"))?,
-                stderr: pipe::Receiver::from_owned_fd(spawned.stderr)
-                    .map_err(io("watch stderr"))?,
+                stdout: pipe_receiver(spawned.stdout).map_err(io("watch stdout"))?,
+                stderr: pipe_receiver(spawned.stderr).map_err(io("watch stderr"))?,
                 output_cap,
                 grace,
                 cgroup,
                 progress: match (progress_rx, progress) {
-                    (Some(r), Some(tx)) => Some((
-                        pipe::Receiver::from_owned_fd(r).map_err(io("watch the progress pipe"))?,
-                        tx,
-                    )),
+                    (Some(r), Some(tx)) => {
+                        Some((pipe_receiver(r).map_err(io("watch the progress pipe"))?, tx))
+                    }
                     _ => None,
                 },
                 enforcement: Enforcement {
@@ -522,14 +528,16 @@ impl Worker {
                 held: Held { _lease: lease },
             }),
         };
-        if let Some(live) = worker.live.as_mut() {
-            live.stdin =
-                Some(pipe::Sender::from_owned_fd(spawned.stdin).map_err(io("feed stdin"))?);
+        // Nothing to feed: the write end is closed here (the worker reads EOF), never
+        // watched by the reactor.
+        if let Some(live) = worker.live.as_mut().filter(|l| !l.stdin_data.is_empty()) {
+            live.stdin = Some(pipe_sender(spawned.stdin).map_err(io("feed stdin"))?);
         }
 
         // The report back (the spec went out with the request).
         let exchange = async {
-            let mut report = Vec::new();
+            // Room for the report at once (`ok` and the Landlock status: ~60 bytes).
+            let mut report = Vec::with_capacity(REPORT_ROOM);
             channel.read_to_end(&mut report).await.map(|_| report)
         };
         let report = match tokio::time::timeout(SETUP_TIMEOUT, exchange).await {
@@ -793,11 +801,41 @@ async fn feed(stdin: Option<pipe::Sender>, data: Vec<u8>) {
     }
 }
 
-/// Reads `rx` to EOF, keeping the first `cap` bytes and counting the rest.
+/// Room for the launcher's report, read at once.
+const REPORT_ROOM: usize = 256;
+
+/// The read end of a pipe the daemon made for a worker (`spawner::spawn_launcher`), watched
+/// by the reactor: made non-blocking with one `ioctl`, where `from_owned_fd` would `fstat` it
+/// and read and set its flags (it is known to be a pipe's read end).
+fn pipe_receiver(fd: OwnedFd) -> std::io::Result<pipe::Receiver> {
+    rustix::io::ioctl_fionbio(&fd, true)?;
+    pipe::Receiver::from_owned_fd_unchecked(fd)
+}
+
+/// The write end of a pipe the daemon made for a worker, as [`pipe_receiver`].
+fn pipe_sender(fd: OwnedFd) -> std::io::Result<pipe::Sender> {
+    rustix::io::ioctl_fionbio(&fd, true)?;
+    pipe::Sender::from_owned_fd_unchecked(fd)
+}
+
+/// How much the first read of a worker's stream takes at most: most tools write little.
+const CAPTURE_FIRST: usize = 4 * 1024;
+
+/// How much one read takes at most once a read filled the first chunk (a pipe's default
+/// capacity).
+const CAPTURE_CHUNK: usize = 64 * 1024;
+
+/// Reads `rx` to EOF, keeping the first `cap` bytes and counting the rest. Each chunk is read
+/// into spare capacity, never zeroed first, and the chunk grows only for a tool that writes
+/// more than the first one holds.
 async fn capture(rx: &mut pipe::Receiver, cap: usize, into: &mut Captured) {
-    let mut buf = vec![0u8; 64 * 1024];
+    let mut buf: Vec<u8> = Vec::with_capacity(CAPTURE_FIRST);
     loop {
-        match rx.read(&mut buf).await {
+        if buf.len() == buf.capacity() && buf.capacity() < CAPTURE_CHUNK {
+            buf.reserve_exact(CAPTURE_CHUNK - buf.len());
+        }
+        buf.clear();
+        match rx.read_buf(&mut buf).await {
             Ok(0) => return,
             Ok(n) => {
                 into.total += n as u64;

@@ -56,11 +56,7 @@ pub(crate) fn all_processes() -> Vec<ProcStat> {
         path.push_str("/proc/");
         path.push_str(name);
         path.push_str("/stat");
-        if let Some(stat) = std::fs::read_to_string(&path)
-            .ok()
-            .as_deref()
-            .and_then(ProcStat::parse)
-        {
+        if let Some(stat) = read_stat_file(&path) {
             out.push(stat);
         }
     }
@@ -68,10 +64,55 @@ pub(crate) fn all_processes() -> Vec<ProcStat> {
 }
 
 pub(crate) fn read_stat(pid: i32) -> Option<ProcStat> {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .as_deref()
-        .and_then(ProcStat::parse)
+    read_stat_file(&format!("/proc/{pid}/stat"))
+}
+
+/// The longest `/proc/PID/stat` line: 52 fields of at most 20 digits each, and a command
+/// name of at most 64 bytes, with room to spare.
+const STAT_MAX: usize = 2048;
+
+/// Reads one `/proc/PID/stat` file (`open`, one `read`, `close`: the kernel makes the whole
+/// line at the first read; `read_to_string` would `statx` it and read it in growing pieces,
+/// since procfs reports a size of 0) and parses it.
+fn read_stat_file(path: &str) -> Option<ProcStat> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).ok()?;
+    let mut buf = [0u8; STAT_MAX];
+    let mut len = 0;
+    // The line ends with a newline: once it is in, the next read would return 0.
+    while len < buf.len() && !buf[..len].ends_with(b"\n") {
+        match file.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    ProcStat::parse(std::str::from_utf8(&buf[..len]).ok()?)
+}
+
+/// Reads a small `/proc` file whole without the `statx` and the growing reads of
+/// `read_to_string` (procfs reports a size of 0): `open`, a read into room for `hint`
+/// bytes, the read that returns 0, `close`.
+pub(crate) fn read_proc_file(path: &str, hint: usize) -> Option<String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).ok()?;
+    // Not `File::read_to_end`: it asks the file's size and position first (`statx`, `lseek`).
+    let mut buf = vec![0u8; hint.max(64)];
+    let mut len = 0;
+    loop {
+        if len == buf.len() {
+            buf.resize(buf.len() * 2, 0);
+        }
+        match file.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    buf.truncate(len);
+    String::from_utf8(buf).ok()
 }
 
 #[cfg(test)]
@@ -118,5 +159,23 @@ mod tests {
     fn sees_ourselves() {
         let me = std::process::id() as i32;
         assert!(all_processes().iter().any(|p| p.pid == me));
+        let stat = read_stat(me).expect("our own stat");
+        assert_eq!(stat.pid, me);
+        assert_eq!(stat.ppid, std::os::unix::process::parent_id() as i32);
+        assert!(!stat.dead());
+        assert!(read_stat(0).is_none(), "no process 0 in /proc");
+    }
+
+    #[test]
+    fn reads_a_proc_file_whole_past_its_hint() {
+        let status = read_proc_file("/proc/self/status", 8).expect("/proc/self/status");
+        assert!(status.starts_with("Name:"), "{status}");
+        assert!(status.contains("\nPid:\t"), "{status}");
+        assert!(status.ends_with('\n'), "{status}");
+        assert!(
+            status.len() > 512,
+            "whole, not cut at the hint: {}",
+            status.len()
+        );
     }
 }
