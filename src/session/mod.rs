@@ -487,13 +487,7 @@ impl SessionStore {
         state: Map<String, Value>,
         job: &str,
     ) -> Result<Snapshot, SessionError> {
-        let cur = guard.meta();
-        let next = Snapshot {
-            id: cur.id,
-            version: cur.version + 1,
-            state,
-            owner: cur.owner,
-        };
+        let next = next_version(guard, state);
         self.persist(&next, Some(job), false)?;
         Ok(self.took(guard, reserved, next))
     }
@@ -509,13 +503,7 @@ impl SessionStore {
         state: Map<String, Value>,
         job: &str,
     ) -> Result<Staged, SessionError> {
-        let cur = guard.meta();
-        let next = Snapshot {
-            id: cur.id,
-            version: cur.version + 1,
-            state,
-            owner: cur.owner,
-        };
+        let next = next_version(guard, state);
         let (name, bytes) = self.file_bytes(&next, Some(job), false)?;
         let file = fsutil::write_temp(&self.dir, &name, &bytes, 0o600, "session.write")
             .map_err(|source| self.io_error(&next.id, source))?;
@@ -705,4 +693,15 @@ fn read_file(path: &Path) -> Result<SessionFile, SessionError> {
         path: path.to_path_buf(),
         cause,
     })
+}
+
+/// The session's next version holding `state`, as a commit writes it.
+fn next_version(guard: &SessionGuard, state: Map<String, Value>) -> Snapshot {
+    let cur = guard.meta();
+    Snapshot {
+        id: cur.id,
+        version: cur.version + 1,
+        state,
+        owner: cur.owner,
+    }
 }

@@ -29,13 +29,8 @@ pub(in crate::publish) fn rollback(
     // took out of them can go back.
     for dir in journal.removed_dirs.iter().rev() {
         let abs = root_path.join(dir);
-        let Some((parent, name)) = split_target(dir) else {
+        let Some((pfd, name)) = reachable_parent(root, root_path, dir)? else {
             continue;
-        };
-        let pfd = match open_dir_beneath(root, parent) {
-            Ok(fd) => fd,
-            Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV) => continue,
-            Err(e) => return Err(io("open parent dir", &root_path.join(parent), e)),
         };
         match mutate("publish.rollback_mkdir", &abs, || {
             rustix::fs::mkdirat(pfd.as_fd(), name, Mode::from_raw_mode(0o777))
@@ -134,13 +129,8 @@ pub(in crate::publish) fn rollback(
     }
     for dir in journal.created_dirs.iter().rev() {
         let abs = root_path.join(dir);
-        let Some((parent, name)) = split_target(dir) else {
+        let Some((pfd, name)) = reachable_parent(root, root_path, dir)? else {
             continue;
-        };
-        let pfd = match open_dir_beneath(root, parent) {
-            Ok(fd) => fd,
-            Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV) => continue,
-            Err(e) => return Err(io("open parent dir", &root_path.join(parent), e)),
         };
         match mutate("publish.rollback_rmdir", &abs, || {
             rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::REMOVEDIR)
@@ -286,4 +276,22 @@ pub(in crate::publish) fn unreachable_targets(
         }
     }
     out
+}
+
+/// The open parent of a journaled dir and the dir's name, or `None` when the parent is not
+/// reachable beneath the root any more (gone, a symlink, not a dir, another mount): such a
+/// dir is not ours to touch.
+fn reachable_parent<'d>(
+    root: BorrowedFd<'_>,
+    root_path: &Path,
+    dir: &'d Path,
+) -> Result<Option<(OwnedFd, &'d OsStr)>, PublishError> {
+    let Some((parent, name)) = split_target(dir) else {
+        return Ok(None);
+    };
+    match open_dir_beneath(root, parent) {
+        Ok(fd) => Ok(Some((fd, name))),
+        Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV) => Ok(None),
+        Err(e) => Err(io("open parent dir", &root_path.join(parent), e)),
+    }
 }
