@@ -514,28 +514,29 @@ impl JobStore {
         if !pending.durable {
             return (Ok(()), beside());
         }
-        let (data, dir, r) = std::thread::scope(|s| {
-            let data = s.spawn(|| pending.file.sync_data());
-            let dir = s.spawn(|| self.inner.dir_sync.after_rename(&self.inner.dir));
-            let r = beside();
-            (data.join(), dir.join(), r)
-        });
-        // A thread that cannot be joined panicked in fsync: that fsync failed.
+        let data = pending
+            .file
+            .try_clone()
+            .map(|file| crate::sync_pool::run(move || file.sync_data()));
+        let inner = Arc::clone(&self.inner);
+        let dir = crate::sync_pool::run(move || inner.dir_sync.after_rename(&inner.dir));
+        let r = beside();
+        // A task that never reported panicked in fsync: that fsync failed.
         let failed = || Err(std::io::Error::from_raw_os_error(libc::EIO));
+        let data = data.and_then(|p| p.wait().unwrap_or_else(failed));
+        let dir = dir.wait().unwrap_or_else(failed);
         let synced = data
-            .unwrap_or_else(|_| failed())
             .map_err(|source| JobError::Io {
                 op: "fsync",
                 path: pending.path.clone(),
                 source,
             })
             .and_then(|()| {
-                dir.unwrap_or_else(|_| failed())
-                    .map_err(|source| JobError::Io {
-                        op: "fsync",
-                        path: self.inner.dir.clone(),
-                        source,
-                    })
+                dir.map_err(|source| JobError::Io {
+                    op: "fsync",
+                    path: self.inner.dir.clone(),
+                    source,
+                })
             });
         (synced, r)
     }

@@ -16,6 +16,7 @@ pub mod report;
 pub mod sandbox;
 pub mod session;
 pub mod startup;
+pub mod sync_pool;
 pub mod syscalls;
 pub mod systemd;
 pub mod text;

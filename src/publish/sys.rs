@@ -159,9 +159,10 @@ pub(super) fn sync_point(
 }
 
 /// fsyncs of the write path that must all be durable before the next step, none of which
-/// orders another: each keeps its own failpoint, and they are issued together, one thread
-/// each, so that on a journaling filesystem they wait for one commit together rather than
-/// one each (ext4 and xfs commit every concurrent fsync's metadata in one transaction).
+/// orders another: each keeps its own failpoint, and they are issued together, each on a
+/// thread of [`crate::sync_pool`], so that on a journaling filesystem they wait for one
+/// commit together rather than one each (ext4 and xfs commit every concurrent fsync's
+/// metadata in one transaction).
 ///
 /// [`Syncs::run`] passes every item's failpoint first, in the order the items were added and
 /// on the calling thread (so a crash or an injected error lands where a real one would, and
@@ -215,54 +216,57 @@ impl Syncs {
 /// fsync together. Each group gets its own result (its first failure), so that a caller can
 /// tell a failure that stops it from one that only costs it something optional.
 pub(super) fn run_together<const N: usize>(groups: [Syncs; N]) -> [Result<(), PublishError>; N] {
-    run_together_with(groups, || ()).0
+    together(groups, || (), true).0
 }
 
 /// [`run_together`], running `alongside` on the calling thread (after every failpoint of
 /// the groups, so that its own failpoints come after theirs, in one order) while the fsyncs
-/// run, one thread each.
+/// run, each on a thread of [`crate::sync_pool`].
 pub(super) fn run_together_with<const N: usize, R>(
     groups: [Syncs; N],
     alongside: impl FnOnce() -> R,
 ) -> ([Result<(), PublishError>; N], R) {
+    together(groups, alongside, false)
+}
+
+/// The two above: with `last_here`, the last fsync runs on the calling thread (after
+/// `alongside`, which is then nothing), the others on pool threads.
+fn together<const N: usize, R>(
+    groups: [Syncs; N],
+    alongside: impl FnOnce() -> R,
+    last_here: bool,
+) -> ([Result<(), PublishError>; N], R) {
     let mut results: [Result<(), PublishError>; N] = std::array::from_fn(|_| Ok(()));
-    let mut issued: Vec<(usize, &'static str, &OwnedFd, &Path)> = Vec::new();
-    for (g, group) in groups.iter().enumerate() {
+    let mut issued = Vec::new();
+    for (g, group) in groups.into_iter().enumerate() {
         let mut passed = Vec::with_capacity(group.items.len());
-        for (op, fd, path, marked) in &group.items {
-            if let Err(e) = if *marked { fp(op) } else { Ok(()) } {
-                results[g] = Err(fp_err(op, path, e));
+        for (op, fd, path, marked) in group.items {
+            if let Err(e) = if marked { fp(op) } else { Ok(()) } {
+                results[g] = Err(fp_err(op, &path, e));
                 passed.clear();
                 break;
             }
-            passed.push((g, *op, fd, path.as_path()));
+            passed.push((g, op, fd, path));
         }
         issued.extend(passed);
     }
-    let sync = |(_, op, fd, path): &(usize, &'static str, &OwnedFd, &Path)| {
-        rustix::fs::fsync(fd.as_fd()).map_err(|e| io(op, path, e))
-    };
-    let (done, ran) = std::thread::scope(|s| {
-        let handles: Vec<_> = issued
-            .iter()
-            .map(|item| (item, s.spawn(move || sync(item))))
-            .collect();
-        let ran = alongside();
-        let done: Vec<Result<(), PublishError>> = handles
-            .into_iter()
-            .map(|(item, handle)| {
-                // A thread that cannot be joined panicked in fsync: report it as that
-                // fsync's failure, never as success.
-                handle
-                    .join()
-                    .unwrap_or_else(|_| Err(io(item.1, item.3, Errno::IO)))
-            })
-            .collect();
-        (done, ran)
+    let here = if last_here { issued.pop() } else { None };
+    let pending: Vec<_> = issued
+        .into_iter()
+        .map(|(g, op, fd, path)| {
+            let sync = crate::sync_pool::run(move || rustix::fs::fsync(fd.as_fd()));
+            (g, op, path, sync)
+        })
+        .collect();
+    let ran = alongside();
+    let here = here.map(|(g, op, fd, path)| (g, op, path, rustix::fs::fsync(fd.as_fd())));
+    let waited = pending.into_iter().map(|(g, op, path, sync)| {
+        // A task that never reported panicked in fsync: that fsync failed, never succeeded.
+        (g, op, path, sync.wait().unwrap_or(Err(Errno::IO)))
     });
-    for ((g, ..), r) in issued.iter().zip(done) {
-        if let (Err(e), Ok(())) = (r, &results[*g]) {
-            results[*g] = Err(e);
+    for (g, op, path, r) in waited.chain(here) {
+        if let (Err(e), Ok(())) = (r, &results[g]) {
+            results[g] = Err(io(op, &path, e));
         }
     }
     (results, ran)

@@ -654,16 +654,19 @@ pub struct Staged {
 
 impl Staged {
     /// Makes the staged file's content durable (no failpoint: its write passed one) on a
-    /// thread of its own, while `beside` runs on the calling thread.
+    /// thread of [`crate::sync_pool`], while `beside` runs on the calling thread.
     pub fn sync_beside<R>(&self, beside: impl FnOnce() -> R) -> (Result<(), SessionError>, R) {
-        let (synced, r) = std::thread::scope(|s| {
-            let synced = s.spawn(|| self.file.sync_all());
-            let r = beside();
-            (synced.join(), r)
-        });
-        // A thread that cannot be joined panicked in fsync: that fsync failed.
+        let synced = self
+            .file
+            .try_clone()
+            .map(|file| crate::sync_pool::run(move || file.sync_all()));
+        let r = beside();
+        // A task that never reported panicked in fsync: that fsync failed.
         let synced = synced
-            .unwrap_or_else(|_| Err(std::io::Error::from_raw_os_error(libc::EIO)))
+            .and_then(|p| {
+                p.wait()
+                    .unwrap_or_else(|| Err(std::io::Error::from_raw_os_error(libc::EIO)))
+            })
             .map_err(|source| SessionError::Io {
                 op: "fsync",
                 path: self.path.clone(),
