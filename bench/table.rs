@@ -143,7 +143,12 @@ fn tools(d: &Daemon) {
 }
 
 fn start(extra: impl FnOnce(&Daemon)) -> Daemon {
-    let mut d = Daemon::new();
+    start_in(&std::env::temp_dir(), extra)
+}
+
+/// [`start`] with the daemon's workspace and state dir on `base`'s filesystem.
+fn start_in(base: &Path, extra: impl FnOnce(&Daemon)) -> Daemon {
+    let mut d = Daemon::new_in(base);
     tools(&d);
     // One user (root) drives every figure: its sessions and call slots are bounded by the
     // machine-wide limits only (the many-sessions row makes 10,000 of them).
@@ -384,6 +389,21 @@ fn durable_copy_by_hand(args: &[String]) -> std::io::Result<()> {
     std::fs::rename(tmp, out)?;
     let dir = Path::new(out).parent().unwrap_or(Path::new("."));
     std::fs::File::open(dir)?.sync_all()
+}
+
+/// `statfs`'s f_type of tmpfs.
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
+/// The filesystem type (`statfs` f_type) of `path`.
+#[allow(clippy::unnecessary_cast)] // f_type is not an i64 on every architecture.
+fn fs_type(path: &Path) -> Option<i64> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path and `st` room for one statfs, which the kernel
+    // fills on success (read only then).
+    let rc = unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) };
+    // SAFETY: statfs returned 0: `st` is initialised.
+    (rc == 0).then(|| unsafe { st.assume_init() }.f_type as i64)
 }
 
 fn dev_of(path: &Path) -> u64 {
@@ -914,6 +934,132 @@ fn read_rows(
     );
 }
 
+/// The throughput rows: durable write calls/s over 1, 2, 4, 8 and 16 sessions on 16
+/// connections, and where they saturate. Returns the daemon's peak RSS (KiB) under that load.
+fn throughput_rows(t: &mut Table, plan: &Plan, d: &Daemon) -> u64 {
+    let mut peak_rss = 0;
+    let mut rates = Vec::new();
+    for sessions in [1, 2, 4, 8, 16] {
+        let (rate, cpu) = throughput(d, sessions, plan.per_conn, &mut peak_rss);
+        rates.push((sessions, rate, cpu));
+    }
+    for (s, r, cpu) in &rates {
+        let target = if *s == 16 {
+            let v = t.verdict("600 durable write calls/s with 16 sessions", *r >= 600.0);
+            format!(">= 600/s: {v}")
+        } else {
+            String::new()
+        };
+        t.text(
+            &format!("durable write calls/s, {s} session(s) on 16 connections"),
+            format!("{r:.0}/s"),
+            &format!("{} calls; {}", 16 * plan.per_conn, cpu.describe()),
+            &target,
+        );
+    }
+    // Rising with sessions until both cores are busy: where it stops rising, the machine's
+    // cores are (nearly) all busy, or it is bound on something else (the disk, a lock).
+    let (value, cpu, met) = match saturation(&rates) {
+        Some(i) => {
+            let ((s, r, cpu), (s2, r2, _)) = (&rates[i], &rates[i + 1]);
+            (
+                format!(
+                    "at {s} session(s): {r:.0}/s, then {r2:.0}/s at {s2} ({:+.0}%)",
+                    (r2 / r - 1.0) * 100.0
+                ),
+                cpu,
+                cpu.machine >= 0.9 * cpu.cores as f64,
+            )
+        }
+        None => {
+            let (_, _, cpu) = &rates[rates.len() - 1];
+            (
+                "not by 16 sessions: each doubling of sessions adds more than 10%".to_string(),
+                cpu,
+                true,
+            )
+        }
+    };
+    let v = t.verdict(
+        "durable write calls/s rising with sessions until both cores are busy",
+        met,
+    );
+    t.text(
+        "throughput saturates (stops rising by more than 10% per doubling of sessions)",
+        value,
+        &format!("there, {}", cpu.describe()),
+        &format!("rises until the cores are busy (>= 90%): {v}"),
+    );
+    // The floor under the target on this machine: the durable copy by hand, 16 processes
+    // at once (one per connection above), as many copies as the calls of one run.
+    let me = std::env::current_exe().expect("the bench's own executable");
+    let src = d.workspace.join("in-1k");
+    let dir = d.dir.path().join("by-hand-16");
+    std::fs::create_dir_all(&dir).expect("by-hand-16 dir");
+    let t0 = Instant::now();
+    std::thread::scope(|scope| {
+        for i in 0..16 {
+            let (me, src, dir) = (&me, &src, &dir);
+            scope.spawn(move || {
+                let (tmp, out) = (dir.join(format!("{i}.tmp")), dir.join(i.to_string()));
+                for _ in 0..plan.per_conn {
+                    let status = Command::new(me)
+                        .arg(BY_HAND)
+                        .arg(src)
+                        .arg(&tmp)
+                        .arg(&out)
+                        .status()
+                        .expect("the durable copy by hand runs");
+                    assert!(status.success(), "the durable copy by hand: {status}");
+                }
+            });
+        }
+    });
+    let by_hand = (16 * plan.per_conn) as f64 / t0.elapsed().as_secs_f64();
+    let (_, at16, _) = &rates[rates.len() - 1];
+    t.text(
+        "durable copies by hand/s, 16 processes at once (the floor under the throughput target)",
+        format!("{by_hand:.0}/s"),
+        &format!(
+            "{} copies; the write calls at 16 sessions reach {:.0}%",
+            16 * plan.per_conn,
+            at16 / by_hand * 100.0
+        ),
+        "reported",
+    );
+    // The same load with the workspace and the state dir on tmpfs: the daemon's and its
+    // workers' own ceiling, with the filesystem's work (inode allocation, writeback, flushes)
+    // taken away. Not durable, so no target: what separates it from the row of 16 sessions
+    // above is what the disk's filesystem costs per call.
+    let shm = Path::new("/dev/shm");
+    if fs_type(shm) == Some(TMPFS_MAGIC) {
+        let tmpfs = start_in(shm, |_| {});
+        tmpfs.write("in-1k", &"x".repeat(1024));
+        let (rate, cpu) = throughput(&tmpfs, 16, plan.per_conn, &mut 0);
+        let (_, ext, ext_cpu) = &rates[rates.len() - 1];
+        t.text(
+            "durable write calls/s, 16 session(s) on 16 connections, workspace and state dir on tmpfs (no disk: the daemon's own ceiling)",
+            format!("{rate:.0}/s"),
+            &format!(
+                "{} calls; {}; daemon CPU per call {:.2} ms here, {:.2} ms on the disk ({ext:.0}/s)",
+                16 * plan.per_conn,
+                cpu.describe(),
+                cpu.daemon / rate * 1e3,
+                ext_cpu.daemon / ext * 1e3,
+            ),
+            "reported",
+        );
+    } else {
+        t.text(
+            "durable write calls/s on tmpfs",
+            "not measured: /dev/shm is not a tmpfs".into(),
+            "",
+            "reported",
+        );
+    }
+    peak_rss
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some(BY_HAND) {
@@ -929,6 +1075,8 @@ fn main() {
     // `--spawn`: only the spawn rows (bare fork/exec, bwrap, sandboxed spawn) and the
     // external read of `cat` against the direct run.
     let only_spawn = args.iter().any(|a| a == "--spawn");
+    // `--throughput`: only the durable write calls/s over 1 to 16 sessions.
+    let only_throughput = args.iter().any(|a| a == "--throughput");
     let plan = Plan::new(short);
     machine();
     println!(
@@ -956,6 +1104,11 @@ fn main() {
 
     if only_tools {
         real_tools(&mut t, &plan, &d, &mut c);
+        t.print();
+        return;
+    }
+    if only_throughput {
+        throughput_rows(&mut t, &plan, &d);
         t.print();
         return;
     }
@@ -1125,9 +1278,18 @@ fn main() {
     // --- Publication cost, 1 KiB vs big: the call minus the same command run directly. For
     // the big file, each direct run is followed by an `fdatasync` of what it wrote, timed
     // apart: the writeback of the same file, the floor under a durable publication of it.
+    // Each direct run writes a new file, as the tool does (its output is a new file in its
+    // staging dir): truncating the previous run's 1 GiB inside the timed write would wait
+    // for that file's writeback and leave the `fdatasync` after it almost nothing to do.
     let fill = |bytes: u64, iters: usize, sync: bool, c: &mut Conn| {
         let mut syncs = Vec::new();
         let direct = Series::measure(iters, || {
+            match std::fs::remove_file(&direct_out) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    panic!("remove the previous direct run's output: {e}")
+                }
+                _ => {}
+            }
             let write = run_direct(
                 Command::new("/bin/sh")
                     .arg("-c")
@@ -1184,7 +1346,7 @@ fn main() {
     );
     t.row(
         &format!(
-            "direct run: {big_name} written as the tool writes it (`head -c N /dev/zero > file`)"
+            "direct run: {big_name} written as the tool writes it (`head -c N /dev/zero > file`, a new file each run)"
         ),
         &big_direct,
         "",
@@ -1278,59 +1440,7 @@ fn main() {
     real_tools(&mut t, &plan, &d, &mut c);
 
     // --- Throughput across sessions, 16 connections.
-    let mut peak_rss = 0;
-    let mut rates = Vec::new();
-    for sessions in [1, 2, 4, 8, 16] {
-        let (rate, cpu) = throughput(&d, sessions, plan.per_conn, &mut peak_rss);
-        rates.push((sessions, rate, cpu));
-    }
-    for (s, r, cpu) in &rates {
-        let target = if *s == 16 {
-            let v = t.verdict("600 durable write calls/s with 16 sessions", *r >= 600.0);
-            format!(">= 600/s: {v}")
-        } else {
-            String::new()
-        };
-        t.text(
-            &format!("durable write calls/s, {s} session(s) on 16 connections"),
-            format!("{r:.0}/s"),
-            &format!("{} calls; {}", 16 * plan.per_conn, cpu.describe()),
-            &target,
-        );
-    }
-    // Rising with sessions until both cores are busy: where it stops rising, the machine's
-    // cores are (nearly) all busy, or it is bound on something else (the disk, a lock).
-    let (value, cpu, met) = match saturation(&rates) {
-        Some(i) => {
-            let ((s, r, cpu), (s2, r2, _)) = (&rates[i], &rates[i + 1]);
-            (
-                format!(
-                    "at {s} session(s): {r:.0}/s, then {r2:.0}/s at {s2} ({:+.0}%)",
-                    (r2 / r - 1.0) * 100.0
-                ),
-                cpu,
-                cpu.machine >= 0.9 * cpu.cores as f64,
-            )
-        }
-        None => {
-            let (_, _, cpu) = &rates[rates.len() - 1];
-            (
-                "not by 16 sessions: each doubling of sessions adds more than 10%".to_string(),
-                cpu,
-                true,
-            )
-        }
-    };
-    let v = t.verdict(
-        "durable write calls/s rising with sessions until both cores are busy",
-        met,
-    );
-    t.text(
-        "throughput saturates (stops rising by more than 10% per doubling of sessions)",
-        value,
-        &format!("there, {}", cpu.describe()),
-        &format!("rises until the cores are busy (>= 90%): {v}"),
-    );
+    let peak_rss = throughput_rows(&mut t, &plan, &d);
 
     // --- Idle after load, then memory with many sessions.
     // Twice: the first period after the load may see a thread pool wind down.

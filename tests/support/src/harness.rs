@@ -211,9 +211,15 @@ pub fn connect_as(d: &Daemon, uid: u32, groups: &str) -> Command {
 impl Daemon {
     /// Shipped policies plus `tests/tools/*.toml`.
     pub fn new() -> Daemon {
+        Daemon::new_in(&std::env::temp_dir())
+    }
+
+    /// [`Daemon::new`] with its dir (workspace, state, socket) made under `base`, on
+    /// `base`'s filesystem.
+    pub fn new_in(base: &Path) -> Daemon {
         let dir = tempfile::Builder::new()
             .prefix("airlock-test-")
-            .tempdir()
+            .tempdir_in(base)
             .expect("tempdir");
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
             .expect("chmod");
