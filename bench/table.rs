@@ -403,13 +403,7 @@ const TMPFS_MAGIC: i64 = 0x0102_1994;
 /// The filesystem type (`statfs` f_type) of `path`.
 #[allow(clippy::unnecessary_cast)] // f_type is not an i64 on every architecture.
 fn fs_type(path: &Path) -> Option<i64> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
-    // SAFETY: `c` is a NUL-terminated path and `st` room for one statfs, which the kernel
-    // fills on success (read only then).
-    let rc = unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) };
-    // SAFETY: statfs returned 0: `st` is initialised.
-    (rc == 0).then(|| unsafe { st.assume_init() }.f_type as i64)
+    rustix::fs::statfs(path).ok().map(|st| st.f_type as i64)
 }
 
 fn dev_of(path: &Path) -> u64 {

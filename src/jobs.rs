@@ -514,17 +514,12 @@ impl JobStore {
         if !pending.durable {
             return (Ok(()), beside());
         }
-        let data = pending
-            .file
-            .try_clone()
-            .map(|file| crate::sync_pool::run(move || file.sync_data()));
+        let data = crate::sync_pool::sync_file(&pending.file, std::fs::File::sync_data);
         let inner = Arc::clone(&self.inner);
         let dir = crate::sync_pool::run(move || inner.dir_sync.after_rename(&inner.dir));
         let r = beside();
-        // A task that never reported panicked in fsync: that fsync failed.
-        let failed = || Err(std::io::Error::from_raw_os_error(libc::EIO));
-        let data = data.and_then(|p| p.wait().unwrap_or_else(failed));
-        let dir = dir.wait().unwrap_or_else(failed);
+        let data = data.and_then(crate::sync_pool::Pending::wait_io);
+        let dir = dir.wait_io();
         let synced = data
             .map_err(|source| JobError::Io {
                 op: "fsync",

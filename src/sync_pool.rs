@@ -53,6 +53,24 @@ impl<T> Pending<T> {
     }
 }
 
+impl<T> Pending<std::io::Result<T>> {
+    /// Waits for an I/O task; one that panicked (in fsync, say) failed: EIO, never success.
+    pub fn wait_io(self) -> std::io::Result<T> {
+        self.wait()
+            .unwrap_or_else(|| Err(std::io::Error::from_raw_os_error(libc::EIO)))
+    }
+}
+
+/// Runs `sync` (`File::sync_data` or `File::sync_all`) of `file` on a pool thread, through
+/// a duplicate of its descriptor.
+pub fn sync_file(
+    file: &std::fs::File,
+    sync: fn(&std::fs::File) -> std::io::Result<()>,
+) -> std::io::Result<Pending<std::io::Result<()>>> {
+    let file = file.try_clone()?;
+    Ok(run(move || sync(&file)))
+}
+
 /// Runs `f` on a pool thread, at once: an idle thread takes it, or a new one is started.
 pub fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Pending<T> {
     let (tx, rx) = mpsc::sync_channel(1);

@@ -656,17 +656,10 @@ impl Staged {
     /// Makes the staged file's content durable (no failpoint: its write passed one) on a
     /// thread of [`crate::sync_pool`], while `beside` runs on the calling thread.
     pub fn sync_beside<R>(&self, beside: impl FnOnce() -> R) -> (Result<(), SessionError>, R) {
-        let synced = self
-            .file
-            .try_clone()
-            .map(|file| crate::sync_pool::run(move || file.sync_all()));
+        let synced = crate::sync_pool::sync_file(&self.file, std::fs::File::sync_all);
         let r = beside();
-        // A task that never reported panicked in fsync: that fsync failed.
         let synced = synced
-            .and_then(|p| {
-                p.wait()
-                    .unwrap_or_else(|| Err(std::io::Error::from_raw_os_error(libc::EIO)))
-            })
+            .and_then(crate::sync_pool::Pending::wait_io)
             .map_err(|source| SessionError::Io {
                 op: "fsync",
                 path: self.path.clone(),
