@@ -429,6 +429,32 @@ fn run_direct(cmd: &mut Command) -> Duration {
     })
 }
 
+/// The CPU time of the daemon's live threads (the first field of each
+/// `/proc/PID/task/*/schedstat`, in ns): with no thread ending in between, the difference of
+/// two readings is what the daemon itself ran (its workers, spawner and templates are other
+/// processes and not counted).
+fn daemon_cpu(pid: u32) -> Duration {
+    let mut ns = 0u64;
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            ns += std::fs::read_to_string(t.path().join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Duration::from_nanos(ns)
+}
+
+/// `f` (a series of `calls` calls) and the daemon's CPU time per call over it, as a note
+/// for the row.
+fn with_daemon_cpu<T>(pid: u32, calls: usize, f: impl FnOnce() -> T) -> (T, String) {
+    let before = daemon_cpu(pid);
+    let out = f();
+    let per_call = daemon_cpu(pid).saturating_sub(before) / calls.max(1) as u32;
+    (out, format!("daemon CPU {} ms/call", ms(per_call)))
+}
+
 /// Per thread of the daemon: (times scheduled, context switches).
 fn wakeups(pid: u32) -> std::collections::BTreeMap<String, (u64, u64)> {
     let mut out = std::collections::BTreeMap::new();
@@ -903,25 +929,39 @@ fn which(cmd: &str) -> Option<String> {
     })
 }
 
-/// The external read rows: `cat` of 1 KiB run directly and as an external read call
-/// (`traced`: the call's syscalls traced into the bench output as well).
+/// The medians the floor of an external read call is made of.
+#[derive(Clone, Copy)]
+struct ReadFloor {
+    /// An external read call of /bin/true: the MCP round trip and the sandboxed spawn.
+    ext_true: Duration,
+    /// Bare fork/exec/wait of /bin/true.
+    bare: Duration,
+}
+
+/// The external read rows: `cat` of 1 KiB run directly and as an external read call, the
+/// daemon's CPU per call, and the floor of such a call (`trace`: the call's syscalls traced
+/// into the bench output as well).
 fn read_rows(
     t: &mut Table,
     plan: &Plan,
     c: &mut Conn,
     src: &std::path::Path,
-    traced_pid: Option<u32>,
+    pid: u32,
+    trace: bool,
+    floor: ReadFloor,
 ) {
     let direct_cat = Series::measure(plan.iters, || {
         run_direct(Command::new("/bin/cat").arg("--").arg(src))
     });
     t.row("direct run: `cat` of 1 KiB", &direct_cat, "", "");
-    let read = Series::measure(plan.iters, || {
-        timed(|| {
-            c.call("bench_cat", json!({"src": "in-1k"}));
+    let (read, read_cpu) = with_daemon_cpu(pid, plan.iters + 1, || {
+        Series::measure(plan.iters, || {
+            timed(|| {
+                c.call("bench_cat", json!({"src": "in-1k"}));
+            })
         })
     });
-    if let Some(pid) = traced_pid {
+    if trace {
         traced(pid, "external-read", || {
             for _ in 0..50 {
                 c.call("bench_cat", json!({"src": "in-1k"}));
@@ -933,8 +973,26 @@ fn read_rows(
     t.row(
         "external read call: `cat` of 1 KiB",
         &read,
-        &format!("{r:.1}x direct"),
+        &format!("{r:.1}x direct; {read_cpu}"),
         &format!("<= 1.5x: {v}"),
+    );
+    // The floor of any external read call that runs `cat` as a sandboxed worker: the call of
+    // /bin/true (MCP round trip and sandboxed spawn) plus what `cat` adds to /bin/true run
+    // directly. No argument checked, no output captured: a lower bound.
+    let f = floor.ext_true + direct_cat.p50().saturating_sub(floor.bare);
+    let r_floor = f.as_secs_f64() / direct_cat.p50().as_secs_f64();
+    t.text(
+        "floor of an external read call: external read call of /bin/true + (direct `cat` - bare) (medians above)",
+        format!("{} ms", ms(f)),
+        &format!(
+            "{r_floor:.1}x direct `cat`; the read call is {:.1}x this floor",
+            read.p50().as_secs_f64() / f.as_secs_f64()
+        ),
+        if r_floor > 1.5 {
+            "reported: 1.5x direct is below this floor"
+        } else {
+            "reported"
+        },
     );
 }
 
@@ -1158,26 +1216,31 @@ fn main() {
             )
         }
     }
-    let builtin = Series::measure(plan.iters, || {
-        timed(|| {
-            c.call("session_get", json!({"session": "bench"}));
+    // Series::measure makes one warm-up call before its n.
+    let (builtin, builtin_cpu) = with_daemon_cpu(pid, plan.iters + 1, || {
+        Series::measure(plan.iters, || {
+            timed(|| {
+                c.call("session_get", json!({"session": "bench"}));
+            })
         })
     });
-    let ext_true = Series::measure(plan.iters, || {
-        timed(|| {
-            c.call("bench_true", json!({}));
+    let (ext_true, ext_true_cpu) = with_daemon_cpu(pid, plan.iters + 1, || {
+        Series::measure(plan.iters, || {
+            timed(|| {
+                c.call("bench_true", json!({}));
+            })
         })
     });
     t.row(
         "built-in read call (`session_get`), the MCP round trip",
         &builtin,
-        "",
+        &builtin_cpu,
         "reported",
     );
     t.row(
         "external read call of /bin/true (spawn + MCP + audit)",
         &ext_true,
-        "",
+        &ext_true_cpu,
         "",
     );
     let spawn = Series(
@@ -1208,8 +1271,12 @@ fn main() {
             &format!(">= 3x: {v}"),
         );
     }
+    let read_floor = ReadFloor {
+        ext_true: ext_true.p50(),
+        bare: bare.p50(),
+    };
     if only_spawn {
-        read_rows(&mut t, &plan, &mut c, &src, None);
+        read_rows(&mut t, &plan, &mut c, &src, pid, false, read_floor);
         t.print();
         return;
     }
@@ -1264,12 +1331,14 @@ fn main() {
         "",
         "",
     );
-    let write = Series::measure(plan.iters, || {
-        timed(|| {
-            c.call(
-                "bench_copy",
-                json!({"session": "bench", "src": "in-1k", "out": "out-1k"}),
-            );
+    let (write, write_cpu) = with_daemon_cpu(pid, plan.iters + 1, || {
+        Series::measure(plan.iters, || {
+            timed(|| {
+                c.call(
+                    "bench_copy",
+                    json!({"session": "bench", "src": "in-1k", "out": "out-1k"}),
+                );
+            })
         })
     });
     traced(pid, "durable-write", || {
@@ -1293,7 +1362,7 @@ fn main() {
     t.row(
         "durable write call: `cp` 1 KiB published, state committed, audited",
         &write,
-        &format!("{r:.1}x direct `cp`; {r_hand:.1}x the durable copy by hand"),
+        &format!("{r:.1}x direct `cp`; {r_hand:.1}x the durable copy by hand; {write_cpu}"),
         &format!("<= 3x direct `cp`: {v}; <= 1.5x by hand: {v_hand}"),
     );
     // The floor of any durable write call that runs `cp` as a sandboxed worker: the MCP
@@ -1316,7 +1385,7 @@ fn main() {
             "reported"
         },
     );
-    read_rows(&mut t, &plan, &mut c, &src, Some(pid));
+    read_rows(&mut t, &plan, &mut c, &src, pid, true, read_floor);
 
     // --- Publication cost, 1 KiB vs big: the call minus the same command run directly. For
     // the big file, each direct run is followed by an `fdatasync` of what it wrote, timed
