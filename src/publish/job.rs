@@ -124,6 +124,96 @@ fn seal(fd: BorrowedFd<'_>, st: &rustix::fs::Stat, mode: u32) -> Result<(), Errn
     )
 }
 
+/// A job dir just made, nothing in it yet: the workspace root (a dup of its fd), the dir's
+/// name there and its path. A failure before it becomes a [`Job`] removes it
+/// ([`NewJobDir::remove`]).
+struct NewJobDir {
+    root: OwnedFd,
+    name: String,
+    dir: PathBuf,
+}
+
+impl NewJobDir {
+    /// Makes `.airlock-job-<id>/` with `mode` in the workspace root.
+    fn make(ws: &Workspace, id: &str, mode: u32) -> Result<NewJobDir, PublishError> {
+        let name = format!("{JOB_DIR_PREFIX}{id}");
+        let dir = ws.root().join(&name);
+        let root = ws.fd().try_clone_to_owned().map_err(|e| PublishError::Io {
+            op: "dup workspace fd",
+            path: ws.root().into(),
+            source: e,
+        })?;
+        mutate("publish.mkdir_job", &dir, || {
+            rustix::fs::mkdirat(root.as_fd(), name.as_str(), Mode::from_raw_mode(mode))
+        })?;
+        Ok(NewJobDir { root, name, dir })
+    }
+
+    /// Opens the job dir, makes its `stage/` (0700) and opens that: (job dir, stage dir). A
+    /// `mode` that lets others through (0711: a worker with its own uid) is set again, since
+    /// mkdir's passed the umask (systemd's UMask=0077 makes it 0700, which would shut the
+    /// worker out of its staging dir).
+    fn open_with_stage(&self, mode: u32) -> Result<(OwnedFd, OwnedFd), PublishError> {
+        let dir = &self.dir;
+        let fd = open_dir_beneath(self.root.as_fd(), &self.name)
+            .map_err(|e| io("open job dir", dir, e))?;
+        if mode & 0o077 != 0 {
+            mutate("publish.chmod_job", dir, || {
+                rustix::fs::fchmod(fd.as_fd(), Mode::from_raw_mode(mode))
+            })?;
+        }
+        let stage = dir.join(STAGE);
+        mutate("publish.mkdir_stage", &stage, || {
+            rustix::fs::mkdirat(fd.as_fd(), STAGE, Mode::from_raw_mode(0o700))
+        })?;
+        let stage_fd =
+            open_dir_beneath(fd.as_fd(), STAGE).map_err(|e| io("open stage dir", &stage, e))?;
+        Ok((fd, stage_fd))
+    }
+
+    /// The job this dir is made for, now that it holds its stage (`fd`: the job dir) and
+    /// `journal` is what it will write: nothing published yet, the default hash limit.
+    fn into_job(self, ws: &Workspace, spec: JobSpec, fd: OwnedFd, journal: Journal) -> Job {
+        Job {
+            spec,
+            dir: self.dir,
+            name: self.name,
+            root: self.root,
+            root_path: ws.root().to_path_buf(),
+            fd,
+            journal,
+            hash_limit: super::DEFAULT_HASH_LIMIT,
+            published: Vec::new(),
+            trees: Vec::new(),
+            undo_keep: None,
+            taken: None,
+        }
+    }
+
+    /// Removes the half-made dir of job `id` (`what`: "job", "undo job"); what it cannot
+    /// remove is logged and left to startup recovery.
+    fn remove(&self, id: &str, what: &str) {
+        if let Err(c) = remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir) {
+            tracing::warn!(job = %id, error = %crate::report::chain(&c), "could not remove a half-made {what} dir; startup recovery will");
+        }
+    }
+}
+
+/// Makes target `i`'s slot, `stage/<i>` (0700), in the stage dir `stage_fd` (at `stage`):
+/// its name and path.
+fn mkdir_slot(
+    stage_fd: BorrowedFd<'_>,
+    stage: &Path,
+    i: usize,
+) -> Result<(String, PathBuf), PublishError> {
+    let slot = i.to_string();
+    let slot_path = stage.join(&slot);
+    mutate("publish.mkdir_slot", &slot_path, || {
+        rustix::fs::mkdirat(stage_fd, slot.as_str(), Mode::from_raw_mode(0o700))
+    })?;
+    Ok((slot, slot_path))
+}
+
 impl Job {
     /// Creates `.airlock-job-<id>/` (0700, or 0711 for a worker with its own uid) with its
     /// staging dir (the worker's, when it has its own uid). No journal and no fsync: until
@@ -131,16 +221,9 @@ impl Job {
     /// removes it, whether or not it survived a crash.
     pub fn create(ws: &Workspace, spec: JobSpec) -> Result<Job, PublishError> {
         check_spec(&spec)?;
-        let name = format!("{JOB_DIR_PREFIX}{}", spec.id);
-        let dir = ws.root().join(&name);
-        let root = ws.fd().try_clone_to_owned().map_err(|e| PublishError::Io {
-            op: "dup workspace fd",
-            path: ws.root().into(),
-            source: e,
-        })?;
         // No journal is written here any more, so nothing would notice a full filesystem
         // before the worker does (and many tools report ENOSPC vaguely): say it now.
-        if rustix::fs::fstatvfs(root.as_fd()).is_ok_and(|v| v.f_bavail == 0) {
+        if rustix::fs::fstatvfs(ws.fd()).is_ok_and(|v| v.f_bavail == 0) {
             return Err(PublishError::Io {
                 op: "check free space in the workspace",
                 path: ws.root().into(),
@@ -152,25 +235,11 @@ impl Job {
         } else {
             0o700
         };
-        mutate("publish.mkdir_job", &dir, || {
-            rustix::fs::mkdirat(root.as_fd(), name.as_str(), Mode::from_raw_mode(job_mode))
-        })?;
+        let made_dir = NewJobDir::make(ws, &spec.id, job_mode)?;
+        let NewJobDir { root, dir, .. } = &made_dir;
         let made = (|| {
-            let fd =
-                open_dir_beneath(root.as_fd(), &name).map_err(|e| io("open job dir", &dir, e))?;
-            if job_mode == 0o711 {
-                // mkdir's mode passed the umask (systemd's UMask=0077 makes it 0700, which
-                // would shut the worker out of its staging dir): set it whatever the umask.
-                mutate("publish.chmod_job", &dir, || {
-                    rustix::fs::fchmod(fd.as_fd(), Mode::from_raw_mode(job_mode))
-                })?;
-            }
+            let (fd, stage_fd) = made_dir.open_with_stage(job_mode)?;
             let stage = dir.join(STAGE);
-            mutate("publish.mkdir_stage", &stage, || {
-                rustix::fs::mkdirat(fd.as_fd(), STAGE, Mode::from_raw_mode(0o700))
-            })?;
-            let stage_fd =
-                open_dir_beneath(fd.as_fd(), STAGE).map_err(|e| io("open stage dir", &stage, e))?;
             let give = |dirfd: BorrowedFd<'_>, name: &str, path: &Path| match spec.stage_owner {
                 None => Ok(()),
                 Some((uid, gid)) => mutate("publish.chown_stage", path, || {
@@ -189,11 +258,7 @@ impl Job {
             let mut targets = Vec::with_capacity(spec.targets.len());
             let mut trees = Vec::with_capacity(spec.targets.len());
             for (i, target) in spec.targets.iter().enumerate() {
-                let slot = i.to_string();
-                let slot_path = stage.join(&slot);
-                mutate("publish.mkdir_slot", &slot_path, || {
-                    rustix::fs::mkdirat(stage_fd.as_fd(), slot.as_str(), Mode::from_raw_mode(0o700))
-                })?;
+                let (slot, slot_path) = mkdir_slot(stage_fd.as_fd(), &stage, i)?;
                 give(stage_fd.as_fd(), slot.as_str(), &slot_path)?;
                 let base = target.file_name().unwrap_or(OsStr::new("output"));
                 let kind = spec.kinds.get(i).copied().unwrap_or_default();
@@ -276,22 +341,10 @@ impl Job {
         match made {
             Ok((fd, journal, trees)) => Ok(Job {
                 trees,
-                spec,
-                dir,
-                name,
-                root,
-                root_path: ws.root().to_path_buf(),
-                fd,
-                journal,
-                hash_limit: super::DEFAULT_HASH_LIMIT,
-                published: Vec::new(),
-                undo_keep: None,
-                taken: None,
+                ..made_dir.into_job(ws, spec, fd, journal)
             }),
             Err(e) => {
-                if let Err(c) = remove_tree(root.as_fd(), OsStr::new(&name), &dir) {
-                    tracing::warn!(job = %spec.id, error = %crate::report::chain(&c), "could not remove a half-made job dir; startup recovery will");
-                }
+                made_dir.remove(&spec.id, "job");
                 Err(e)
             }
         }

@@ -132,17 +132,8 @@ pub(in crate::publish) fn rollback(
         let Some((pfd, name)) = reachable_parent(root, root_path, dir)? else {
             continue;
         };
-        match mutate("publish.rollback_rmdir", &abs, || {
-            rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::REMOVEDIR)
-        }) {
-            Ok(()) => fsync_dir(pfd.as_fd(), &abs)?,
-            // Gone already, or no longer ours to remove (not empty, not a directory).
-            Err(PublishError::Io { source, .. })
-                if matches!(
-                    source.raw_os_error(),
-                    Some(libc::ENOENT | libc::ENOTEMPTY | libc::EEXIST | libc::ENOTDIR)
-                ) => {}
-            Err(e) => return Err(e),
+        if remove_empty_dir("publish.rollback_rmdir", pfd.as_fd(), name, &abs)? {
+            fsync_dir(pfd.as_fd(), &abs)?;
         }
     }
     Ok(out)
@@ -281,7 +272,7 @@ pub(in crate::publish) fn unreachable_targets(
 /// The open parent of a journaled dir and the dir's name, or `None` when the parent is not
 /// reachable beneath the root any more (gone, a symlink, not a dir, another mount): such a
 /// dir is not ours to touch.
-fn reachable_parent<'d>(
+pub(super) fn reachable_parent<'d>(
     root: BorrowedFd<'_>,
     root_path: &Path,
     dir: &'d Path,
@@ -293,5 +284,30 @@ fn reachable_parent<'d>(
         Ok(fd) => Ok(Some((fd, name))),
         Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::XDEV) => Ok(None),
         Err(e) => Err(io("open parent dir", &root_path.join(parent), e)),
+    }
+}
+
+/// Removes the journaled dir `name` in `parent` (at `abs`) if it is empty, through the
+/// failpoint `op`: whether it went. One gone already, or no longer ours to remove (not empty,
+/// not a directory: someone put something there since), stays.
+pub(super) fn remove_empty_dir(
+    op: &'static str,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    abs: &Path,
+) -> Result<bool, PublishError> {
+    match mutate(op, abs, || {
+        rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR)
+    }) {
+        Ok(()) => Ok(true),
+        Err(PublishError::Io { source, .. })
+            if matches!(
+                source.raw_os_error(),
+                Some(libc::ENOENT | libc::ENOTEMPTY | libc::EEXIST | libc::ENOTDIR)
+            ) =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(e),
     }
 }

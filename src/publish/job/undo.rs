@@ -11,6 +11,7 @@ use super::super::undo::{
     backup_name, drop_generation_at, drop_generations_at, generation_dir, keep_backups,
     snapshot_tree, write_record, Before, UndoRecord, UndoTarget,
 };
+use super::rollback::{reachable_parent, remove_empty_dir};
 use super::*;
 
 /// What a job keeps for its undo, asked before its publication.
@@ -250,16 +251,8 @@ impl Job {
             inout: vec![true; n],
         };
         check_spec(&spec)?;
-        let name = format!("{JOB_DIR_PREFIX}{id}");
-        let dir = ws.root().join(&name);
-        let root = ws.fd().try_clone_to_owned().map_err(|e| PublishError::Io {
-            op: "dup workspace fd",
-            path: ws.root().into(),
-            source: e,
-        })?;
-        mutate("publish.mkdir_job", &dir, || {
-            rustix::fs::mkdirat(root.as_fd(), name.as_str(), Mode::from_raw_mode(0o700))
-        })?;
+        let made_dir = NewJobDir::make(ws, id, 0o700)?;
+        let NewJobDir { root, dir, .. } = &made_dir;
         let gen_rel = generation_dir(&rec.session, &rec.job);
         let gen_abs = ws.root().join(&gen_rel);
         let mut taken = Taken {
@@ -267,25 +260,15 @@ impl Job {
             backups: Vec::new(),
         };
         let made = (|| {
-            let fd =
-                open_dir_beneath(root.as_fd(), &name).map_err(|e| io("open job dir", &dir, e))?;
+            let (fd, stage_fd) = made_dir.open_with_stage(0o700)?;
             let stage = dir.join(STAGE);
-            mutate("publish.mkdir_stage", &stage, || {
-                rustix::fs::mkdirat(fd.as_fd(), STAGE, Mode::from_raw_mode(0o700))
-            })?;
-            let stage_fd =
-                open_dir_beneath(fd.as_fd(), STAGE).map_err(|e| io("open stage dir", &stage, e))?;
             let gen = open_dir_beneath(root.as_fd(), &gen_rel)
                 .map_err(|e| io("open undo dir", &gen_abs, e))?;
             let mut targets = Vec::with_capacity(n);
             let mut published = Vec::with_capacity(n);
             let mut taken_syncs = Syncs::default();
             for (i, t) in rec.targets.iter().enumerate() {
-                let slot = i.to_string();
-                let slot_path = stage.join(&slot);
-                mutate("publish.mkdir_slot", &slot_path, || {
-                    rustix::fs::mkdirat(stage_fd.as_fd(), slot.as_str(), Mode::from_raw_mode(0o700))
-                })?;
+                let (slot, slot_path) = mkdir_slot(stage_fd.as_fd(), &stage, i)?;
                 let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
                     .map_err(|e| io("open staging dir", &slot_path, e))?;
                 let base = t.target.file_name().unwrap_or(OsStr::new("output"));
@@ -383,23 +366,14 @@ impl Job {
         match made {
             Ok((fd, journal, published)) => Ok(Job {
                 trees: rec.targets.iter().map(|t| t.tree.clone()).collect(),
-                spec,
-                dir,
-                name,
-                root,
-                root_path: ws.root().to_path_buf(),
-                fd,
-                journal,
                 hash_limit,
                 published,
-                undo_keep: None,
                 taken: Some(taken),
+                ..made_dir.into_job(ws, spec, fd, journal)
             }),
             Err(e) => {
-                give_back(root.as_fd(), ws.root(), &dir, &taken, &rec.targets);
-                if let Err(c) = remove_tree(root.as_fd(), OsStr::new(&name), &dir) {
-                    tracing::warn!(job = %id, error = %crate::report::chain(&c), "could not remove a half-made undo job dir; startup recovery will");
-                }
+                give_back(root.as_fd(), ws.root(), dir, &taken, &rec.targets);
+                made_dir.remove(id, "undo job");
                 Err(e)
             }
         }
@@ -430,23 +404,11 @@ impl Job {
         let root = self.root.as_fd();
         for d in &self.journal.removed_dirs {
             let abs = self.root_path.join(d);
-            let Some((parent, name)) = split_target(d) else {
+            let Some((pfd, name)) = reachable_parent(root, &self.root_path, d)? else {
                 continue;
             };
-            let Ok(pfd) = open_dir_beneath(root, parent) else {
-                continue;
-            };
-            match mutate("publish.undo_rmdir", &abs, || {
-                rustix::fs::unlinkat(pfd.as_fd(), name, AtFlags::REMOVEDIR)
-            }) {
-                Ok(()) => renamed.push("publish.fsync_renamed", pfd, &self.root_path),
-                // Gone, or holding what someone else put there since: it stays.
-                Err(PublishError::Io { source, .. })
-                    if matches!(
-                        source.raw_os_error(),
-                        Some(libc::ENOENT | libc::ENOTEMPTY | libc::EEXIST | libc::ENOTDIR)
-                    ) => {}
-                Err(e) => return Err(e),
+            if remove_empty_dir("publish.undo_rmdir", pfd.as_fd(), name, &abs)? {
+                renamed.push("publish.fsync_renamed", pfd, &self.root_path);
             }
         }
         Ok(renamed)
