@@ -446,13 +446,14 @@ fn daemon_cpu(pid: u32) -> Duration {
     Duration::from_nanos(ns)
 }
 
-/// `f` (a series of `calls` calls) and the daemon's CPU time per call over it, as a note
-/// for the row.
-fn with_daemon_cpu<T>(pid: u32, calls: usize, f: impl FnOnce() -> T) -> (T, String) {
+/// `n` timed runs of `call` (a call to the daemon `pid`) after a warm-up, as
+/// [`Series::measure`] makes them, and the daemon's CPU time per call over all of them, as a
+/// note for the row.
+fn measure_call(pid: u32, n: usize, mut call: impl FnMut()) -> (Series, String) {
     let before = daemon_cpu(pid);
-    let out = f();
-    let per_call = daemon_cpu(pid).saturating_sub(before) / calls.max(1) as u32;
-    (out, format!("daemon CPU {} ms/call", ms(per_call)))
+    let series = Series::measure(n, || timed(&mut call));
+    let per_call = daemon_cpu(pid).saturating_sub(before) / (n + 1) as u32;
+    (series, format!("daemon CPU {} ms/call", ms(per_call)))
 }
 
 /// Per thread of the daemon: (times scheduled, context switches).
@@ -929,13 +930,51 @@ fn which(cmd: &str) -> Option<String> {
     })
 }
 
-/// The medians the floor of an external read call is made of.
+/// What every call running a command as a sandboxed worker pays at least, from medians of
+/// this run: the external read call of /bin/true (the MCP round trip and the sandboxed
+/// spawn), against bare fork/exec/wait of /bin/true.
 #[derive(Clone, Copy)]
-struct ReadFloor {
-    /// An external read call of /bin/true: the MCP round trip and the sandboxed spawn.
+struct SpawnFloor {
     ext_true: Duration,
-    /// Bare fork/exec/wait of /bin/true.
     bare: Duration,
+}
+
+impl SpawnFloor {
+    /// The floor of a call running the command whose direct runs are `direct`: the call of
+    /// /bin/true plus what the command adds to /bin/true run directly.
+    fn running(&self, direct: &Series) -> Duration {
+        self.ext_true + direct.p50().saturating_sub(self.bare)
+    }
+}
+
+impl Table {
+    /// A floor row: `floor` against the `baseline`'s median (named `baseline_name`), and
+    /// how far the median of `call` (named `call_name`) is above it.
+    fn floor(
+        &mut self,
+        what: &str,
+        floor: Duration,
+        baseline: &Series,
+        baseline_name: &str,
+        call: &Series,
+        call_name: &str,
+    ) {
+        let r_floor = floor.as_secs_f64() / baseline.p50().as_secs_f64();
+        let target = if r_floor > 1.5 {
+            format!("reported: 1.5x {baseline_name} is below this floor")
+        } else {
+            "reported".to_string()
+        };
+        self.text(
+            what,
+            format!("{} ms", ms(floor)),
+            &format!(
+                "{r_floor:.1}x {baseline_name}; {call_name} is {:.1}x this floor",
+                call.p50().as_secs_f64() / floor.as_secs_f64()
+            ),
+            &target,
+        );
+    }
 }
 
 /// The external read rows: `cat` of 1 KiB run directly and as an external read call, the
@@ -948,18 +987,14 @@ fn read_rows(
     src: &std::path::Path,
     pid: u32,
     trace: bool,
-    floor: ReadFloor,
+    floor: SpawnFloor,
 ) {
     let direct_cat = Series::measure(plan.iters, || {
         run_direct(Command::new("/bin/cat").arg("--").arg(src))
     });
     t.row("direct run: `cat` of 1 KiB", &direct_cat, "", "");
-    let (read, read_cpu) = with_daemon_cpu(pid, plan.iters + 1, || {
-        Series::measure(plan.iters, || {
-            timed(|| {
-                c.call("bench_cat", json!({"src": "in-1k"}));
-            })
-        })
+    let (read, read_cpu) = measure_call(pid, plan.iters, || {
+        c.call("bench_cat", json!({"src": "in-1k"}));
     });
     if trace {
         traced(pid, "external-read", || {
@@ -976,23 +1011,15 @@ fn read_rows(
         &format!("{r:.1}x direct; {read_cpu}"),
         &format!("<= 1.5x: {v}"),
     );
-    // The floor of any external read call that runs `cat` as a sandboxed worker: the call of
-    // /bin/true (MCP round trip and sandboxed spawn) plus what `cat` adds to /bin/true run
-    // directly. No argument checked, no output captured: a lower bound.
-    let f = floor.ext_true + direct_cat.p50().saturating_sub(floor.bare);
-    let r_floor = f.as_secs_f64() / direct_cat.p50().as_secs_f64();
-    t.text(
+    // The floor of any external read call that runs `cat` as a sandboxed worker. No
+    // argument checked, no output captured: a lower bound.
+    t.floor(
         "floor of an external read call: external read call of /bin/true + (direct `cat` - bare) (medians above)",
-        format!("{} ms", ms(f)),
-        &format!(
-            "{r_floor:.1}x direct `cat`; the read call is {:.1}x this floor",
-            read.p50().as_secs_f64() / f.as_secs_f64()
-        ),
-        if r_floor > 1.5 {
-            "reported: 1.5x direct is below this floor"
-        } else {
-            "reported"
-        },
+        floor.running(&direct_cat),
+        &direct_cat,
+        "direct `cat`",
+        &read,
+        "the read call",
     );
 }
 
@@ -1216,20 +1243,11 @@ fn main() {
             )
         }
     }
-    // Series::measure makes one warm-up call before its n.
-    let (builtin, builtin_cpu) = with_daemon_cpu(pid, plan.iters + 1, || {
-        Series::measure(plan.iters, || {
-            timed(|| {
-                c.call("session_get", json!({"session": "bench"}));
-            })
-        })
+    let (builtin, builtin_cpu) = measure_call(pid, plan.iters, || {
+        c.call("session_get", json!({"session": "bench"}));
     });
-    let (ext_true, ext_true_cpu) = with_daemon_cpu(pid, plan.iters + 1, || {
-        Series::measure(plan.iters, || {
-            timed(|| {
-                c.call("bench_true", json!({}));
-            })
-        })
+    let (ext_true, ext_true_cpu) = measure_call(pid, plan.iters, || {
+        c.call("bench_true", json!({}));
     });
     t.row(
         "built-in read call (`session_get`), the MCP round trip",
@@ -1271,12 +1289,12 @@ fn main() {
             &format!(">= 3x: {v}"),
         );
     }
-    let read_floor = ReadFloor {
+    let spawn_floor = SpawnFloor {
         ext_true: ext_true.p50(),
         bare: bare.p50(),
     };
     if only_spawn {
-        read_rows(&mut t, &plan, &mut c, &src, pid, false, read_floor);
+        read_rows(&mut t, &plan, &mut c, &src, pid, false, spawn_floor);
         t.print();
         return;
     }
@@ -1331,15 +1349,11 @@ fn main() {
         "",
         "",
     );
-    let (write, write_cpu) = with_daemon_cpu(pid, plan.iters + 1, || {
-        Series::measure(plan.iters, || {
-            timed(|| {
-                c.call(
-                    "bench_copy",
-                    json!({"session": "bench", "src": "in-1k", "out": "out-1k"}),
-                );
-            })
-        })
+    let (write, write_cpu) = measure_call(pid, plan.iters, || {
+        c.call(
+            "bench_copy",
+            json!({"session": "bench", "src": "in-1k", "out": "out-1k"}),
+        );
     });
     traced(pid, "durable-write", || {
         for _ in 0..50 {
@@ -1369,23 +1383,15 @@ fn main() {
     // round trip, the sandboxed spawn, what `cp` adds to /bin/true (direct `cp` minus bare
     // fork/exec), and the durable work the copy by hand does (in this process, above),
     // each measured here. No commit record, no journal, no audit: a lower bound.
-    let floor =
-        builtin.p50() + spawn.p50() + direct_cp.p50().saturating_sub(bare.p50()) + in_process.p50();
-    let r_floor = floor.as_secs_f64() / by_hand.p50().as_secs_f64();
-    t.text(
+    t.floor(
         "floor of a durable write call: MCP round trip + sandboxed spawn + (direct `cp` - bare) + durable copy in process (medians above)",
-        format!("{} ms", ms(floor)),
-        &format!(
-            "{r_floor:.1}x the durable copy by hand; the write call is {:.1}x this floor",
-            write.p50().as_secs_f64() / floor.as_secs_f64()
-        ),
-        if r_floor > 1.5 {
-            "reported: 1.5x by hand is below this floor"
-        } else {
-            "reported"
-        },
+        spawn_floor.running(&direct_cp) + in_process.p50(),
+        &by_hand,
+        "the durable copy by hand",
+        &write,
+        "the write call",
     );
-    read_rows(&mut t, &plan, &mut c, &src, pid, true, read_floor);
+    read_rows(&mut t, &plan, &mut c, &src, pid, true, spawn_floor);
 
     // --- Publication cost, 1 KiB vs big: the call minus the same command run directly. For
     // the big file, each direct run is followed by an `fdatasync` of what it wrote, timed
