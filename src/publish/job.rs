@@ -131,6 +131,8 @@ struct NewJobDir {
     root: OwnedFd,
     name: String,
     dir: PathBuf,
+    /// The mode it was made with.
+    mode: u32,
 }
 
 impl NewJobDir {
@@ -146,14 +148,20 @@ impl NewJobDir {
         mutate("publish.mkdir_job", &dir, || {
             rustix::fs::mkdirat(root.as_fd(), name.as_str(), Mode::from_raw_mode(mode))
         })?;
-        Ok(NewJobDir { root, name, dir })
+        Ok(NewJobDir {
+            root,
+            name,
+            dir,
+            mode,
+        })
     }
 
     /// Opens the job dir, makes its `stage/` (0700) and opens that: (job dir, stage dir). A
-    /// `mode` that lets others through (0711: a worker with its own uid) is set again, since
+    /// mode that lets others through (0711: a worker with its own uid) is set again, since
     /// mkdir's passed the umask (systemd's UMask=0077 makes it 0700, which would shut the
     /// worker out of its staging dir).
-    fn open_with_stage(&self, mode: u32) -> Result<(OwnedFd, OwnedFd), PublishError> {
+    fn open_with_stage(&self) -> Result<(OwnedFd, OwnedFd), PublishError> {
+        let mode = self.mode;
         let dir = &self.dir;
         let fd = open_dir_beneath(self.root.as_fd(), &self.name)
             .map_err(|e| io("open job dir", dir, e))?;
@@ -238,7 +246,7 @@ impl Job {
         let made_dir = NewJobDir::make(ws, &spec.id, job_mode)?;
         let NewJobDir { root, dir, .. } = &made_dir;
         let made = (|| {
-            let (fd, stage_fd) = made_dir.open_with_stage(job_mode)?;
+            let (fd, stage_fd) = made_dir.open_with_stage()?;
             let stage = dir.join(STAGE);
             let give = |dirfd: BorrowedFd<'_>, name: &str, path: &Path| match spec.stage_owner {
                 None => Ok(()),

@@ -260,7 +260,7 @@ impl Job {
             backups: Vec::new(),
         };
         let made = (|| {
-            let (fd, stage_fd) = made_dir.open_with_stage(0o700)?;
+            let (fd, stage_fd) = made_dir.open_with_stage()?;
             let stage = dir.join(STAGE);
             let gen = open_dir_beneath(root.as_fd(), &gen_rel)
                 .map_err(|e| io("open undo dir", &gen_abs, e))?;
