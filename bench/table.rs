@@ -8,7 +8,7 @@
 //! socket and its command line, never through the crate's internals.
 
 use std::ffi::CString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -394,9 +394,10 @@ fn durable_copy_by_hand(args: &[String]) -> std::io::Result<()> {
 /// each made durable as the call makes it, one after another: a job dir holding `stage/0`
 /// (the copy is made there), the journal `recovery.json`; an undo generation dir and its
 /// `undo.json`; the session file written under a temp name and renamed over the last one;
-/// a job record (kept, and not fsynced: the call is not keyed). After the copy is renamed into place, the journal, the job dir's
-/// tree and the previous undo generation are removed, as the call's cleanup does. Seven
-/// inodes made and freed per copy besides the output, and the job record.
+/// a job record (kept, and not fsynced: the call is not keyed). After the copy is renamed
+/// into place, the journal, the job dir's tree and the previous undo generation are
+/// removed, as the call's cleanup does. Seven inodes made and freed per copy besides the
+/// output, and the job record.
 fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     use std::fs;
     use std::io::Write;
@@ -415,22 +416,18 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     fs::create_dir(job.join("stage"))?;
     fs::create_dir(&slot)?;
     let staged = slot.join("out");
-    {
-        let mut from = fs::File::open(src)?;
-        let mut to = fs::File::create(&staged)?;
-        std::io::copy(&mut from, &mut to)?;
-        to.sync_data()?;
-    }
+    let out_dir = out.parent().unwrap_or(Path::new("."));
+    copy_synced(src, &staged)?;
     write_synced(&job.join("recovery.json"), &record)?;
     sync_dir(&job)?;
-    sync_dir(out.parent().unwrap_or(Path::new(".")))?;
+    sync_dir(out_dir)?;
     fs::rename(&staged, out)?;
     let generation = undo.join(&id);
     fs::create_dir(&generation)?;
     write_synced(&generation.join("undo.json"), &record)?;
     sync_dir(&generation)?;
     sync_dir(&undo)?;
-    sync_dir(out.parent().unwrap_or(Path::new(".")))?;
+    sync_dir(out_dir)?;
     sync_dir(&slot)?;
     write_synced(&sessions.join(".s.json.tmp"), &record[..100])?;
     fs::write(jobs.join(format!("{id}.json")), record)?;
@@ -453,13 +450,18 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
 /// The durable copy by hand's work: copy `src` to `tmp`, `fdatasync` it, `rename` it to
 /// `out`, `fsync` the directory.
 fn durable_copy(src: &Path, tmp: &Path, out: &Path) -> std::io::Result<()> {
-    let mut from = std::fs::File::open(src)?;
-    let mut to = std::fs::File::create(tmp)?;
-    std::io::copy(&mut from, &mut to)?;
-    to.sync_data()?;
+    copy_synced(src, tmp)?;
     std::fs::rename(tmp, out)?;
     let dir = out.parent().unwrap_or(Path::new("."));
     std::fs::File::open(dir)?.sync_all()
+}
+
+/// `src` copied to a new file `to`, whose data is then made durable (`fdatasync`).
+fn copy_synced(src: &Path, to: &Path) -> std::io::Result<()> {
+    let mut from = std::fs::File::open(src)?;
+    let mut to = std::fs::File::create(to)?;
+    std::io::copy(&mut from, &mut to)?;
+    to.sync_data()
 }
 
 /// `statfs`'s f_type of tmpfs.
@@ -1090,6 +1092,34 @@ fn read_rows(
 
 /// The throughput rows: durable write calls/s over 1, 2, 4, 8 and 16 sessions on 16
 /// connections, and where they saturate. Returns the daemon's peak RSS (KiB) under that load.
+/// 16 copiers at once, copier `i` running `per_conn` durable copies by hand one after
+/// another, each this binary re-executed with [`BY_HAND`] and `args(i)`: the copies per
+/// second over all of them.
+fn copiers_at_once(per_conn: usize, args: impl Fn(usize) -> Vec<PathBuf>) -> f64 {
+    let me = std::env::current_exe().expect("the bench's own executable");
+    let args: Vec<Vec<PathBuf>> = (0..16).map(args).collect();
+    let t0 = Instant::now();
+    std::thread::scope(|scope| {
+        for args in &args {
+            let me = &me;
+            scope.spawn(move || {
+                for _ in 0..per_conn {
+                    let status = Command::new(me)
+                        .arg(BY_HAND)
+                        .args(args)
+                        .status()
+                        .expect("the durable copy by hand runs");
+                    assert!(
+                        status.success(),
+                        "the durable copy by hand {args:?}: {status}"
+                    );
+                }
+            });
+        }
+    });
+    (16 * per_conn) as f64 / t0.elapsed().as_secs_f64()
+}
+
 fn throughput_rows(t: &mut Table, plan: &Plan, d: &Daemon) -> u64 {
     let mut peak_rss = 0;
     let mut rates = Vec::new();
@@ -1146,30 +1176,16 @@ fn throughput_rows(t: &mut Table, plan: &Plan, d: &Daemon) -> u64 {
     );
     // The floor under the target on this machine: the durable copy by hand, 16 processes
     // at once (one per connection above), as many copies as the calls of one run.
-    let me = std::env::current_exe().expect("the bench's own executable");
     let src = d.workspace.join("in-1k");
     let dir = d.dir.path().join("by-hand-16");
     std::fs::create_dir_all(&dir).expect("by-hand-16 dir");
-    let t0 = Instant::now();
-    std::thread::scope(|scope| {
-        for i in 0..16 {
-            let (me, src, dir) = (&me, &src, &dir);
-            scope.spawn(move || {
-                let (tmp, out) = (dir.join(format!("{i}.tmp")), dir.join(i.to_string()));
-                for _ in 0..plan.per_conn {
-                    let status = Command::new(me)
-                        .arg(BY_HAND)
-                        .arg(src)
-                        .arg(&tmp)
-                        .arg(&out)
-                        .status()
-                        .expect("the durable copy by hand runs");
-                    assert!(status.success(), "the durable copy by hand: {status}");
-                }
-            });
-        }
+    let by_hand = copiers_at_once(plan.per_conn, |i| {
+        vec![
+            src.clone(),
+            dir.join(format!("{i}.tmp")),
+            dir.join(i.to_string()),
+        ]
     });
-    let by_hand = (16 * plan.per_conn) as f64 / t0.elapsed().as_secs_f64();
     let (_, at16, _) = &rates[rates.len() - 1];
     t.text(
         "durable copies by hand/s, 16 processes at once (the floor under the throughput target)",
@@ -1183,39 +1199,22 @@ fn throughput_rows(t: &mut Table, plan: &Plan, d: &Daemon) -> u64 {
     );
     // The same 16 copiers, each copy also laid out in a write call's files: what today's
     // file layout costs this filesystem, with no daemon, no worker sandbox, no MCP.
-    let t0 = Instant::now();
-    std::thread::scope(|scope| {
-        for i in 0..16 {
-            let (me, src, dir) = (&me, &src, &dir);
-            let files = dir.join(format!("call-files-{i}"));
-            for sub in ["jobs", "undo", "sessions"] {
-                std::fs::create_dir_all(files.join(sub)).expect("call files dir");
-            }
-            scope.spawn(move || {
-                let out = dir.join(format!("laid-out-{i}"));
-                for _ in 0..plan.per_conn {
-                    let status = Command::new(me)
-                        .arg(BY_HAND)
-                        .arg(src)
-                        .arg("-")
-                        .arg(&out)
-                        .arg(&files)
-                        .status()
-                        .expect("the durable copy in a write call's files runs");
-                    assert!(
-                        status.success(),
-                        "the durable copy in a write call's files: {status}"
-                    );
-                }
-                assert_eq!(
-                    std::fs::read(&out).expect("the copy laid out in a write call's files"),
-                    std::fs::read(src).expect("in-1k"),
-                    "the copy laid out in a write call's files copied the file"
-                );
-            });
+    let laid_out_at = |i: usize| dir.join(format!("laid-out-{i}"));
+    let laid_out = copiers_at_once(plan.per_conn, |i| {
+        let files = dir.join(format!("call-files-{i}"));
+        for sub in ["jobs", "undo", "sessions"] {
+            std::fs::create_dir_all(files.join(sub)).expect("call files dir");
         }
+        // No temp name: the copy is staged in the job dir's slot.
+        vec![src.clone(), PathBuf::from("-"), laid_out_at(i), files]
     });
-    let laid_out = (16 * plan.per_conn) as f64 / t0.elapsed().as_secs_f64();
+    for i in 0..16 {
+        assert_eq!(
+            std::fs::read(laid_out_at(i)).expect("the copy laid out in a write call's files"),
+            std::fs::read(&src).expect("in-1k"),
+            "the copy laid out in a write call's files copied the file"
+        );
+    }
     t.text(
         "durable copies by hand/s, 16 processes at once, each also making, syncing and removing a write call's own files (job dir, `stage`, slot, journal, undo generation and record, session file; an unkeyed job record kept)",
         format!("{laid_out:.0}/s"),
