@@ -54,6 +54,8 @@ pub struct Job {
     trees: Vec<Option<copy::TreeOrigin>>,
     /// Undo data to keep at the commit, if asked for ([`Job::keep_undo`]).
     undo_keep: Option<UndoKeep>,
+    /// The slot of its session's undo data its record went into, once written.
+    undo_slot: Option<&'static str>,
     /// An undo's: the backups it took from the undone job's undo data.
     taken: Option<undo::Taken>,
 }
@@ -194,6 +196,7 @@ impl NewJobDir {
             published: Vec::new(),
             trees: Vec::new(),
             undo_keep: None,
+            undo_slot: None,
             taken: None,
         }
     }

@@ -22,8 +22,10 @@
 //!     the job's one journal: `journal_write` (`publishing_outputs`), then together
 //!     `fsync_output` x3 (the outputs' data), `fsync_journal`, `fsync_job_dir`, `fsync_root`;
 //!     `mkdir_parent` x2 (`n`, `n/m`), `exchange` (a.txt), `rename_noreplace` x2, the undo
-//!     record if one is kept (`undo_mkdir`, `undo_write`), then together `fsync_renamed` per
-//!     changed dir (each parent, each staging slot), `fsync_undo` per undo dir that changed,
+//!     record if one is kept (`undo_mkdir` for each undo dir a session's first commit makes,
+//!     `undo_clear` per stray entry of the slot, `undo_write`), then together `fsync_renamed`
+//!     per changed dir (each parent, each staging slot), `fsync_undo` for the record and per
+//!     undo dir whose entries changed,
 //!     and the caller's own records due before the commit point (`prepare`), then the
 //!     caller's `commit()`, then `cleanup_unlink` of the journal and `fsync_unlink` (under
 //!     the session's lock), then `cleanup_unlink` / `cleanup_rmdir` (and `cleanup_chmod` for

@@ -1,36 +1,43 @@
-//! Undo data: the backups of a session's latest commit, kept past the commit in
-//! `<root>/.airlock-undo/<session>/<job>/`, with the record that says what to put back
-//! (`undo.json`). One generation per session: a commit that keeps its own drops the
-//! previous one, and so does a commit that keeps none (it is no longer the latest).
+//! Undo data: the backups of a session's latest commit, kept past the commit in one of two
+//! slots of its session, `<root>/.airlock-undo/<session>/g0|g1/`, with the record that says
+//! what to put back (`undo.json`) and the backups `b<i>`. A commit writes into the slot of
+//! its new version's parity, so never into the slot of the session's latest commit (each
+//! commit is the version after the one before). The slots are reused: a record is rewritten
+//! in place, so a call allocates no inode for its undo data and syncs one file.
 //!
 //! Order, for a job that keeps undo data (`Job::keep_undo`):
-//! 1. after its renames and before its commit point: `undo.json` written and made durable in
-//!    a new `<job>/` dir ([`write_record`]); the backups are still in the job dir;
+//! 1. after its renames and before its commit point: the slot cleared of what an older job
+//!    left there and `undo.json` rewritten and made durable ([`write_record`]); the backups
+//!    are still in the job dir;
 //! 2. the commit point (the session file records the job);
-//! 3. each backup renamed from the job dir into `<job>/b<i>` ([`keep_backups`]; startup
+//! 3. each backup renamed from the job dir into `b<i>` of the slot ([`keep_backups`]; startup
 //!    recovery does the same for a committed job whose dir it finds, so a crash between 2
 //!    and 3 loses nothing);
-//! 4. every other generation of the session removed ([`drop_generations`]).
+//! 4. the other slot blanked: its backups removed, its record truncated to nothing
+//!    ([`drop_generations`]); a commit that keeps no undo data removes the session's slots.
 //!
 //! Undo data is used only while its record is complete (every backup there, with the
 //! identity the record names) and the session file's last commit is its job: a crash at any
-//! point leaves data that is either that, or dropped at the next start ([`sweep`]). The
-//! directory is under the workspace root because its backups must be renamed there and back
-//! (one filesystem, never a copy); its name is reserved, so no path parameter reaches it.
+//! point leaves data that is either that, or unused and blanked or dropped at the next start
+//! ([`sweep`]). The directory is under the workspace root because its backups must be
+//! renamed there and back (one filesystem, never a copy); its name is reserved, so no path
+//! parameter reaches it.
 
 use std::ffi::{OsStr, OsString};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{FileType, Mode, OFlags, RenameFlags};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::copy::{tree_differs, Conflict, Origin, TreeOrigin};
 use super::journal::Journal;
-use super::sys::{file_type, io, mutate, open_beneath, open_dir_beneath, stat_at, FileId, Syncs};
+use super::sys::{
+    file_type, io, mutate, nlink, open_beneath, open_dir_beneath, stat_at, FileId, Syncs,
+};
 use super::tree::remove_tree;
 use super::workspace::split_target;
 use super::{OutputKind, PublishError, Workspace};
@@ -108,8 +115,6 @@ pub enum Unusable {
     Missing,
     #[error("its undo record cannot be read")]
     Damaged(#[source] Box<PublishError>),
-    #[error("its undo record is not this job's")]
-    OtherJob,
     #[error("its backup of {} is gone", .target.display())]
     BackupGone { target: PathBuf },
 }
@@ -122,9 +127,17 @@ pub struct Changed {
     pub what: Conflict,
 }
 
-/// `.airlock-undo/<session>` and `.airlock-undo/<session>/<job>`, relative to the root.
-pub(super) fn generation_dir(session: &str, job: &str) -> PathBuf {
-    Path::new(UNDO_DIR).join(session).join(job)
+/// The two slots of a session's undo data.
+pub const SLOTS: [&str; 2] = ["g0", "g1"];
+
+/// The slot a commit to `version_after` writes: never the slot of the commit before it.
+pub(super) fn slot_of(version_after: u64) -> &'static str {
+    SLOTS[(version_after % 2) as usize]
+}
+
+/// `.airlock-undo/<session>/<slot>`, relative to the root.
+pub(super) fn generation_dir(session: &str, slot: &str) -> PathBuf {
+    Path::new(UNDO_DIR).join(session).join(slot)
 }
 
 /// Makes `name` in `parent` a directory (0700), an existing one kept; whether it made it.
@@ -140,16 +153,51 @@ fn mkdir_private(parent: BorrowedFd<'_>, name: &str, abs: &Path) -> Result<bool,
     }
 }
 
-/// Writes `rec` as a new generation of its session: `<job>/undo.json`, and adds to `syncs`
-/// what makes it durable (the file, its dir and every dir above it up to the root whose
-/// entries changed), which the caller runs before the commit point of `rec.job`. A dir of
-/// the same job left by a crash is replaced.
+/// Removes entry `name` of `dir`, whatever it is (a tree without following a symlink).
+fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, abs: &Path) -> Result<(), PublishError> {
+    match stat_at(dir, name).map_err(|e| io("stat", abs, e))? {
+        None => Ok(()),
+        Some(st) if file_type(&st) == FileType::Directory => remove_tree(dir, name, abs),
+        Some(_) => mutate("publish.undo_clear", abs, || {
+            match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
+                Err(Errno::NOENT) => Ok(()),
+                r => r,
+            }
+        }),
+    }
+}
+
+/// Opens a slot's record for rewriting in place: only the daemon's own regular file with one
+/// link, never through a symlink, a FIFO or a hard link planted there (`None`: there is none
+/// such, and whatever is there is removed).
+fn reusable_record(
+    gen: BorrowedFd<'_>,
+    path: &Path,
+) -> Result<Option<std::fs::File>, PublishError> {
+    let flags = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+    if let Ok(fd) = rustix::fs::openat(gen, UNDO_RECORD, flags, Mode::empty()) {
+        let st = rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat", path, e))?;
+        let own = st.st_uid == rustix::process::geteuid().as_raw();
+        if file_type(&st) == FileType::RegularFile && nlink(&st) == 1 && own {
+            return Ok(Some(std::fs::File::from(fd)));
+        }
+    }
+    remove_entry(gen, OsStr::new(UNDO_RECORD), path)?;
+    Ok(None)
+}
+
+/// Writes `rec` as the generation of its session in the slot of its version
+/// ([`slot_of`]): the slot cleared of anything but its record, the record rewritten in place
+/// (or made, the first time), and adds to `syncs` what makes it durable (the file, and each
+/// dir up to the root whose entries changed), which the caller runs before the commit point
+/// of `rec.job`. Returns the slot.
 pub(super) fn write_record(
     root: BorrowedFd<'_>,
     root_path: &Path,
     rec: &UndoRecord,
     syncs: &mut Syncs,
-) -> Result<(), PublishError> {
+) -> Result<&'static str, PublishError> {
+    let slot = slot_of(rec.version_after);
     let top_abs = root_path.join(UNDO_DIR);
     let new_top = mkdir_private(root, UNDO_DIR, &top_abs)?;
     let top = open_dir_beneath(root, UNDO_DIR).map_err(|e| io("open undo dir", &top_abs, e))?;
@@ -157,52 +205,95 @@ pub(super) fn write_record(
     let new_sess = mkdir_private(top.as_fd(), &rec.session, &sess_abs)?;
     let sess = open_dir_beneath(top.as_fd(), &rec.session)
         .map_err(|e| io("open undo dir", &sess_abs, e))?;
-    let gen_abs = sess_abs.join(&rec.job);
-    remove_tree(sess.as_fd(), OsStr::new(&rec.job), &gen_abs)?;
-    mkdir_private(sess.as_fd(), &rec.job, &gen_abs)?;
-    let gen =
-        open_dir_beneath(sess.as_fd(), &rec.job).map_err(|e| io("open undo dir", &gen_abs, e))?;
+    let gen_abs = sess_abs.join(slot);
+    let new_gen = mkdir_private(sess.as_fd(), slot, &gen_abs)?;
+    let gen = open_dir_beneath(sess.as_fd(), slot).map_err(|e| io("open undo dir", &gen_abs, e))?;
+    // What an older job left (its backups, if a crash kept them from being removed).
+    for name in names(gen.as_fd(), &gen_abs)? {
+        if name != UNDO_RECORD {
+            remove_entry(gen.as_fd(), &name, &gen_abs.join(&name))?;
+        }
+    }
     let path = gen_abs.join(UNDO_RECORD);
     let bytes = serde_json::to_vec(rec).map_err(|e| PublishError::Io {
         op: "serialize undo record",
         path: path.clone(),
         source: std::io::Error::other(e),
     })?;
-    let fd = mutate("publish.undo_write", &path, || {
-        rustix::fs::openat(
-            gen.as_fd(),
-            UNDO_RECORD,
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )
-    })?;
-    let mut file = std::fs::File::from(fd);
+    let (mut file, made) = match reusable_record(gen.as_fd(), &path)? {
+        Some(f) => {
+            mutate("publish.undo_write", &path, || rustix::fs::ftruncate(&f, 0))?;
+            (f, false)
+        }
+        None => {
+            let fd = mutate("publish.undo_write", &path, || {
+                rustix::fs::openat(
+                    gen.as_fd(),
+                    UNDO_RECORD,
+                    OFlags::WRONLY
+                        | OFlags::CREATE
+                        | OFlags::EXCL
+                        | OFlags::NOFOLLOW
+                        | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o600),
+                )
+            })?;
+            (std::fs::File::from(fd), true)
+        }
+    };
     file.write_all(&bytes).map_err(|e| PublishError::Io {
         op: "write undo record",
         path: path.clone(),
         source: e,
     })?;
     syncs.push("publish.fsync_undo", file.into(), &path);
-    // Each dir whose entries changed: the record's, the generation's, and above them only
+    // Each dir whose entries changed: the slot's if its record is new, and above it only
     // what this write created.
-    syncs.push("publish.fsync_undo", gen, &gen_abs);
-    syncs.push("publish.fsync_undo", sess, &sess_abs);
+    if made {
+        syncs.push("publish.fsync_undo", gen, &gen_abs);
+    }
+    if new_gen {
+        syncs.push("publish.fsync_undo", sess, &sess_abs);
+    }
     if new_sess {
         syncs.push("publish.fsync_undo", top, &top_abs);
     }
     if new_top {
         syncs.push_dup("publish.fsync_undo", root, root_path)?;
     }
+    Ok(slot)
+}
+
+/// Blanks slot `slot` of `session`: every backup in it removed and its record truncated to
+/// nothing (a record written for a job that did not commit, or a generation that is no
+/// longer the latest). Not made durable: a record left by a crash is not its session's
+/// latest commit's, so nothing uses it, and the next write to the slot or the next start
+/// clears it.
+fn blank_slot(sess: BorrowedFd<'_>, slot: &str, abs: &Path) -> Result<(), PublishError> {
+    let gen = match open_dir_beneath(sess, slot) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(()),
+        Err(_) => return remove_entry(sess, OsStr::new(slot), abs),
+    };
+    for name in names(gen.as_fd(), abs)? {
+        if name != UNDO_RECORD {
+            remove_entry(gen.as_fd(), &name, &abs.join(&name))?;
+        }
+    }
+    let path = abs.join(UNDO_RECORD);
+    if let Some(f) = reusable_record(gen.as_fd(), &path)? {
+        mutate("publish.undo_clear", &path, || rustix::fs::ftruncate(&f, 0))?;
+    }
     Ok(())
 }
 
-/// Removes generation `job` of `session` (a record written for a job that did not commit,
-/// or whose record could not be made durable). Not made durable, as [`drop_generations`].
+/// Blanks slot `slot` of `session` (see [`blank_slot`]): the record a job wrote that will not
+/// be used.
 pub(super) fn drop_generation_at(
     root: BorrowedFd<'_>,
     root_path: &Path,
     session: &str,
-    job: &str,
+    slot: &str,
 ) -> Result<(), PublishError> {
     let sess_rel = Path::new(UNDO_DIR).join(session);
     let sess_abs = root_path.join(&sess_rel);
@@ -211,70 +302,86 @@ pub(super) fn drop_generation_at(
         Err(Errno::NOENT) => return Ok(()),
         Err(e) => return Err(io("open undo dir", &sess_abs, e)),
     };
-    remove_tree(sess.as_fd(), OsStr::new(job), &sess_abs.join(job))
+    blank_slot(sess.as_fd(), slot, &sess_abs.join(slot))
 }
 
-/// Reads the record of generation `job` of `session` (bounded, never through a symlink).
-pub(super) fn read_record(
+/// Reads the record in `slot` of `session` (bounded, never through a symlink); `None` when
+/// the slot has none, or a blank one.
+fn read_slot(
     root: BorrowedFd<'_>,
     root_path: &Path,
     session: &str,
-    job: &str,
-) -> Result<UndoRecord, Unusable> {
-    let rel = generation_dir(session, job).join(UNDO_RECORD);
+    slot: &str,
+) -> Result<Option<UndoRecord>, PublishError> {
+    let rel = generation_dir(session, slot).join(UNDO_RECORD);
     let path = root_path.join(&rel);
-    let damaged = |e: PublishError| Unusable::Damaged(Box::new(e));
     let fd = match open_beneath(root, &rel, OFlags::RDONLY | OFlags::NONBLOCK) {
         Ok(fd) => fd,
-        Err(Errno::NOENT) => return Err(Unusable::Missing),
-        Err(e) => return Err(damaged(io("open undo record", &path, e))),
+        Err(Errno::NOENT) => return Ok(None),
+        Err(e) => return Err(io("open undo record", &path, e)),
     };
-    let st = rustix::fs::fstat(fd.as_fd()).map_err(|e| damaged(io("stat", &path, e)))?;
+    let st = rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat", &path, e))?;
     if file_type(&st) != FileType::RegularFile {
-        return Err(damaged(io("read undo record", &path, Errno::INVAL)));
+        return Err(io("read undo record", &path, Errno::INVAL));
     }
     let mut bytes = Vec::new();
     std::fs::File::from(fd)
         .take(MAX_RECORD + 1)
         .read_to_end(&mut bytes)
-        .map_err(|e| {
-            damaged(PublishError::Io {
-                op: "read undo record",
-                path: path.clone(),
-                source: e,
-            })
-        })?;
-    if bytes.len() as u64 > MAX_RECORD {
-        return Err(damaged(io("read undo record", &path, Errno::FBIG)));
-    }
-    let rec: UndoRecord = serde_json::from_slice(&bytes).map_err(|e| {
-        damaged(PublishError::Io {
-            op: "parse undo record",
+        .map_err(|e| PublishError::Io {
+            op: "read undo record",
             path: path.clone(),
-            source: std::io::Error::other(e),
-        })
-    })?;
-    if rec.version != UNDO_VERSION || rec.job != job || rec.session != session {
-        return Err(Unusable::OtherJob);
+            source: e,
+        })?;
+    if bytes.is_empty() {
+        return Ok(None);
     }
-    Ok(rec)
+    if bytes.len() as u64 > MAX_RECORD {
+        return Err(io("read undo record", &path, Errno::FBIG));
+    }
+    let rec: UndoRecord = serde_json::from_slice(&bytes).map_err(|e| PublishError::Io {
+        op: "parse undo record",
+        path: path.clone(),
+        source: std::io::Error::other(e),
+    })?;
+    Ok(Some(rec))
 }
 
-/// The record of generation `job` of `session`, if it is complete: every backup it names is
-/// there with the identity it names.
-pub fn load(ws: &Workspace, session: &str, job: &str) -> Result<UndoRecord, Unusable> {
-    load_at(ws.fd(), ws.root(), session, job)
+/// Whether `rec`, read from a slot of `session`, is job `job`'s record.
+fn names_job(rec: &UndoRecord, session: &str, job: &str) -> bool {
+    rec.version == UNDO_VERSION && rec.job == job && rec.session == session
 }
 
-fn load_at(
+/// The slot of `session` whose record is job `job`'s, and the record.
+pub(super) fn find(
     root: BorrowedFd<'_>,
     root_path: &Path,
     session: &str,
     job: &str,
-) -> Result<UndoRecord, Unusable> {
-    let rec = read_record(root, root_path, session, job)?;
-    let dir = generation_dir(session, job);
-    let gen = open_dir_beneath(root, &dir).map_err(|_| Unusable::Missing)?;
+) -> Result<(&'static str, UndoRecord), Unusable> {
+    let mut damaged = None;
+    for slot in SLOTS {
+        match read_slot(root, root_path, session, slot) {
+            Ok(Some(rec)) if names_job(&rec, session, job) => return Ok((slot, rec)),
+            Ok(_) => {}
+            Err(e) => damaged = Some(e),
+        }
+    }
+    Err(damaged.map_or(Unusable::Missing, |e| Unusable::Damaged(Box::new(e))))
+}
+
+/// The record of job `job` of `session`, if its generation is complete: every backup it
+/// names is there with the identity it names.
+pub fn load(ws: &Workspace, session: &str, job: &str) -> Result<UndoRecord, Unusable> {
+    let (slot, rec) = find(ws.fd(), ws.root(), session, job)?;
+    complete(ws.fd(), &generation_dir(session, slot), &rec)?;
+    Ok(rec)
+}
+
+/// Whether every backup `rec` names is in `dir` (relative to the root) with the identity,
+/// size and mtime it names.
+fn complete(root: BorrowedFd<'_>, dir: &Path, rec: &UndoRecord) -> Result<(), Unusable> {
+    let gen = open_dir_beneath(root, dir).map_err(|_| Unusable::Missing)?;
     for t in &rec.targets {
         if let Before::Backup {
             name,
@@ -294,13 +401,13 @@ fn load_at(
             }
         }
     }
-    Ok(rec)
+    Ok(())
 }
 
 /// Moves the backups of committed job `journal` from its job dir into its generation, if
-/// that generation's record is there and names the job (the job kept undo data). Idempotent:
-/// a backup already moved is skipped. Called right after the commit, and by recovery for a
-/// committed job whose dir a crash left.
+/// one of its session's slots holds its record (the job kept undo data). Idempotent: a
+/// backup already moved is skipped. Called right after the commit, and by recovery for a
+/// committed job whose dir it finds.
 pub(super) fn keep_backups(
     root: BorrowedFd<'_>,
     root_path: &Path,
@@ -308,11 +415,11 @@ pub(super) fn keep_backups(
     job_dir: &Path,
     journal: &Journal,
 ) -> Result<bool, PublishError> {
-    let rec = match read_record(root, root_path, &journal.session, &journal.job) {
-        Ok(r) => r,
+    let (slot, rec) = match find(root, root_path, &journal.session, &journal.job) {
+        Ok(found) => found,
         Err(_) => return Ok(false),
     };
-    let dir_rel = generation_dir(&journal.session, &journal.job);
+    let dir_rel = generation_dir(&journal.session, slot);
     let dir_abs = root_path.join(&dir_rel);
     let gen = open_dir_beneath(root, &dir_rel).map_err(|e| io("open undo dir", &dir_abs, e))?;
     let mut syncs = Syncs::default();
@@ -361,9 +468,10 @@ pub(super) fn keep_backups(
     Ok(true)
 }
 
-/// Removes every generation of `session` but `keep` (all of them for `None`, and then the
-/// session's dir). Not made durable: a generation left by a crash is not its session's latest
-/// commit's, so nothing uses it, and the next start removes it.
+/// Drops every generation of `session` but the one in slot `keep`: the other slot blanked
+/// ([`blank_slot`]) and anything else in the session's dir removed; for `None`, the session's
+/// dir is removed. Not made durable: a generation left by a crash is not its session's latest
+/// commit's, so nothing uses it, and the next start drops it.
 pub fn drop_generations(
     ws: &Workspace,
     session: &str,
@@ -385,17 +493,20 @@ pub(super) fn drop_generations_at(
         Err(e) => return Err(io("open undo dir", &top_abs, e)),
     };
     let sess_abs = top_abs.join(session);
-    if keep.is_none() {
+    let Some(keep) = keep else {
         return remove_tree(top.as_fd(), OsStr::new(session), &sess_abs);
-    }
+    };
     let sess = match open_dir_beneath(top.as_fd(), session) {
         Ok(fd) => fd,
         Err(Errno::NOENT) => return Ok(()),
         Err(e) => return Err(io("open undo dir", &sess_abs, e)),
     };
     for name in names(sess.as_fd(), &sess_abs)? {
-        if Some(name.as_os_str()) != keep.map(OsStr::new) {
-            remove_tree(sess.as_fd(), &name, &sess_abs.join(&name))?;
+        let abs = sess_abs.join(&name);
+        match name.to_str() {
+            Some(n) if n == keep => {}
+            Some(n) if SLOTS.contains(&n) => blank_slot(sess.as_fd(), n, &abs)?,
+            _ => remove_entry(sess.as_fd(), &name, &abs)?,
         }
     }
     Ok(())
@@ -427,14 +538,15 @@ fn names(fd: BorrowedFd<'_>, abs: &Path) -> Result<Vec<OsString>, PublishError> 
 #[derive(Debug, Clone)]
 pub struct Swept {
     pub session: String,
+    /// The job its record names, or the entry's name when it names none.
     pub job: String,
     /// Why it was removed (`None`: kept, its session's latest commit's).
     pub removed: Option<String>,
 }
 
-/// At startup, after recovery: keeps each session's generation only if it is complete and
+/// At startup, after recovery: keeps one generation per session, only if it is complete and
 /// `latest(session, job)` (the session file's last commit is its job); removes every other
-/// entry of `.airlock-undo/`.
+/// entry of `.airlock-undo/` (a blank slot is kept beside a kept generation, for reuse).
 pub fn sweep(
     ws: &Workspace,
     latest: &dyn Fn(&str, &str) -> bool,
@@ -453,24 +565,47 @@ pub fn sweep(
         let sess = match open_dir_beneath(top.as_fd(), &sname) {
             Ok(fd) => fd,
             Err(_) => {
-                remove_tree(top.as_fd(), &sname, &sess_abs)?;
+                remove_entry(top.as_fd(), &sname, &sess_abs)?;
                 continue;
             }
         };
         let mut kept = 0;
-        for jname in names(sess.as_fd(), &sess_abs)? {
-            let job = jname.to_string_lossy().into_owned();
-            let why = if !crate::session::valid_id(&session) {
-                Some("not a session's".to_string())
-            } else if !latest(&session, &job) {
-                Some("not its session's latest commit".to_string())
-            } else {
-                load_at(root, root_path, &session, &job)
-                    .err()
-                    .map(|e| crate::report::chain(&e).to_string())
+        for ename in names(sess.as_fd(), &sess_abs)? {
+            let abs = sess_abs.join(&ename);
+            let slot = ename.to_str().filter(|n| SLOTS.contains(n));
+            let rec = match slot {
+                Some(slot) => read_slot(root, root_path, &session, slot),
+                None => Ok(None),
+            };
+            let job = match &rec {
+                Ok(Some(r)) => r.job.clone(),
+                _ => ename.to_string_lossy().into_owned(),
+            };
+            let why = match (slot, rec) {
+                (None, _) => Some("not an undo slot".to_string()),
+                (Some(_), Ok(None)) => {
+                    // Blank: nothing to report, nothing to use.
+                    continue;
+                }
+                (Some(_), Err(e)) => Some(crate::report::chain(&e).to_string()),
+                (Some(slot), Ok(Some(r))) => {
+                    if !crate::session::valid_id(&session) {
+                        Some("not a session's".to_string())
+                    } else if !names_job(&r, &session, &r.job) {
+                        Some("not this session's record".to_string())
+                    } else if !latest(&session, &r.job) {
+                        Some("not its session's latest commit".to_string())
+                    } else if kept > 0 {
+                        Some("a second generation of its session".to_string())
+                    } else {
+                        complete(root, &generation_dir(&session, slot), &r)
+                            .err()
+                            .map(|e| crate::report::chain(&e).to_string())
+                    }
+                }
             };
             if why.is_some() {
-                remove_tree(sess.as_fd(), &jname, &sess_abs.join(&jname))?;
+                remove_entry(sess.as_fd(), &ename, &abs)?;
             } else {
                 kept += 1;
             }

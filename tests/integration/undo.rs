@@ -555,11 +555,12 @@ async fn planted_undo_data_is_never_used() {
     d.stop();
     // A planted generation for another job, and the real one's backup swapped for another
     // file of the same size (which may well take the freed inode number).
-    let gen = d.workspace.join(".airlock-undo/s");
-    std::fs::create_dir_all(gen.join("planted")).unwrap();
-    std::fs::write(gen.join("planted/undo.json"), "{}").unwrap();
-    std::fs::remove_file(gen.join(&j).join("b0")).unwrap();
-    std::fs::write(gen.join(&j).join("b0"), "bad").unwrap();
+    let sess = d.workspace.join(".airlock-undo/s");
+    std::fs::create_dir_all(sess.join("planted")).unwrap();
+    std::fs::write(sess.join("planted/undo.json"), "{}").unwrap();
+    let gen = d.undo_generation_dir("s", &j).expect("the job's undo data");
+    std::fs::remove_file(gen.join("b0")).unwrap();
+    std::fs::write(gen.join("b0"), "bad").unwrap();
     d.start();
     let c = d.client().await;
     assert!(

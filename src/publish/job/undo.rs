@@ -8,8 +8,8 @@
 //! so that publication, rollback and recovery are the ones every job has.
 
 use super::super::undo::{
-    backup_name, drop_generation_at, drop_generations_at, generation_dir, keep_backups,
-    snapshot_tree, write_record, Before, UndoRecord, UndoTarget,
+    backup_name, drop_generation_at, drop_generations_at, find, generation_dir, keep_backups,
+    snapshot_tree, write_record, Before, UndoRecord, UndoTarget, Unusable, UNDO_DIR,
 };
 use super::rollback::{reachable_parent, remove_empty_dir};
 use super::*;
@@ -94,7 +94,10 @@ impl Job {
         let status = match self.undo_record(keep) {
             Ok(Ok(rec)) => match write_record(self.root.as_fd(), &self.root_path, &rec, &mut syncs)
             {
-                Ok(()) => UndoStatus::Kept,
+                Ok(slot) => {
+                    self.undo_slot = Some(slot);
+                    UndoStatus::Kept
+                }
                 Err(e) => {
                     tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "cannot write the undo record; the job will not be undoable");
                     syncs = Syncs::default();
@@ -107,16 +110,16 @@ impl Job {
         (status, syncs)
     }
 
-    /// Removes the undo record this job wrote, which will not be used (its fsyncs or the
-    /// job's failed). Best effort: a generation left behind is not its session's latest
-    /// commit's, so nothing uses it, and the session's next commit or the next start drops it.
+    /// Blanks the undo record this job wrote, which will not be used (its fsyncs or the
+    /// job's failed). Best effort: a record left behind is not its session's latest
+    /// commit's, so nothing uses it, and the slot's next write or the next start clears it.
     pub(super) fn drop_own_undo(&self) {
-        if let Err(e) = drop_generation_at(
-            self.root.as_fd(),
-            &self.root_path,
-            &self.spec.session,
-            &self.spec.id,
-        ) {
+        let Some(slot) = self.undo_slot else {
+            return;
+        };
+        if let Err(e) =
+            drop_generation_at(self.root.as_fd(), &self.root_path, &self.spec.session, slot)
+        {
             tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "cannot remove an unused undo record; the next start will");
         }
     }
@@ -217,7 +220,7 @@ impl Job {
             }
             other => other,
         };
-        let keep = status.kept().then_some(self.spec.id.as_str());
+        let keep = self.undo_slot.filter(|_| status.kept());
         if let Err(e) = drop_generations_at(root, root_path, session, keep) {
             tracing::warn!(%session, error = %crate::report::chain(&e), "cannot remove older undo data; the next start will");
         }
@@ -253,7 +256,17 @@ impl Job {
         check_spec(&spec)?;
         let made_dir = NewJobDir::make(ws, id, 0o700)?;
         let NewJobDir { root, dir, .. } = &made_dir;
-        let gen_rel = generation_dir(&rec.session, &rec.job);
+        let (slot, _) = find(ws.fd(), ws.root(), &rec.session, &rec.job).map_err(|e| {
+            io(
+                "find undo data",
+                &ws.root().join(UNDO_DIR).join(&rec.session),
+                match e {
+                    Unusable::Missing => Errno::NOENT,
+                    Unusable::Damaged(_) | Unusable::BackupGone { .. } => Errno::INVAL,
+                },
+            )
+        })?;
+        let gen_rel = generation_dir(&rec.session, slot);
         let gen_abs = ws.root().join(&gen_rel);
         let mut taken = Taken {
             dir: gen_rel.clone(),

@@ -44,6 +44,45 @@ impl Undone {
         job.publish_and_commit_undoable(|_, _| commit(&marker, "j1"))
     }
 
+    /// Job `job` replacing `a.txt` with `text` at version `version_before` + 1, keeping undo
+    /// data.
+    fn commit_a(
+        &self,
+        job: &str,
+        version_before: u64,
+        text: &str,
+    ) -> Result<UndoStatus, PublishError> {
+        let ws = Workspace::open(self.root())?;
+        let mut j = Job::create(&ws, spec(job, &["a.txt"]))?;
+        stage(&j, 0, text);
+        j.keep_undo(UndoKeep {
+            limit: 1 << 20,
+            version_before,
+            state_before: serde_json::Map::new(),
+        });
+        let marker = self.marker.path().join("last");
+        j.publish_and_commit_undoable(|_, _| commit(&marker, job))
+    }
+
+    /// The undo of `job`, as job `u-<job>`.
+    fn undo_of(&self, job: &str) -> Result<UndoStatus, PublishError> {
+        let ws = Workspace::open(self.root())?;
+        let rec = undo::load(&ws, "s1", job).map_err(|e| PublishError::Io {
+            op: "load",
+            path: self.root().into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let id = format!("u-{job}");
+        let j = Job::undo(&ws, &id, "job_undo", &rec, 1 << 20)?;
+        let marker = self.marker.path().join("last");
+        j.publish_and_commit_undoable(|_, _| commit(&marker, &id))
+    }
+
+    /// The slot dir `slot` of session `s1`.
+    fn slot(&self, slot: &str) -> PathBuf {
+        self.root().join(undo::UNDO_DIR).join("s1").join(slot)
+    }
+
     /// The undo of `j1`, as job `u1`.
     fn undo_j1(&self) -> Result<UndoStatus, PublishError> {
         let ws = Workspace::open(self.root())?;
@@ -79,14 +118,21 @@ impl Undone {
             .collect()
     }
 
+    /// The jobs whose undo data the session's slots hold (a blank slot holds none).
     fn generations(&self) -> Vec<String> {
         let d = self.root().join(undo::UNDO_DIR).join("s1");
-        fs::read_dir(d)
+        let mut out: Vec<String> = fs::read_dir(d)
             .map(|r| {
-                r.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                    .collect()
+                r.filter_map(|e| {
+                    let rec = fs::read(e.unwrap().path().join(undo::UNDO_RECORD)).ok()?;
+                    let rec: serde_json::Value = serde_json::from_slice(&rec).ok()?;
+                    Some(rec["job"].as_str()?.to_string())
+                })
+                .collect()
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        out.sort();
+        out
     }
 }
 
@@ -227,4 +273,168 @@ fn backups_over_the_limit_keep_nothing() {
         u.commit_j1(0).unwrap(),
         UndoStatus::NotKept(NotKept::Disabled)
     );
+}
+
+/// Three commits in a row: each writes the slot of its version's parity, so the third
+/// rewrites the first's record in place (the same file: no inode per call), and the slot it
+/// does not use is left blank (an empty record, nothing else).
+#[test]
+fn commits_reuse_the_two_slots_in_turn() {
+    use std::os::unix::fs::MetadataExt;
+    let u = Undone::new();
+    assert!(u.commit_a("j1", 0, "1").unwrap().kept());
+    let first = fs::metadata(u.slot("g1").join(undo::UNDO_RECORD))
+        .unwrap()
+        .ino();
+    assert!(u.commit_a("j2", 1, "2").unwrap().kept());
+    assert_eq!(u.generations(), ["j2"]);
+    assert_eq!(fs::read(u.slot("g1").join(undo::UNDO_RECORD)).unwrap(), b"");
+    assert!(u.commit_a("j3", 2, "3").unwrap().kept());
+    assert_eq!(u.generations(), ["j3"]);
+    let third = fs::metadata(u.slot("g1").join(undo::UNDO_RECORD))
+        .unwrap()
+        .ino();
+    assert_eq!(first, third, "the record is rewritten in place");
+    let mut slots: Vec<_> = fs::read_dir(u.root().join(undo::UNDO_DIR).join("s1"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    slots.sort();
+    assert_eq!(slots, ["g0", "g1"]);
+    let blank: Vec<_> = fs::read_dir(u.slot("g0"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(blank, [undo::UNDO_RECORD]);
+    assert_eq!(fs::read(u.slot("g0").join(undo::UNDO_RECORD)).unwrap(), b"");
+    // The undo puts back the second commit's file.
+    u.undo_of("j3").unwrap();
+    assert_eq!(fs::read_to_string(u.root().join("a.txt")).unwrap(), "2");
+}
+
+/// A crash at every point of a commit that rewrites a slot in place (the third of a
+/// session), then recovery and the sweep: either it committed and is undoable (its undo gives
+/// back the second commit's file), or it did not and the second commit's undo data is still
+/// complete (its undo gives back the first's, or is refused as a change when the rollback
+/// renamed the target back): the record rewritten is never the latest's.
+#[test]
+fn a_crash_at_every_point_of_a_reusing_commit_keeps_the_latest_undoable() {
+    let prelude = || {
+        let u = Undone::new();
+        u.commit_a("j1", 0, "1").unwrap();
+        u.commit_a("j2", 1, "2").unwrap();
+        u
+    };
+    let n = {
+        let u = prelude();
+        points(|| u.commit_a("j3", 2, "3"))
+    };
+    assert!(n > 8, "{n} points");
+    for k in 0..n {
+        let u = prelude();
+        testsim::arm(Mode::Crash(k));
+        let _ = u.commit_a("j3", 2, "3");
+        let names = testsim::disarm();
+        let renamed = names.iter().take(k + 1).any(|n| *n == "publish.exchange");
+        u.recover();
+        assert!(job_dirs(u.root()).is_empty(), "crash at {k}");
+        let a = || fs::read_to_string(u.root().join("a.txt")).unwrap();
+        if u.last().as_deref() == Some("j3") {
+            assert_eq!(a(), "3", "crash at {k}");
+            assert_eq!(u.generations(), ["j3"], "crash at {k}");
+            u.undo_of("j3").unwrap();
+            assert_eq!(a(), "2", "crash at {k}: after the undo");
+        } else {
+            assert_eq!(a(), "2", "crash at {k}");
+            assert_eq!(u.generations(), ["j2"], "crash at {k}");
+            let ws = Workspace::open(u.root()).unwrap();
+            assert!(
+                undo::load(&ws, "s1", "j2").is_ok(),
+                "crash at {k}: j2's undo data"
+            );
+            match u.undo_of("j2") {
+                Ok(_) => assert_eq!(a(), "1", "crash at {k}: after the undo"),
+                // Rolled back by a rename, which changed the target's ctime: refused as a
+                // change, never a wrong undo.
+                Err(PublishError::Conflict {
+                    what: Conflict::Touched,
+                    ..
+                }) if renamed => assert_eq!(a(), "2", "crash at {k}"),
+                Err(e) => panic!("crash at {k}: the undo of j2: {e}"),
+            }
+        }
+    }
+}
+
+/// What a hostile local user with the daemon's uid could plant in a blank slot before it is
+/// reused: a symlink, a hard link to a file outside or a FIFO as its record, stray backups
+/// and a dir. The record is never written through any of them (the files outside keep their
+/// content), the slot is cleared, and the commit's undo data is complete and works.
+#[test]
+fn a_planted_record_or_stray_backup_in_a_slot_is_replaced_not_written_through() {
+    use std::os::unix::fs::symlink;
+    let outside = tempfile::tempdir().unwrap();
+    for plant in ["symlink", "hard link", "fifo", "stray entries"] {
+        let u = Undone::new();
+        u.commit_a("j1", 0, "1").unwrap();
+        u.commit_a("j2", 1, "2").unwrap();
+        let target = outside.path().join(plant.replace(' ', "-"));
+        fs::write(&target, "outside").unwrap();
+        let rec = u.slot("g1").join(undo::UNDO_RECORD);
+        match plant {
+            "symlink" => {
+                fs::remove_file(&rec).unwrap();
+                symlink(&target, &rec).unwrap();
+            }
+            "hard link" => {
+                // A file outside the slot on the same filesystem, linked in as the record.
+                let inside = u.root().join("kept-elsewhere");
+                fs::write(&inside, "outside").unwrap();
+                fs::remove_file(&rec).unwrap();
+                fs::hard_link(&inside, &rec).unwrap();
+            }
+            "fifo" => {
+                fs::remove_file(&rec).unwrap();
+                rustix::fs::mknodat(
+                    rustix::fs::CWD,
+                    &rec,
+                    rustix::fs::FileType::Fifo,
+                    rustix::fs::Mode::from_raw_mode(0o600),
+                    0,
+                )
+                .unwrap();
+            }
+            _ => {
+                fs::write(u.slot("g1").join("b0"), "stray").unwrap();
+                fs::create_dir_all(u.slot("g1").join("b7/deep")).unwrap();
+                symlink(&target, u.slot("g1").join("b3")).unwrap();
+            }
+        }
+        assert!(u.commit_a("j3", 2, "3").unwrap().kept(), "{plant}");
+        assert_eq!(fs::read_to_string(&target).unwrap(), "outside", "{plant}");
+        if plant == "hard link" {
+            let inside = u.root().join("kept-elsewhere");
+            assert_eq!(fs::read_to_string(inside).unwrap(), "outside", "{plant}");
+        }
+        let st = fs::symlink_metadata(&rec).unwrap();
+        assert!(st.file_type().is_file(), "{plant}");
+        let mut left: Vec<_> = fs::read_dir(u.slot("g1"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["b0", "undo.json"], "{plant}");
+        assert_eq!(
+            fs::read_to_string(u.slot("g1").join("b0")).unwrap(),
+            "2",
+            "{plant}"
+        );
+        assert_eq!(u.generations(), ["j3"], "{plant}");
+        u.undo_of("j3").unwrap();
+        assert_eq!(
+            fs::read_to_string(u.root().join("a.txt")).unwrap(),
+            "2",
+            "{plant}"
+        );
+    }
 }

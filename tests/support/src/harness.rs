@@ -406,27 +406,56 @@ impl Daemon {
             .unwrap_or_default()
     }
 
-    /// The undo data kept in the workspace, as `session/job` (every entry beneath
-    /// `.airlock-undo/<session>/`), sorted.
+    /// The undo data kept in the workspace, sorted: `session/job` for each slot of
+    /// `.airlock-undo/<session>/` whose record names a job; a blank slot (an empty record
+    /// and nothing else) is not listed, and anything else is, by its name (`session/g0:
+    /// blank with entries`, `session/g1: damaged`, `session/other`, `session/` for an
+    /// empty session dir).
     pub fn undo_generations(&self) -> Vec<String> {
         let mut out = Vec::new();
         let top = self.workspace.join(UNDO_DIR);
         for s in std::fs::read_dir(&top).into_iter().flatten().flatten() {
+            let session = s.file_name().to_string_lossy().into_owned();
             let mut any = false;
-            for j in std::fs::read_dir(s.path()).into_iter().flatten().flatten() {
+            for e in std::fs::read_dir(s.path()).into_iter().flatten().flatten() {
                 any = true;
-                out.push(format!(
-                    "{}/{}",
-                    s.file_name().to_string_lossy(),
-                    j.file_name().to_string_lossy()
-                ));
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !UNDO_SLOTS.contains(&name.as_str()) {
+                    out.push(format!("{session}/{name}"));
+                    continue;
+                }
+                let record = std::fs::read(e.path().join("undo.json")).unwrap_or_default();
+                if record.is_empty() {
+                    let entries = std::fs::read_dir(e.path()).map_or(0, |r| r.count());
+                    if entries > 1 {
+                        out.push(format!("{session}/{name}: blank with entries"));
+                    }
+                    continue;
+                }
+                let job = serde_json::from_slice::<serde_json::Value>(&record)
+                    .ok()
+                    .and_then(|v| v["job"].as_str().map(str::to_string));
+                match job {
+                    Some(job) => out.push(format!("{session}/{job}")),
+                    None => out.push(format!("{session}/{name}: damaged")),
+                }
             }
             if !any {
-                out.push(format!("{}/", s.file_name().to_string_lossy()));
+                out.push(format!("{session}/"));
             }
         }
         out.sort();
         out
+    }
+
+    /// The slot dir of `session` whose undo record names `job`.
+    pub fn undo_generation_dir(&self, session: &str, job: &str) -> Option<PathBuf> {
+        UNDO_SLOTS.iter().find_map(|slot| {
+            let dir = self.workspace.join(UNDO_DIR).join(session).join(slot);
+            let record = std::fs::read(dir.join("undo.json")).ok()?;
+            let v: serde_json::Value = serde_json::from_slice(&record).ok()?;
+            (v["job"] == job).then_some(dir)
+        })
     }
 
     pub fn write(&self, rel: &str, content: &str) {
@@ -640,6 +669,8 @@ fn command_lines() -> impl Iterator<Item = (i32, String)> {
 /// [`tree_names`].
 /// The workspace's undo data dir (the daemon's `publish::undo::UNDO_DIR`).
 pub const UNDO_DIR: &str = ".airlock-undo";
+/// The two slots of a session's undo data (the daemon's `publish::undo::SLOTS`).
+pub const UNDO_SLOTS: [&str; 2] = ["g0", "g1"];
 
 pub fn walk_tree(root: &Path, mut visit: impl FnMut(&str, &Path, &std::fs::Metadata)) {
     fn walk(root: &Path, dir: &Path, visit: &mut dyn FnMut(&str, &Path, &std::fs::Metadata)) {
