@@ -392,12 +392,13 @@ fn durable_copy_by_hand(args: &[String]) -> std::io::Result<()> {
 
 /// The durable copy of `src` to `out` laid out in `dir` as a write call lays out its files,
 /// each made durable as the call makes it, one after another: a job dir holding `stage/0`
-/// (the copy is made there), the journal `recovery.json`; an undo generation dir and its
-/// `undo.json`; the session file written under a temp name and renamed over the last one;
+/// (the copy is made there), the journal `recovery.json`; the undo record `undo.json`
+/// rewritten in place in the session's blank slot of two (made, with its dir, the first
+/// time only); the session file written under a temp name and renamed over the last one;
 /// a job record (kept, and not fsynced: the call is not keyed). After the copy is renamed
-/// into place, the journal, the job dir's tree and the previous undo generation are
-/// removed, as the call's cleanup does. Seven inodes made and freed per copy besides the
-/// output, and the job record.
+/// into place, the journal and the job dir's tree are removed and the other undo slot's
+/// record truncated, as the call's cleanup does. Five inodes made and freed per copy
+/// besides the output, and the job record.
 fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     use std::fs;
     use std::io::Write;
@@ -422,23 +423,40 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     sync_dir(&job)?;
     sync_dir(out_dir)?;
     fs::rename(&staged, out)?;
-    let generation = undo.join(&id);
-    fs::create_dir(&generation)?;
-    write_synced(&generation.join("undo.json"), &record)?;
-    sync_dir(&generation)?;
-    sync_dir(&undo)?;
+    // The slot whose record is blank (the other one holds the last copy's).
+    let blank =
+        |slot: &str| fs::metadata(undo.join(slot).join("undo.json")).map_or(true, |m| m.len() == 0);
+    let (slot_now, slot_other) = if blank("g0") {
+        ("g0", "g1")
+    } else {
+        ("g1", "g0")
+    };
+    let generation = undo.join(slot_now);
+    if generation.join("undo.json").exists() {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(generation.join("undo.json"))?;
+        f.write_all(&record)?;
+        f.sync_all()?;
+    } else {
+        fs::create_dir_all(&generation)?;
+        write_synced(&generation.join("undo.json"), &record)?;
+        sync_dir(&generation)?;
+        sync_dir(&undo)?;
+    }
     sync_dir(out_dir)?;
     sync_dir(&slot)?;
     write_synced(&sessions.join(".s.json.tmp"), &record[..100])?;
     fs::write(jobs.join(format!("{id}.json")), record)?;
     fs::rename(sessions.join(".s.json.tmp"), sessions.join("s.json"))?;
     sync_dir(&sessions)?;
-    // The cleanup: the previous undo generation, the journal, the job dir's tree.
-    for e in fs::read_dir(&undo)? {
-        let e = e?;
-        if e.file_name() != id.as_str() {
-            fs::remove_dir_all(e.path())?;
-        }
+    // The cleanup: the other undo slot blanked, the journal, the job dir's tree.
+    if let Ok(f) = fs::OpenOptions::new()
+        .write(true)
+        .open(undo.join(slot_other).join("undo.json"))
+    {
+        f.set_len(0)?;
     }
     fs::remove_file(job.join("recovery.json"))?;
     sync_dir(&job)?;
@@ -1216,7 +1234,7 @@ fn throughput_rows(t: &mut Table, plan: &Plan, d: &Daemon) -> u64 {
         );
     }
     t.text(
-        "durable copies by hand/s, 16 processes at once, each also making, syncing and removing a write call's own files (job dir, `stage`, slot, journal, undo generation and record, session file; an unkeyed job record kept)",
+        "durable copies by hand/s, 16 processes at once, each also making, syncing and removing a write call's own files (job dir, `stage`, slot, journal, undo record rewritten in its slot, session file; an unkeyed job record kept)",
         format!("{laid_out:.0}/s"),
         &format!(
             "{} copies; {:.0}% of the plain copies' rate: what the file layout costs this filesystem; the write calls at 16 sessions reach {:.0}% of it",

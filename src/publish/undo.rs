@@ -140,17 +140,28 @@ pub(super) fn generation_dir(session: &str, slot: &str) -> PathBuf {
     Path::new(UNDO_DIR).join(session).join(slot)
 }
 
-/// Makes `name` in `parent` a directory (0700), an existing one kept; whether it made it.
-fn mkdir_private(parent: BorrowedFd<'_>, name: &str, abs: &Path) -> Result<bool, PublishError> {
-    match mutate("publish.undo_mkdir", abs, || {
-        rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))
-    }) {
-        Ok(()) => Ok(true),
-        Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {
-            Ok(false)
-        }
-        Err(e) => Err(e),
-    }
+/// Opens directory `name` in `parent` (never through a symlink), first making it (0700) if
+/// it is not there; whether it made it.
+fn open_private_dir(
+    parent: BorrowedFd<'_>,
+    name: &str,
+    abs: &Path,
+) -> Result<(OwnedFd, bool), PublishError> {
+    let made = match open_dir_beneath(parent, name) {
+        Ok(fd) => return Ok((fd, false)),
+        Err(Errno::NOENT) => match mutate("publish.undo_mkdir", abs, || {
+            rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))
+        }) {
+            Ok(()) => true,
+            Err(PublishError::Io { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {
+                false
+            }
+            Err(e) => return Err(e),
+        },
+        Err(e) => return Err(io("open undo dir", abs, e)),
+    };
+    let fd = open_dir_beneath(parent, name).map_err(|e| io("open undo dir", abs, e))?;
+    Ok((fd, made))
 }
 
 /// Removes entry `name` of `dir`, whatever it is (a tree without following a symlink).
@@ -199,15 +210,11 @@ pub(super) fn write_record(
 ) -> Result<&'static str, PublishError> {
     let slot = slot_of(rec.version_after);
     let top_abs = root_path.join(UNDO_DIR);
-    let new_top = mkdir_private(root, UNDO_DIR, &top_abs)?;
-    let top = open_dir_beneath(root, UNDO_DIR).map_err(|e| io("open undo dir", &top_abs, e))?;
+    let (top, new_top) = open_private_dir(root, UNDO_DIR, &top_abs)?;
     let sess_abs = top_abs.join(&rec.session);
-    let new_sess = mkdir_private(top.as_fd(), &rec.session, &sess_abs)?;
-    let sess = open_dir_beneath(top.as_fd(), &rec.session)
-        .map_err(|e| io("open undo dir", &sess_abs, e))?;
+    let (sess, new_sess) = open_private_dir(top.as_fd(), &rec.session, &sess_abs)?;
     let gen_abs = sess_abs.join(slot);
-    let new_gen = mkdir_private(sess.as_fd(), slot, &gen_abs)?;
-    let gen = open_dir_beneath(sess.as_fd(), slot).map_err(|e| io("open undo dir", &gen_abs, e))?;
+    let (gen, new_gen) = open_private_dir(sess.as_fd(), slot, &gen_abs)?;
     // What an older job left (its backups, if a crash kept them from being removed).
     for name in names(gen.as_fd(), &gen_abs)? {
         if name != UNDO_RECORD {
