@@ -179,8 +179,9 @@ fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, abs: &Path) -> Result<(), Pub
 }
 
 /// Opens a slot's record for rewriting in place: only the daemon's own regular file with one
-/// link, never through a symlink, a FIFO or a hard link planted there (`None`: there is none
-/// such, and whatever is there is removed).
+/// link and no permission for anyone else (it holds the session's state), never through a
+/// symlink, a FIFO or a hard link planted there (`None`: there is none such, and whatever is
+/// there is removed).
 fn reusable_record(
     gen: BorrowedFd<'_>,
     path: &Path,
@@ -189,7 +190,8 @@ fn reusable_record(
     if let Ok(fd) = rustix::fs::openat(gen, UNDO_RECORD, flags, Mode::empty()) {
         let st = rustix::fs::fstat(fd.as_fd()).map_err(|e| io("stat", path, e))?;
         let own = st.st_uid == rustix::process::geteuid().as_raw();
-        if file_type(&st) == FileType::RegularFile && nlink(&st) == 1 && own {
+        let private = st.st_mode & 0o077 == 0;
+        if file_type(&st) == FileType::RegularFile && nlink(&st) == 1 && own && private {
             return Ok(Some(std::fs::File::from(fd)));
         }
     }

@@ -367,14 +367,21 @@ fn a_crash_at_every_point_of_a_reusing_commit_keeps_the_latest_undoable() {
 }
 
 /// What a hostile local user with the daemon's uid could plant in a blank slot before it is
-/// reused: a symlink, a hard link to a file outside or a FIFO as its record, stray backups
-/// and a dir. The record is never written through any of them (the files outside keep their
-/// content), the slot is cleared, and the commit's undo data is complete and works.
+/// reused: a symlink, a hard link to a file outside or a FIFO as its record, a record made
+/// readable by others, stray backups and a dir. The record is never written through any of
+/// them (the files outside keep their content), it ends up 0600, the slot is cleared, and
+/// the commit's undo data is complete and works.
 #[test]
 fn a_planted_record_or_stray_backup_in_a_slot_is_replaced_not_written_through() {
     use std::os::unix::fs::symlink;
     let outside = tempfile::tempdir().unwrap();
-    for plant in ["symlink", "hard link", "fifo", "stray entries"] {
+    for plant in [
+        "symlink",
+        "hard link",
+        "fifo",
+        "readable by others",
+        "stray entries",
+    ] {
         let u = Undone::new();
         u.commit_a("j1", 0, "1").unwrap();
         u.commit_a("j2", 1, "2").unwrap();
@@ -404,6 +411,10 @@ fn a_planted_record_or_stray_backup_in_a_slot_is_replaced_not_written_through() 
                 )
                 .unwrap();
             }
+            "readable by others" => {
+                use std::os::unix::fs::PermissionsExt;
+                fs::set_permissions(&rec, fs::Permissions::from_mode(0o644)).unwrap();
+            }
             _ => {
                 fs::write(u.slot("g1").join("b0"), "stray").unwrap();
                 fs::create_dir_all(u.slot("g1").join("b7/deep")).unwrap();
@@ -418,6 +429,10 @@ fn a_planted_record_or_stray_backup_in_a_slot_is_replaced_not_written_through() 
         }
         let st = fs::symlink_metadata(&rec).unwrap();
         assert!(st.file_type().is_file(), "{plant}");
+        {
+            use std::os::unix::fs::PermissionsExt;
+            assert_eq!(st.permissions().mode() & 0o777, 0o600, "{plant}");
+        }
         let mut left: Vec<_> = fs::read_dir(u.slot("g1"))
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
