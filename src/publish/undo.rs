@@ -218,11 +218,7 @@ pub(super) fn write_record(
     let gen_abs = sess_abs.join(slot);
     let (gen, new_gen) = open_private_dir(sess.as_fd(), slot, &gen_abs)?;
     // What an older job left (its backups, if a crash kept them from being removed).
-    for name in names(gen.as_fd(), &gen_abs)? {
-        if name != UNDO_RECORD {
-            remove_entry(gen.as_fd(), &name, &gen_abs.join(&name))?;
-        }
-    }
+    clear_backups(gen.as_fd(), &gen_abs)?;
     let path = gen_abs.join(UNDO_RECORD);
     let bytes = serde_json::to_vec(rec).map_err(|e| PublishError::Io {
         op: "serialize undo record",
@@ -273,6 +269,16 @@ pub(super) fn write_record(
     Ok(slot)
 }
 
+/// Removes every entry of slot dir `gen` but its record.
+fn clear_backups(gen: BorrowedFd<'_>, abs: &Path) -> Result<(), PublishError> {
+    for name in names(gen, abs)? {
+        if name != UNDO_RECORD {
+            remove_entry(gen, &name, &abs.join(&name))?;
+        }
+    }
+    Ok(())
+}
+
 /// Blanks slot `slot` of `session`: every backup in it removed and its record truncated to
 /// nothing (a record written for a job that did not commit, or a generation that is no
 /// longer the latest). Not made durable: a record left by a crash is not its session's
@@ -284,11 +290,7 @@ fn blank_slot(sess: BorrowedFd<'_>, slot: &str, abs: &Path) -> Result<(), Publis
         Err(Errno::NOENT) => return Ok(()),
         Err(_) => return remove_entry(sess, OsStr::new(slot), abs),
     };
-    for name in names(gen.as_fd(), abs)? {
-        if name != UNDO_RECORD {
-            remove_entry(gen.as_fd(), &name, &abs.join(&name))?;
-        }
-    }
+    clear_backups(gen.as_fd(), abs)?;
     let path = abs.join(UNDO_RECORD);
     if let Some(f) = reusable_record(gen.as_fd(), &path)? {
         mutate("publish.undo_clear", &path, || rustix::fs::ftruncate(&f, 0))?;
