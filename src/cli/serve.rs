@@ -233,7 +233,9 @@ pub(super) async fn serve(
             shutdown.clone(),
         ));
     }
+    let workspace_of = exec.clone();
     crate::mcp::run(listener, exec, shutdown).await;
+    workspace_of.workspace.release_idle_job_dirs();
     if !activated {
         let _ = std::fs::remove_file(&socket_path);
     }

@@ -200,6 +200,10 @@ fn prepare_filters(filters: &Filters, policy: &Policy, shared_uid: bool) {
     );
 }
 
+/// How many ended jobs' dirs the daemon keeps for reuse at most ([`crate::publish`]'s pool):
+/// more than the write calls that run at once on a busy daemon.
+const IDLE_JOB_DIRS: usize = 64;
+
 impl Executor {
     /// Serves from what [`crate::startup::open`] created, locked, swept and recovered.
     pub fn start(
@@ -231,6 +235,8 @@ impl Executor {
             session_state_bytes: d.max_session_state_bytes,
             state_bytes_per_principal: d.max_state_bytes_per_principal,
         });
+        // Ended jobs' dirs are reused: up to this many wait for the next job.
+        workspace.keep_idle_job_dirs(IDLE_JOB_DIRS);
         let filters = Filters::new();
         prepare_filters(&filters, &policy, identities.range().is_none());
         let workspace_dir = rustix::fs::open(

@@ -58,6 +58,8 @@ pub struct Job {
     undo_slot: Option<&'static str>,
     /// An undo's: the backups it took from the undone job's undo data.
     taken: Option<undo::Taken>,
+    /// Where the dir goes once the job ended, if it is fit for another job.
+    pool: std::sync::Arc<super::pool::Pool>,
 }
 
 impl std::fmt::Debug for Job {
@@ -158,6 +160,41 @@ impl NewJobDir {
         })
     }
 
+    /// Takes an idle job dir ([`super::pool`]) for job `id` and gives it `mode`: the dir, its
+    /// job dir fd and its `stage/` fd, with `stage/0` in it. `None`: none is idle (or fit).
+    fn reuse(
+        ws: &Workspace,
+        id: &str,
+        mode: u32,
+    ) -> Result<Option<(NewJobDir, OwnedFd, OwnedFd)>, PublishError> {
+        let name = format!("{JOB_DIR_PREFIX}{id}");
+        let Some(taken) = ws.pool().take(ws.fd(), ws.root(), &name) else {
+            return Ok(None);
+        };
+        let dir = ws.root().join(&name);
+        let root = ws.fd().try_clone_to_owned().map_err(|e| PublishError::Io {
+            op: "dup workspace fd",
+            path: ws.root().into(),
+            source: e,
+        })?;
+        let made = NewJobDir {
+            root,
+            name,
+            dir,
+            mode,
+        };
+        if mode & 0o077 != 0 {
+            let set = mutate("publish.chmod_job", &made.dir, || {
+                rustix::fs::fchmod(taken.fd.as_fd(), Mode::from_raw_mode(mode))
+            });
+            if let Err(e) = set {
+                made.remove(id, "job");
+                return Err(e);
+            }
+        }
+        Ok(Some((made, taken.fd, taken.stage)))
+    }
+
     /// Opens the job dir, makes its `stage/` (0700) and opens that: (job dir, stage dir). A
     /// mode that lets others through (0711: a worker with its own uid) is set again, since
     /// mkdir's passed the umask (systemd's UMask=0077 makes it 0700, which would shut the
@@ -198,6 +235,7 @@ impl NewJobDir {
             undo_keep: None,
             undo_slot: None,
             taken: None,
+            pool: ws.pool().clone(),
         }
     }
 
@@ -246,10 +284,25 @@ impl Job {
         } else {
             0o700
         };
-        let made_dir = NewJobDir::make(ws, &spec.id, job_mode)?;
+        // A job without outputs has no slot: an idle dir's would count against its staging
+        // limit.
+        let reusable = !spec.targets.is_empty();
+        let taken = match reusable {
+            true => NewJobDir::reuse(ws, &spec.id, job_mode)?,
+            false => None,
+        };
+        let (made_dir, reused) = match taken {
+            Some((made, fd, stage_fd)) => (made, Some((fd, stage_fd))),
+            None => (NewJobDir::make(ws, &spec.id, job_mode)?, None),
+        };
         let NewJobDir { root, dir, .. } = &made_dir;
         let made = (|| {
-            let (fd, stage_fd) = made_dir.open_with_stage()?;
+            // A reused tree has its first slot already.
+            let first_slot_made = reused.is_some();
+            let (fd, stage_fd) = match reused {
+                Some(fds) => fds,
+                None => made_dir.open_with_stage()?,
+            };
             let stage = dir.join(STAGE);
             let give = |dirfd: BorrowedFd<'_>, name: &str, path: &Path| match spec.stage_owner {
                 None => Ok(()),
@@ -269,7 +322,14 @@ impl Job {
             let mut targets = Vec::with_capacity(spec.targets.len());
             let mut trees = Vec::with_capacity(spec.targets.len());
             for (i, target) in spec.targets.iter().enumerate() {
-                let (slot, slot_path) = mkdir_slot(stage_fd.as_fd(), &stage, i)?;
+                let (slot, slot_path) = if i == 0 && first_slot_made {
+                    (
+                        super::pool::KEPT_SLOT.to_string(),
+                        stage.join(super::pool::KEPT_SLOT),
+                    )
+                } else {
+                    mkdir_slot(stage_fd.as_fd(), &stage, i)?
+                };
                 give(stage_fd.as_fd(), slot.as_str(), &slot_path)?;
                 let base = target.file_name().unwrap_or(OsStr::new("output"));
                 let kind = spec.kinds.get(i).copied().unwrap_or_default();
@@ -529,6 +589,25 @@ impl Job {
             Err(e) if errno(&e) == Some(libc::ENOENT) => {}
             Err(e) => return Err(e),
         }
+        self.retire()
+    }
+
+    /// Sets the job dir aside for a later job ([`super::pool`]), or removes it: once its
+    /// journal is gone.
+    fn retire(&self) -> Result<(), PublishError> {
+        let kept = self.pool.keep(
+            self.root.as_fd(),
+            &self.root_path,
+            &self.name,
+            self.fd.as_fd(),
+        );
+        match kept {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::debug!(job = %self.spec.id, error = %crate::report::chain(&e), "cannot keep the job dir for reuse; removing it");
+            }
+        }
         remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
     }
 
@@ -573,7 +652,7 @@ impl Job {
 
     /// Removes the job dir of a call that will not publish.
     pub fn discard(self) -> Result<(), PublishError> {
-        remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
+        self.retire()
     }
 
     /// Everything before the commit point but the fsyncs of the renames, which it returns

@@ -44,6 +44,7 @@
 mod copy;
 mod job;
 mod journal;
+mod pool;
 mod recover;
 mod rejection;
 mod staged_tree;

@@ -101,6 +101,13 @@ where
         if !is_dir(&ws, &name)? {
             continue;
         }
+        // An idle dir holds nothing of any job: removed unreported. One that cannot be
+        // removed goes the way of a job dir that cannot, and is reported.
+        if super::pool::is_idle(name.as_bytes())
+            && remove_tree(ws.fd(), &name, &ws.root().join(&name)).is_ok()
+        {
+            continue;
+        }
         out.push(recover_one(&ws, &name, committed, settled)?);
     }
     Ok(out)

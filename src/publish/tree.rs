@@ -292,6 +292,47 @@ pub(super) fn remove_tree(
     }
 }
 
+/// Removes entry `name` of `dir`, whatever it is (a tree without following a symlink); a
+/// non-directory's unlink passes failpoint `op`.
+pub(super) fn remove_entry(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    abs: &Path,
+    op: &'static str,
+) -> Result<(), PublishError> {
+    match stat_at(dir, name).map_err(|e| io("stat", abs, e))? {
+        None => Ok(()),
+        Some(st) if file_type(&st) == FileType::Directory => remove_tree(dir, name, abs),
+        Some(_) => mutate(op, abs, || {
+            match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
+                Err(Errno::NOENT) => Ok(()),
+                r => r,
+            }
+        }),
+    }
+}
+
+/// The names in a directory (`.` and `..` left out).
+pub(super) fn names(fd: BorrowedFd<'_>, abs: &Path) -> Result<Vec<OsString>, PublishError> {
+    let dup: OwnedFd = rustix::fs::openat(
+        fd,
+        ".",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io("open", abs, e))?;
+    let mut out = Vec::new();
+    let mut d = rustix::fs::Dir::read_from(&dup).map_err(|e| io("read directory", abs, e))?;
+    while let Some(ent) = d.read() {
+        let ent = ent.map_err(|e| io("read directory", abs, e))?;
+        let n = ent.file_name().to_bytes();
+        if n != b"." && n != b".." {
+            out.push(OsStr::from_bytes(n).to_os_string());
+        }
+    }
+    Ok(out)
+}
+
 /// Unlinks every non-directory entry of the walk's current level; returns up to [`PENDING`]
 /// names of subdirectories.
 fn clear_level(walk: &Walk<'_>) -> Result<Vec<OsString>, PublishError> {

@@ -23,12 +23,12 @@
 //! renamed there and back (one filesystem, never a copy); its name is reserved, so no path
 //! parameter reaches it.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
+use rustix::fs::{FileType, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -38,7 +38,7 @@ use super::journal::Journal;
 use super::sys::{
     file_type, io, mutate, nlink, open_beneath, open_dir_beneath, stat_at, FileId, Syncs,
 };
-use super::tree::remove_tree;
+use super::tree::{names, remove_entry, remove_tree};
 use super::workspace::split_target;
 use super::{OutputKind, PublishError, Workspace};
 
@@ -164,20 +164,6 @@ fn open_private_dir(
     Ok((fd, made))
 }
 
-/// Removes entry `name` of `dir`, whatever it is (a tree without following a symlink).
-fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, abs: &Path) -> Result<(), PublishError> {
-    match stat_at(dir, name).map_err(|e| io("stat", abs, e))? {
-        None => Ok(()),
-        Some(st) if file_type(&st) == FileType::Directory => remove_tree(dir, name, abs),
-        Some(_) => mutate("publish.undo_clear", abs, || {
-            match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
-                Err(Errno::NOENT) => Ok(()),
-                r => r,
-            }
-        }),
-    }
-}
-
 /// Opens a slot's record for rewriting in place: only the daemon's own regular file with one
 /// link and no permission for anyone else (it holds the session's state), never through a
 /// symlink, a FIFO or a hard link planted there (`None`: there is none such, and whatever is
@@ -195,7 +181,7 @@ fn reusable_record(
             return Ok(Some(std::fs::File::from(fd)));
         }
     }
-    remove_entry(gen, OsStr::new(UNDO_RECORD), path)?;
+    remove_entry(gen, OsStr::new(UNDO_RECORD), path, "publish.undo_clear")?;
     Ok(None)
 }
 
@@ -273,7 +259,7 @@ pub(super) fn write_record(
 fn clear_backups(gen: BorrowedFd<'_>, abs: &Path) -> Result<(), PublishError> {
     for name in names(gen, abs)? {
         if name != UNDO_RECORD {
-            remove_entry(gen, &name, &abs.join(&name))?;
+            remove_entry(gen, &name, &abs.join(&name), "publish.undo_clear")?;
         }
     }
     Ok(())
@@ -288,7 +274,7 @@ fn blank_slot(sess: BorrowedFd<'_>, slot: &str, abs: &Path) -> Result<(), Publis
     let gen = match open_dir_beneath(sess, slot) {
         Ok(fd) => fd,
         Err(Errno::NOENT) => return Ok(()),
-        Err(_) => return remove_entry(sess, OsStr::new(slot), abs),
+        Err(_) => return remove_entry(sess, OsStr::new(slot), abs, "publish.undo_clear"),
     };
     clear_backups(gen.as_fd(), abs)?;
     let path = abs.join(UNDO_RECORD);
@@ -517,32 +503,10 @@ pub(super) fn drop_generations_at(
         match name.to_str() {
             Some(n) if n == keep => {}
             Some(n) if SLOTS.contains(&n) => blank_slot(sess.as_fd(), n, &abs)?,
-            _ => remove_entry(sess.as_fd(), &name, &abs)?,
+            _ => remove_entry(sess.as_fd(), &name, &abs, "publish.undo_clear")?,
         }
     }
     Ok(())
-}
-
-/// The names in a directory.
-fn names(fd: BorrowedFd<'_>, abs: &Path) -> Result<Vec<OsString>, PublishError> {
-    use std::os::unix::ffi::OsStrExt;
-    let dup: OwnedFd = rustix::fs::openat(
-        fd,
-        ".",
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| io("open", abs, e))?;
-    let mut out = Vec::new();
-    let mut d = rustix::fs::Dir::read_from(&dup).map_err(|e| io("read directory", abs, e))?;
-    while let Some(ent) = d.read() {
-        let ent = ent.map_err(|e| io("read directory", abs, e))?;
-        let n = ent.file_name().to_bytes();
-        if n != b"." && n != b".." {
-            out.push(OsStr::from_bytes(n).to_os_string());
-        }
-    }
-    Ok(out)
 }
 
 /// What the startup sweep did with one generation.
@@ -576,7 +540,7 @@ pub fn sweep(
         let sess = match open_dir_beneath(top.as_fd(), &sname) {
             Ok(fd) => fd,
             Err(_) => {
-                remove_entry(top.as_fd(), &sname, &sess_abs)?;
+                remove_entry(top.as_fd(), &sname, &sess_abs, "publish.undo_clear")?;
                 continue;
             }
         };
@@ -616,7 +580,7 @@ pub fn sweep(
                 }
             };
             if why.is_some() {
-                remove_entry(sess.as_fd(), &ename, &abs)?;
+                remove_entry(sess.as_fd(), &ename, &abs, "publish.undo_clear")?;
             } else {
                 kept += 1;
             }

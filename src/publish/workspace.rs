@@ -22,6 +22,8 @@ pub struct Workspace {
     /// it are accepted too.
     given: PathBuf,
     fd: OwnedFd,
+    /// Job dirs kept for reuse (none unless [`Workspace::keep_idle_job_dirs`] says so).
+    pool: std::sync::Arc<super::pool::Pool>,
 }
 
 impl Workspace {
@@ -47,6 +49,7 @@ impl Workspace {
             root: canonical,
             given,
             fd,
+            pool: Default::default(),
         })
     }
 
@@ -56,6 +59,22 @@ impl Workspace {
 
     pub(super) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+
+    /// Keeps up to `cap` ended jobs' dirs for later jobs to reuse ([`super::pool`]): the
+    /// daemon's choice, since only a process that holds the workspace to itself may rename
+    /// job dirs around.
+    pub fn keep_idle_job_dirs(&self, cap: usize) {
+        self.pool.keep_up_to(cap);
+    }
+
+    /// Removes every idle job dir (at shutdown).
+    pub fn release_idle_job_dirs(&self) {
+        self.pool.release(self.fd.as_fd(), &self.root);
+    }
+
+    pub(super) fn pool(&self) -> &std::sync::Arc<super::pool::Pool> {
+        &self.pool
     }
 
     /// Resolves a path parameter beneath the workspace and returns it relative to the root,

@@ -868,6 +868,80 @@ async fn sighup_neither_kills_the_daemon_nor_its_workers() {
     }
 }
 
+/// A write call's job dir is set aside when the call ends and reused by a later one: whatever
+/// a hostile worker leaves in its staging dir or does to it (files, trees, a FIFO, a
+/// symlink, modes opened up, extended attributes, a child holding the dir open), the next
+/// call, of another session, gets a staging dir holding only its empty slot, mode 0700, and
+/// nothing of it reaches the workspace.
+#[tokio::test]
+async fn a_hostile_workers_staging_dir_reaches_the_next_call_clean() {
+    require_root();
+    let hostile = "echo x > scratch; mkdir -p junk/deep; echo y > junk/deep/f; echo z > 0/extra; \
+                   mkfifo 0/fifo; ln -s /etc/passwd 0/link; chmod 777 . 0 junk 2>/dev/null; \
+                   python3 -c 'import os; os.setxattr(\".\", \"user.p\", b\"1\")' 2>/dev/null; \
+                   (exec 3<.; sleep 30) & echo out > \"$1\"";
+    let look =
+        "l=$(ls -A . 0); s=$(stat -c '%a %n' . 0); printf '%s\\n%s\\n' \"$l\" \"$s\" > \"$1\"";
+    for profile in PROFILES {
+        for nobody in [false, true] {
+            let who = if nobody { "nobody" } else { "root" };
+            let mut d = daemon(profile);
+            if nobody {
+                as_nobody(&mut d);
+            }
+            d.start();
+            let c = d.client().await;
+            session(&c, "h").await;
+            session(&c, "v").await;
+            let r = call(
+                &c,
+                "hs",
+                json!({"session": "h", "script": hostile, "out": "h.txt"}),
+            )
+            .await;
+            assert!(!is_error(&r), "[{profile}, {who}] {r}");
+            assert_eq!(d.job_dirs(), Vec::<String>::new(), "[{profile}, {who}]");
+            let idle = d.idle_job_dirs();
+            assert_eq!(idle.len(), 1, "[{profile}, {who}] set aside: {idle:?}");
+            // Who the idle staging dir is: a removed dir's inode number is soon reused, its
+            // birth time is not.
+            let who_is = |dir: &str| {
+                let m =
+                    std::fs::symlink_metadata(d.workspace.join(dir).join("stage")).expect("stage");
+                (m.ino(), m.created().expect("birth time"))
+            };
+            let before = who_is(&idle[0]);
+            let r = call(
+                &c,
+                "hs",
+                json!({"session": "v", "script": look, "out": "v.txt"}),
+            )
+            .await;
+            assert!(!is_error(&r), "[{profile}, {who}] {r}");
+            assert_eq!(
+                d.read("v.txt").as_deref(),
+                Some(".:\n0\n\n0:\n700 .\n700 0\n"),
+                "[{profile}, {who}]"
+            );
+            let idle = d.idle_job_dirs();
+            assert_eq!(idle.len(), 1, "[{profile}, {who}] set aside: {idle:?}");
+            assert_eq!(who_is(&idle[0]), before, "[{profile}, {who}] not reused");
+            assert_eq!(
+                tree_names(&d.workspace),
+                vec!["h.txt".to_string(), "v.txt".to_string()],
+                "[{profile}, {who}]"
+            );
+            assert_eq!(d.read("h.txt").as_deref(), Some("out\n"));
+            d.stop();
+            assert!(
+                d.idle_job_dirs().is_empty(),
+                "[{profile}, {who}] idle dirs left after a clean stop"
+            );
+            d.assert_audit_verifies(&format!("[{profile}, {who}]"));
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 6. Startup refuses a worker identity it cannot honour.
 

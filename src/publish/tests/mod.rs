@@ -83,6 +83,7 @@ fn stage(job: &Job, i: usize, content: &str) {
 mod crash;
 mod job;
 mod paths;
+mod pool;
 mod staging;
 mod syncs;
 mod trees;

@@ -394,16 +394,50 @@ impl Daemon {
         Raw::connect(&self.socket)
     }
 
-    /// Names of the `.airlock-job-*` dirs left in the workspace root.
+    /// Names of the `.airlock-job-*` dirs left in the workspace root, but the idle ones the
+    /// daemon keeps for reuse, each of which must be clean (see [`idle_dir_faults`]).
     pub fn job_dirs(&self) -> Vec<String> {
-        std::fs::read_dir(&self.workspace)
+        let names: Vec<String> = std::fs::read_dir(&self.workspace)
             .map(|rd| {
                 rd.filter_map(|e| e.ok())
                     .map(|e| e.file_name().to_string_lossy().into_owned())
                     .filter(|n| n.starts_with(".airlock-job-"))
                     .collect()
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        let mut jobs = Vec::new();
+        for n in names {
+            if n.starts_with(IDLE_JOB_DIR_PREFIX) {
+                let faults = idle_dir_faults(&self.workspace.join(&n));
+                assert!(
+                    faults.is_empty(),
+                    "idle job dir {n} is not clean: {faults:?}"
+                );
+            } else {
+                jobs.push(n);
+            }
+        }
+        jobs
+    }
+
+    /// Names of the idle job dirs the daemon keeps for reuse, each checked clean, sorted.
+    pub fn idle_job_dirs(&self) -> Vec<String> {
+        let mut idle: Vec<String> = std::fs::read_dir(&self.workspace)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(IDLE_JOB_DIR_PREFIX))
+            .collect();
+        idle.sort();
+        for n in &idle {
+            let faults = idle_dir_faults(&self.workspace.join(n));
+            assert!(
+                faults.is_empty(),
+                "idle job dir {n} is not clean: {faults:?}"
+            );
+        }
+        idle
     }
 
     /// The undo data kept in the workspace, sorted: `session/job` for each slot of
@@ -672,6 +706,56 @@ pub const UNDO_DIR: &str = ".airlock-undo";
 /// The two slots of a session's undo data (the daemon's `publish::undo::SLOTS`).
 pub const UNDO_SLOTS: [&str; 2] = ["g0", "g1"];
 
+/// The idle job dirs a daemon keeps for reuse (the daemon's `publish::pool::IDLE_PREFIX`).
+pub const IDLE_JOB_DIR_PREFIX: &str = ".airlock-job-.idle-";
+
+/// What is wrong with the idle job dir `dir`: it must hold `stage/0` and nothing else, the
+/// three dirs mode 0700, all owned by the idle dir's owner (the daemon), with no extended
+/// attribute. Empty: clean.
+pub fn idle_dir_faults(dir: &Path) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut faults = Vec::new();
+    let want = [dir.to_path_buf(), dir.join("stage"), dir.join("stage/0")];
+    let owner = std::fs::symlink_metadata(dir)
+        .map(|m| (m.uid(), m.gid()))
+        .ok();
+    for (i, p) in want.iter().enumerate() {
+        let Ok(m) = std::fs::symlink_metadata(p) else {
+            faults.push(format!("{} is missing", p.display()));
+            continue;
+        };
+        if !m.is_dir() || m.mode() & 0o7777 != 0o700 {
+            faults.push(format!("{} has mode {:o}", p.display(), m.mode()));
+        }
+        if Some((m.uid(), m.gid())) != owner {
+            faults.push(format!(
+                "{} is owned by {}:{}",
+                p.display(),
+                m.uid(),
+                m.gid()
+            ));
+        }
+        let names: Vec<String> = std::fs::read_dir(p)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        let expected: &[&str] = match i {
+            0 => &["stage"],
+            1 => &["0"],
+            _ => &[],
+        };
+        if names != expected {
+            faults.push(format!("{} holds {names:?}", p.display()));
+        }
+        if !xattr_names(p).is_empty() {
+            faults.push(format!("{} has xattrs {:?}", p.display(), xattr_names(p)));
+        }
+    }
+    faults
+}
+
 pub fn walk_tree(root: &Path, mut visit: impl FnMut(&str, &Path, &std::fs::Metadata)) {
     fn walk(root: &Path, dir: &Path, visit: &mut dyn FnMut(&str, &Path, &std::fs::Metadata)) {
         let Ok(rd) = std::fs::read_dir(dir) else {
@@ -682,6 +766,14 @@ pub fn walk_tree(root: &Path, mut visit: impl FnMut(&str, &Path, &std::fs::Metad
             // The workspace's undo data is the daemon's bookkeeping, named by job ids that
             // differ at each run: `Daemon::undo_generations` shows it.
             if dir == root && e.file_name() == UNDO_DIR {
+                continue;
+            }
+            // Idle job dirs are the daemon's, kept for reuse: `Daemon::job_dirs` checks them.
+            if dir == root
+                && e.file_name()
+                    .to_string_lossy()
+                    .starts_with(IDLE_JOB_DIR_PREFIX)
+            {
                 continue;
             }
             let rel = p.strip_prefix(root).unwrap_or(&p).display().to_string();

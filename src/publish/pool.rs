@@ -1,0 +1,286 @@
+//! Idle job dirs, kept for the next job: a job dir's tree (the dir, `stage/`, `stage/0`) is
+//! emptied and renamed aside when its job ends, and the next job renames it back under its
+//! own name instead of making three new directories. On ext4 without a journal, making a
+//! directory scans past every inode its group freed in the last half minute; reusing the
+//! tree makes and frees none.
+//!
+//! Invariants:
+//! * An idle dir is the daemon's alone: before it is set aside, `stage/` and `stage/0` are
+//!   given back to the daemon's uid and gid and the job dir is made 0700, so no worker uid
+//!   owns or can reach anything in it (a worker that kept an fd to its staging dir can
+//!   neither write through it nor chmod it any more).
+//! * Nothing is reused unchecked: when set aside and again when taken, each of the three
+//!   dirs must be a directory the daemon owns, mode 0700, with exactly the expected entries
+//!   (the job dir `stage`, `stage` only `0`, `0` nothing), no extended attribute but the
+//!   `security.` ones a fresh directory also gets (no ACL), and no inode flag a fresh
+//!   directory here would not have. Anything else is removed and a fresh tree made.
+//! * An idle dir is named `.airlock-job-.idle-<n>`: a job id holds no dot, so no job dir is
+//!   named so, and a path parameter cannot name it (the job dir prefix is reserved).
+//!   Recovery removes idle dirs without reporting them: they hold no journal and nothing of
+//!   any job. A crash while one is set aside or taken leaves a dir without a journal, under
+//!   either name, which recovery removes.
+//! * Taking and setting aside are renames within the workspace root and `chown`/`chmod`s:
+//!   every one passes a failpoint (`publish.pool_chown`, `publish.pool_chmod`,
+//!   `publish.pool_keep`, `publish.pool_take`), and none is fsynced (an idle dir's name
+//!   does not need to survive a crash; a job's does, and its journal's `fsync_root` makes it
+//!   durable before anything is published).
+
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use rustix::fs::{Mode, RenameFlags};
+
+use super::sys::{file_type, mutate, nlink, open_dir_beneath};
+use super::tree::{names, remove_entry, remove_tree};
+use super::{PublishError, STAGE};
+
+/// Idle dirs are `<root>/.airlock-job-.idle-<n>/`.
+pub(super) const IDLE_PREFIX: &str = ".airlock-job-.idle-";
+/// The slot an idle dir keeps (a job's first output's).
+pub(super) const KEPT_SLOT: &str = "0";
+
+/// ext4's flags a directory gets by itself: extents, a hashed index once it grows, inline
+/// data.
+const NATURAL_FLAGS: u32 = 0x0008_0000 | 0x0000_1000 | 0x1000_0000;
+
+/// A number for each idle dir this process sets aside (names never repeat within a run).
+static NEXT_IDLE: AtomicU64 = AtomicU64::new(0);
+
+/// Whether `name` (in the workspace root) is an idle dir's.
+pub(super) fn is_idle(name: &[u8]) -> bool {
+    name.starts_with(IDLE_PREFIX.as_bytes())
+}
+
+/// The idle dirs of one workspace.
+#[derive(Debug, Default)]
+pub(super) struct Pool {
+    /// Names of the idle dirs, most recently set aside last.
+    idle: Mutex<Vec<String>>,
+    /// How many idle dirs are kept at most; 0: none (the default).
+    cap: AtomicUsize,
+}
+
+/// A job dir taken from the pool, renamed to its job's name: the dir and its `stage/` open.
+pub(super) struct Taken {
+    pub(super) fd: OwnedFd,
+    pub(super) stage: OwnedFd,
+}
+
+/// Why a tree is not fit for reuse.
+#[derive(Debug, thiserror::Error)]
+enum Unfit {
+    #[error("{0}: {1}")]
+    Io(&'static str, rustix::io::Errno),
+    #[error("{0} is owned by {1}:{2}")]
+    Owner(&'static str, u32, u32),
+    #[error("{0} has mode {1:o}")]
+    Mode(&'static str, u32),
+    #[error("{0} holds {1:?}")]
+    Entries(&'static str, Vec<std::ffi::OsString>),
+    #[error("{0} has the extended attribute {1:?}")]
+    Xattr(&'static str, String),
+    #[error("{0} has the inode flags {1:#x}")]
+    Flags(&'static str, u32),
+}
+
+impl Pool {
+    /// Keeps up to `cap` idle dirs from now on.
+    pub(super) fn keep_up_to(&self, cap: usize) {
+        self.cap.store(cap, Ordering::Relaxed);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes an idle dir for job dir `name` (in `root`, at `root_path`): checked, renamed to
+    /// `name`, opened. `None`: none is idle, or the one taken was unfit (it is removed) or
+    /// could not be renamed; the caller makes a fresh tree.
+    pub(super) fn take(&self, root: BorrowedFd<'_>, root_path: &Path, name: &str) -> Option<Taken> {
+        loop {
+            let idle = self.lock().pop()?;
+            let abs = root_path.join(&idle);
+            let fit = open_dir_beneath(root, &idle)
+                .map_err(|e| Unfit::Io("open", e))
+                .and_then(|fd| check_tree(root, fd.as_fd()).map(|stage| (fd, stage)));
+            let (fd, stage) = match fit {
+                Ok(fds) => fds,
+                Err(why) => {
+                    tracing::warn!(dir = %abs.display(), %why, "an idle job dir is unfit for reuse; removed");
+                    discard(root, &idle, &abs);
+                    continue;
+                }
+            };
+            let renamed = mutate("publish.pool_take", &root_path.join(name), || {
+                rustix::fs::renameat_with(root, &idle, root, name, RenameFlags::NOREPLACE)
+            });
+            if let Err(e) = renamed {
+                tracing::warn!(dir = %abs.display(), error = %crate::report::chain(&e), "cannot take an idle job dir; removed");
+                discard(root, &idle, &abs);
+                return None;
+            }
+            return Some(Taken { fd, stage });
+        }
+    }
+
+    /// Sets job dir `name` (`fd`, at `abs`) aside for a later job, its journal already gone:
+    /// `stage/` emptied but for an empty `stage/0`, given back to the daemon, checked, and
+    /// renamed to an idle name. `Ok(false)`: the pool is full, or the tree does not have the
+    /// shape of a reusable one; the caller removes it. An `Err` leaves the dir under one of
+    /// its two names, without a journal, for the caller (or recovery) to remove.
+    pub(super) fn keep(
+        &self,
+        root: BorrowedFd<'_>,
+        root_path: &Path,
+        name: &str,
+        fd: BorrowedFd<'_>,
+    ) -> Result<bool, PublishError> {
+        if self.lock().len() >= self.cap.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let abs = root_path.join(name);
+        let stage_abs = abs.join(STAGE);
+        let stage = match open_dir_beneath(fd, STAGE) {
+            Ok(s) => s,
+            Err(_) => return Ok(false),
+        };
+        let slot_abs = stage_abs.join(KEPT_SLOT);
+        let slot = match open_dir_beneath(stage.as_fd(), KEPT_SLOT) {
+            Ok(s) => s,
+            Err(_) => return Ok(false),
+        };
+        for n in names(stage.as_fd(), &stage_abs)? {
+            if n != KEPT_SLOT {
+                remove_entry(
+                    stage.as_fd(),
+                    &n,
+                    &stage_abs.join(&n),
+                    "publish.cleanup_unlink",
+                )?;
+            }
+        }
+        for n in names(slot.as_fd(), &slot_abs)? {
+            remove_entry(
+                slot.as_fd(),
+                &n,
+                &slot_abs.join(&n),
+                "publish.cleanup_unlink",
+            )?;
+        }
+        let (euid, egid) = (rustix::process::geteuid(), rustix::process::getegid());
+        for (dir, path) in [(&slot, &slot_abs), (&stage, &stage_abs)] {
+            let st = rustix::fs::fstat(dir).map_err(|e| super::sys::io("stat", path, e))?;
+            if (st.st_uid, st.st_gid) != (euid.as_raw(), egid.as_raw()) {
+                mutate("publish.pool_chown", path, || {
+                    rustix::fs::fchown(dir, Some(euid), Some(egid))
+                })?;
+            }
+            if st.st_mode & 0o7777 != 0o700 {
+                mutate("publish.pool_chmod", path, || {
+                    rustix::fs::fchmod(dir, Mode::from_raw_mode(0o700))
+                })?;
+            }
+        }
+        let st = rustix::fs::fstat(fd).map_err(|e| super::sys::io("stat", &abs, e))?;
+        if st.st_mode & 0o7777 != 0o700 {
+            mutate("publish.pool_chmod", &abs, || {
+                rustix::fs::fchmod(fd, Mode::from_raw_mode(0o700))
+            })?;
+        }
+        if let Err(why) = check_tree(root, fd) {
+            tracing::warn!(dir = %abs.display(), %why, "a job dir is unfit for reuse; removed");
+            return Ok(false);
+        }
+        let idle = format!("{IDLE_PREFIX}{}", NEXT_IDLE.fetch_add(1, Ordering::Relaxed));
+        mutate("publish.pool_keep", &root_path.join(&idle), || {
+            rustix::fs::renameat_with(root, name, root, &idle, RenameFlags::NOREPLACE)
+        })?;
+        self.lock().push(idle);
+        Ok(true)
+    }
+
+    /// Removes every idle dir (at shutdown); what cannot be removed is left to recovery.
+    pub(super) fn release(&self, root: BorrowedFd<'_>, root_path: &Path) {
+        let idle = std::mem::take(&mut *self.lock());
+        for name in idle {
+            discard(root, &name, &root_path.join(&name));
+        }
+    }
+}
+
+/// Removes the tree `name` in `root`; a failure is logged (recovery removes it at the next
+/// start).
+fn discard(root: BorrowedFd<'_>, name: &str, abs: &Path) {
+    if let Err(e) = remove_tree(root, OsStr::new(name), abs) {
+        tracing::warn!(dir = %abs.display(), error = %crate::report::chain(&e), "cannot remove an idle job dir; startup recovery will");
+    }
+}
+
+/// Checks that the job dir `fd` is fit for reuse (see the module's invariants): returns its
+/// `stage/`, open.
+fn check_tree(root: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Result<OwnedFd, Unfit> {
+    let allowed = flags(root).unwrap_or(0) | NATURAL_FLAGS;
+    check_dir("the job dir", fd, 3, &[STAGE], allowed)?;
+    let stage = open_dir_beneath(fd, STAGE).map_err(|e| Unfit::Io("open stage", e))?;
+    check_dir("stage", stage.as_fd(), 3, &[KEPT_SLOT], allowed)?;
+    let slot = open_dir_beneath(stage.as_fd(), KEPT_SLOT).map_err(|e| Unfit::Io("open slot", e))?;
+    check_dir("its slot", slot.as_fd(), 2, &[], allowed)?;
+    Ok(stage)
+}
+
+fn check_dir(
+    what: &'static str,
+    fd: BorrowedFd<'_>,
+    links: u64,
+    entries: &[&str],
+    allowed_flags: u32,
+) -> Result<(), Unfit> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Unfit::Io("stat", e))?;
+    let (euid, egid) = (rustix::process::geteuid(), rustix::process::getegid());
+    if (st.st_uid, st.st_gid) != (euid.as_raw(), egid.as_raw()) {
+        return Err(Unfit::Owner(what, st.st_uid, st.st_gid));
+    }
+    if file_type(&st) != rustix::fs::FileType::Directory || st.st_mode & 0o7777 != 0o700 {
+        return Err(Unfit::Mode(what, st.st_mode));
+    }
+    let found = names(fd, Path::new(what)).map_err(|_| Unfit::Io("read", rustix::io::Errno::IO))?;
+    if nlink(&st) != links
+        || found.len() != entries.len()
+        || found
+            .iter()
+            .any(|n| !entries.iter().any(|e| OsStr::new(e) == n))
+    {
+        return Err(Unfit::Entries(what, found));
+    }
+    let mut buf = vec![0u8; 1024];
+    let n = match rustix::fs::flistxattr(fd, &mut buf[..]) {
+        Ok(n) => n,
+        Err(rustix::io::Errno::NOTSUP) => 0,
+        Err(rustix::io::Errno::RANGE) => {
+            return Err(Unfit::Xattr(what, "(a list over 1 KiB)".into()))
+        }
+        Err(e) => return Err(Unfit::Io("list extended attributes", e)),
+    };
+    for attr in buf[..n].split(|b| *b == 0).filter(|a| !a.is_empty()) {
+        if !attr.starts_with(b"security.") {
+            return Err(Unfit::Xattr(
+                what,
+                String::from_utf8_lossy(attr).into_owned(),
+            ));
+        }
+    }
+    if let Some(f) = flags(fd) {
+        if f & !allowed_flags != 0 {
+            return Err(Unfit::Flags(what, f));
+        }
+    }
+    Ok(())
+}
+
+/// The inode flags of `fd` (`FS_IOC_GETFLAGS`); `None` where the filesystem has none.
+fn flags(fd: BorrowedFd<'_>) -> Option<u32> {
+    rustix::fs::ioctl_getflags(fd).ok().map(|f| f.bits())
+}

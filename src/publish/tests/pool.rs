@@ -1,0 +1,380 @@
+//! Idle job dirs: reuse, what unfits a dir for reuse, and crashes while one is set aside or
+//! taken.
+
+use std::os::unix::fs::{symlink, MetadataExt};
+
+use rustix::fs::{Mode as FsMode, OFlags};
+
+use super::*;
+
+/// A workspace whose ended job dirs are kept for reuse.
+fn pooled(dir: &tempfile::TempDir) -> Workspace {
+    let ws = open(dir);
+    ws.keep_idle_job_dirs(4);
+    ws
+}
+
+/// Runs one call writing `content` to `a.txt` as job `id`; the session commit writes the id
+/// to `marker`.
+fn call(ws: &Workspace, id: &str, content: &str, marker: &Path) -> Result<(), PublishError> {
+    let job = Job::create(ws, spec(id, &["a.txt"]))?;
+    fs::write(job.staged_path(0), content).unwrap();
+    job.publish_and_commit(|| fs::write(marker, id).map_err(Into::into))
+}
+
+/// The idle dirs in `root`.
+fn idle(root: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(crate::publish::pool::IDLE_PREFIX))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Who the dirs of an idle or job dir are (itself, `stage`, `stage/0`): (device, inode,
+/// birth time), since a removed dir's inode number is soon handed out again.
+fn ids(dir: &Path) -> Vec<(u64, u64, std::time::SystemTime)> {
+    [dir.to_path_buf(), dir.join("stage"), dir.join("stage/0")]
+        .iter()
+        .map(|p| {
+            let m = fs::symlink_metadata(p).unwrap();
+            (m.dev(), m.ino(), m.created().unwrap())
+        })
+        .collect()
+}
+
+/// A clean idle dir: `stage/0` and nothing else, each dir the daemon's, 0700, without
+/// extended attributes.
+fn assert_clean(dir: &Path) {
+    let me = (
+        rustix::process::geteuid().as_raw(),
+        rustix::process::getegid().as_raw(),
+    );
+    let levels = [
+        (dir.to_path_buf(), vec!["stage".to_string()]),
+        (dir.join("stage"), vec!["0".to_string()]),
+        (dir.join("stage/0"), vec![]),
+    ];
+    for (p, want) in levels {
+        let m = fs::symlink_metadata(&p).unwrap();
+        assert!(m.is_dir(), "{}", p.display());
+        assert_eq!(m.mode() & 0o7777, 0o700, "{}", p.display());
+        assert_eq!((m.uid(), m.gid()), me, "{}", p.display());
+        let mut names: Vec<String> = fs::read_dir(&p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, want, "{}", p.display());
+        let fd = rustix::fs::open(&p, OFlags::RDONLY | OFlags::DIRECTORY, FsMode::empty()).unwrap();
+        let mut buf = [0u8; 256];
+        assert_eq!(
+            rustix::fs::flistxattr(&fd, &mut buf[..]).unwrap(),
+            0,
+            "{}",
+            p.display()
+        );
+    }
+}
+
+#[test]
+fn an_ended_jobs_dir_is_set_aside_clean_and_reused_by_the_next_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let session = tempfile::tempdir().unwrap();
+    let marker = session.path().join("committed");
+    write(tmp.path(), "a.txt", "old");
+    let ws = pooled(&tmp);
+    call(&ws, "j1", "first", &marker).unwrap();
+    assert_eq!(
+        fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+        "first"
+    );
+    // The first job's dir, emptied (its backup of the old a.txt gone), is idle.
+    let first = idle(tmp.path());
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert!(job_dirs(tmp.path())
+        .iter()
+        .all(|d| d.starts_with(crate::publish::pool::IDLE_PREFIX)));
+    let idle_dir = tmp.path().join(&first[0]);
+    assert_clean(&idle_dir);
+    let before = ids(&idle_dir);
+
+    // The next job takes it: the same three dirs, under the job's name.
+    let job = Job::create(&ws, spec("j2", &["a.txt"])).unwrap();
+    assert!(idle(tmp.path()).is_empty());
+    assert_eq!(ids(job.dir()), before);
+    assert_eq!(job.staged_path(0), job.dir().join("stage/0/a.txt"));
+    fs::write(job.staged_path(0), "second").unwrap();
+    job.publish_and_commit(|| fs::write(&marker, "j2").map_err(Into::into))
+        .unwrap();
+    assert_eq!(
+        fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+        "second"
+    );
+    let again = idle(tmp.path());
+    assert_eq!(again.len(), 1);
+    assert_eq!(ids(&tmp.path().join(&again[0])), before);
+    assert_clean(&tmp.path().join(&again[0]));
+
+    // A job with more outputs than the kept slot makes the others, and sets aside only the
+    // first.
+    let job = Job::create(&ws, spec("j3", &["a.txt", "b.txt"])).unwrap();
+    assert_eq!(ids(job.dir()), before);
+    stage(&job, 0, "third a");
+    stage(&job, 1, "third b");
+    job.publish_and_commit(|| Ok::<(), CallbackError>(()))
+        .unwrap();
+    assert_eq!(
+        fs::read_to_string(tmp.path().join("b.txt")).unwrap(),
+        "third b"
+    );
+    let kept = idle(tmp.path());
+    assert_eq!(kept.len(), 1);
+    assert_clean(&tmp.path().join(&kept[0]));
+
+    // Recovery removes idle dirs without reporting them; the workspace holds the outputs.
+    drop(ws);
+    let rec = recover(tmp.path(), &|_, _| Ok(true)).unwrap();
+    assert!(rec.is_empty(), "{rec:?}");
+    assert!(job_dirs(tmp.path()).is_empty());
+    let want: BTreeMap<PathBuf, Entry> = [("a.txt", "third a"), ("b.txt", "third b")]
+        .iter()
+        .map(|(p, c)| (PathBuf::from(p), Entry::File(c.as_bytes().to_vec())))
+        .collect();
+    assert_eq!(snapshot(tmp.path()), want);
+}
+
+#[test]
+fn what_a_worker_left_is_cleared_and_its_permissions_taken_back_before_a_dir_is_set_aside() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = pooled(&tmp);
+    let job = Job::create(&ws, spec("j1", &["a.txt"])).unwrap();
+    let st = job.dir().join("stage");
+    // A worker's leavings: scratch files and trees in staging and in its slot, a symlink,
+    // a FIFO, modes opened up and taken away.
+    fs::write(st.join("scratch"), "x").unwrap();
+    fs::create_dir_all(st.join("tmp/deep/er")).unwrap();
+    fs::write(st.join("tmp/deep/er/f"), "y").unwrap();
+    fs::write(st.join("0/extra"), "z").unwrap();
+    symlink("/etc/passwd", st.join("0/link")).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        st.join("0/fifo"),
+        rustix::fs::FileType::Fifo,
+        FsMode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    fs::set_permissions(st.join("tmp/deep"), fs::Permissions::from_mode(0o000)).unwrap();
+    fs::set_permissions(&st, fs::Permissions::from_mode(0o777)).unwrap();
+    fs::set_permissions(st.join("0"), fs::Permissions::from_mode(0o755)).unwrap();
+    // A worker with its own uid owns its staging dirs.
+    rustix::fs::chown(&st, Some(rustix::process::Uid::from_raw(60999)), None).unwrap();
+    rustix::fs::chown(
+        st.join("0"),
+        Some(rustix::process::Uid::from_raw(60999)),
+        None,
+    )
+    .unwrap();
+    stage(&job, 0, "out");
+    job.publish_and_commit(|| Ok::<(), CallbackError>(()))
+        .unwrap();
+    assert_eq!(fs::read_to_string(tmp.path().join("a.txt")).unwrap(), "out");
+    let kept = idle(tmp.path());
+    assert_eq!(kept.len(), 1, "{:?}", job_dirs(tmp.path()));
+    assert_clean(&tmp.path().join(&kept[0]));
+    // Discarding a job that did not publish sets its dir aside too.
+    let job = Job::create(&ws, spec("j2", &["a.txt"])).unwrap();
+    fs::write(job.dir().join("stage/left"), "x").unwrap();
+    job.discard().unwrap();
+    let kept = idle(tmp.path());
+    assert_eq!(kept.len(), 1);
+    assert_clean(&tmp.path().join(&kept[0]));
+    assert_eq!(fs::read_to_string(tmp.path().join("a.txt")).unwrap(), "out");
+}
+
+/// Each way an idle dir can be unfit (were it changed while idle): the next job gets a fresh
+/// tree, the unfit one is gone, and nothing planted reaches the job's staging or the
+/// workspace.
+#[test]
+fn an_idle_dir_changed_while_idle_is_removed_not_reused() {
+    type Tamper = fn(&Path);
+    let tampers: &[(&str, Tamper)] = &[
+        ("stage opened up", |d| {
+            fs::set_permissions(d.join("stage"), fs::Permissions::from_mode(0o777)).unwrap()
+        }),
+        ("job dir opened up", |d| {
+            fs::set_permissions(d, fs::Permissions::from_mode(0o711)).unwrap()
+        }),
+        ("slot given away", |d| {
+            rustix::fs::chown(
+                d.join("stage/0"),
+                Some(rustix::process::Uid::from_raw(60999)),
+                None,
+            )
+            .unwrap()
+        }),
+        ("file planted in the slot", |d| {
+            fs::write(d.join("stage/0/a.txt"), "planted").unwrap()
+        }),
+        ("file planted in staging", |d| {
+            fs::write(d.join("stage/planted"), "planted").unwrap()
+        }),
+        ("file planted in the job dir", |d| {
+            fs::write(d.join("recovery.json"), "planted").unwrap()
+        }),
+        ("slot replaced by a symlink", |d| {
+            fs::remove_dir(d.join("stage/0")).unwrap();
+            symlink("/tmp", d.join("stage/0")).unwrap();
+        }),
+        ("slot missing", |d| {
+            fs::remove_dir(d.join("stage/0")).unwrap()
+        }),
+        ("an xattr on the slot", |d| {
+            set_xattr(&d.join("stage/0"), "user.planted")
+        }),
+        ("a default ACL on staging", |d| {
+            // The kernel's binary form of `default:user::rwx,group::---,other::---`: a
+            // version, then (tag, permissions, id) per entry.
+            let mut acl = 2u32.to_le_bytes().to_vec();
+            for (tag, perm) in [(0x01u16, 7u16), (0x04, 0), (0x20, 0)] {
+                acl.extend(tag.to_le_bytes());
+                acl.extend(perm.to_le_bytes());
+                acl.extend(u32::MAX.to_le_bytes());
+            }
+            rustix::fs::setxattr(
+                d.join("stage"),
+                "system.posix_acl_default",
+                &acl,
+                rustix::fs::XattrFlags::empty(),
+            )
+            .unwrap()
+        }),
+        ("an inode flag on staging", |d| {
+            let fd = rustix::fs::open(
+                d.join("stage"),
+                OFlags::RDONLY | OFlags::DIRECTORY,
+                FsMode::empty(),
+            )
+            .unwrap();
+            let f = rustix::fs::ioctl_getflags(&fd).unwrap();
+            rustix::fs::ioctl_setflags(&fd, f | rustix::fs::IFlags::NODUMP).unwrap();
+        }),
+    ];
+    for (what, tamper) in tampers {
+        let tmp = tempfile::tempdir().unwrap();
+        let ws = pooled(&tmp);
+        write(tmp.path(), "a.txt", "old");
+        let job = Job::create(&ws, spec("j1", &["a.txt"])).unwrap();
+        job.discard().unwrap();
+        let kept = idle(tmp.path());
+        assert_eq!(kept.len(), 1, "{what}");
+        let dir = tmp.path().join(&kept[0]);
+        let before = ids(&dir);
+        tamper(&dir);
+        let job = Job::create(&ws, spec("j2", &["a.txt"])).unwrap();
+        assert_ne!(ids(job.dir())[0], before[0], "{what}: reused");
+        assert!(idle(tmp.path()).is_empty(), "{what}: the unfit dir is left");
+        let staged: Vec<_> = fs::read_dir(job.dir().join("stage/0")).unwrap().collect();
+        assert!(staged.is_empty(), "{what}");
+        assert_eq!(
+            fs::symlink_metadata(job.dir().join("stage"))
+                .unwrap()
+                .mode()
+                & 0o7777,
+            0o700,
+            "{what}"
+        );
+        stage(&job, 0, "new");
+        job.publish_and_commit(|| Ok::<(), CallbackError>(()))
+            .unwrap();
+        assert_eq!(
+            fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+            "new",
+            "{what}"
+        );
+        let kept = idle(tmp.path());
+        assert_eq!(kept.len(), 1, "{what}");
+        assert_clean(&tmp.path().join(&kept[0]));
+        drop(ws);
+        recover(tmp.path(), &|_, _| Ok(true)).unwrap();
+        let want: BTreeMap<PathBuf, Entry> =
+            [(PathBuf::from("a.txt"), Entry::File(b"new".to_vec()))]
+                .into_iter()
+                .collect();
+        assert_eq!(snapshot(tmp.path()), want, "{what}");
+    }
+}
+
+fn set_xattr(p: &Path, name: &str) {
+    rustix::fs::setxattr(p, name, b"v", rustix::fs::XattrFlags::empty()).unwrap();
+}
+
+/// A second call, whose job takes the first's idle dir and sets it aside again: crash at
+/// every one of its points (the pool's included), then recover: the workspace holds the
+/// first or the second call's output as the session says, no job or idle dir is left, and
+/// a second recovery finds nothing. An error at every point instead: the call fails
+/// all-old or succeeds all-new, and whatever idle dir is left is clean.
+#[test]
+fn a_crash_or_an_error_at_every_point_of_a_reusing_call_is_recovered() {
+    let setup = || {
+        let tmp = tempfile::tempdir().unwrap();
+        let session = tempfile::tempdir().unwrap();
+        let marker = session.path().join("committed");
+        write(tmp.path(), "a.txt", "old");
+        let ws = pooled(&tmp);
+        call(&ws, "j1", "first", &marker).unwrap();
+        (tmp, session, marker, ws)
+    };
+    let points = {
+        let (_tmp, _s, marker, ws) = setup();
+        testsim::arm(Mode::Off);
+        call(&ws, "j2", "second", &marker).unwrap();
+        testsim::disarm()
+    };
+    for p in ["publish.pool_take", "publish.pool_keep"] {
+        assert!(points.contains(&p), "{p} not reached: {points:?}");
+    }
+    for (k, point) in points.iter().enumerate() {
+        for crash in [true, false] {
+            let (tmp, _s, marker, ws) = setup();
+            testsim::arm(if crash {
+                Mode::Crash(k)
+            } else {
+                Mode::Error(k)
+            });
+            let r = call(&ws, "j2", "second", &marker);
+            testsim::disarm();
+            let committed = fs::read_to_string(&marker).unwrap() == "j2";
+            let what = format!(
+                "{} at {k} ({})",
+                if crash { "crash" } else { "error" },
+                point
+            );
+            assert!(r.is_err() || committed, "{what}");
+            if !crash {
+                assert_eq!(r.is_ok(), committed, "{what}: {r:?}");
+                for d in idle(tmp.path()) {
+                    assert_clean(&tmp.path().join(d));
+                }
+            }
+            drop(ws);
+            let m = marker.clone();
+            let asked = move |_: &str, job: &str| -> Result<bool, CallbackError> {
+                Ok(fs::read_to_string(&m).map(|s| s == job).unwrap_or(false))
+            };
+            recover(tmp.path(), &asked).unwrap();
+            let content = if committed { "second" } else { "first" };
+            let want: BTreeMap<PathBuf, Entry> = [(
+                PathBuf::from("a.txt"),
+                Entry::File(content.as_bytes().to_vec()),
+            )]
+            .into_iter()
+            .collect();
+            assert_eq!(snapshot(tmp.path()), want, "{what}");
+            assert!(recover(tmp.path(), &asked).unwrap().is_empty(), "{what}");
+        }
+    }
+}
