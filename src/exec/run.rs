@@ -83,7 +83,8 @@ impl Executor {
             Ok(w) => w,
             Err(stop) => return Run::queued(stop),
         };
-        let waited = match self.wait(cx, worker, ext.timeout).await {
+        // A read worker owns nothing the call keeps: its lease goes with the call's end.
+        let waited = match self.wait(cx, worker, ext.timeout, &mut None).await {
             Ok(w) => w,
             Err((end, stop)) => return Run::started(end, Err(stop)),
         };
@@ -124,18 +125,23 @@ impl Executor {
                 return Run::queued(stop);
             }
         };
-        let waited = match self.wait(cx, worker, ext.timeout).await {
+        // The worker's uid lease is held until its staging dirs are gone or given back to
+        // the daemon (discarded, or set aside after publication): a later worker leasing the
+        // same uid could otherwise open them up (chmod passes Landlock) to someone else
+        // before this call's outputs are taken back.
+        let mut lease = None;
+        let waited = match self.wait(cx, worker, ext.timeout, &mut lease).await {
             Ok(w) => w,
             Err((end, stop)) => {
                 discard(q.job).await;
+                drop(lease);
                 return Run::started(end, Err(stop));
             }
         };
         let end = waited.end;
-        Run::started(
-            Some(end),
-            self.publish_write(cx, ext, session, q, waited).await,
-        )
+        let reply = self.publish_write(cx, ext, session, q, waited).await;
+        drop(lease);
+        Run::started(Some(end), reply)
     }
 
     /// A write call up to its worker's spawn: everything that can be rejected without
@@ -509,11 +515,15 @@ impl Executor {
         cx: &Cx<'_>,
         worker: Worker,
         timeout: std::time::Duration,
+        lease: &mut Option<crate::sandbox::Lease>,
     ) -> Result<Waited, (Option<WorkerEnd>, Stop)> {
-        let outcome = worker
+        let mut outcome = worker
             .finish(timeout, cx.cancel.clone())
             .await
             .map_err(|e| (None, CallError::from(e).into()))?;
+        // The worker's uid lease, for the caller to release when it is done with what the
+        // worker owned.
+        *lease = outcome.lease.take();
         // When the worker's group was gone, in ms since the call began.
         let worker_ms = cx.call.elapsed_ms();
         let killed = WorkerEnd {

@@ -942,6 +942,104 @@ async fn a_hostile_workers_staging_dir_reaches_the_next_call_clean() {
     }
 }
 
+/// A write worker's uid is leased to no other worker until its call is done with its
+/// staging dirs (its outputs taken back, the dirs given back to the daemon): a later worker
+/// under the same uid could otherwise open them up to someone else (chmod passes Landlock)
+/// while the outputs are taken back. Publication is held before its seal (a failpoint pause)
+/// while another session's call runs: that call gets another uid; once the held call is
+/// done, its uid is free again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_workers_uid_is_not_leased_again_while_its_call_publishes() {
+    require_root();
+    let uid_of = |d: &Daemon, rel: &str| -> u32 {
+        let text = d.read(rel).unwrap_or_else(|| panic!("{rel} missing"));
+        text.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{rel}: {text:?}"))
+    };
+    for profile in PROFILES {
+        let mut d = daemon(profile);
+        // A range and lease dir of its own: no other test's daemon holds one of its uids.
+        let (_tmp, leases) = lease_dir();
+        daemon_setting(
+            &d,
+            &format!(
+                "worker_uids = \"63000-63063\"\nworker_uid_lock_dir = \"{}\"",
+                leases.display()
+            ),
+        );
+        // The second seal of the run: the held call's.
+        let mark = d.pause_at_failpoint("publish.seal_output", 2);
+        d.start();
+        let c = d.client().await;
+        session(&c, "a").await;
+        session(&c, "b").await;
+        let script = "id -u > \"$1\"";
+        let r = call(
+            &c,
+            "hs",
+            json!({"session": "a", "script": script, "out": "first.txt"}),
+        )
+        .await;
+        assert!(!is_error(&r), "[{profile}] {r}");
+        let first = uid_of(&d, "first.txt");
+        let c1 = d.client().await;
+        let held = tokio::spawn(async move {
+            call(
+                &c1,
+                "hs",
+                json!({"session": "a", "script": script, "out": "held.txt"}),
+            )
+            .await
+        });
+        wait_until("publication to pause before its seal", || mark.exists()).await;
+        let jobs = d.job_dirs();
+        assert_eq!(jobs.len(), 1, "[{profile}] {jobs:?}");
+        let staged = format!("{}/stage/0/held.txt", jobs[0]);
+        let held_uid = uid_of(&d, &staged);
+        assert_eq!(
+            held_uid, first,
+            "[{profile}] the lowest free uid is leased first"
+        );
+        let r = call(
+            &c,
+            "hs",
+            json!({"session": "b", "script": script, "out": "other.txt"}),
+        )
+        .await;
+        assert!(!is_error(&r), "[{profile}] {r}");
+        assert_ne!(
+            uid_of(&d, "other.txt"),
+            held_uid,
+            "[{profile}] a worker got the uid of a call still taking its outputs back"
+        );
+        std::fs::remove_file(&mark).expect("resume");
+        let r = held.await.expect("held call");
+        assert!(!is_error(&r), "[{profile}] {r}");
+        assert_eq!(uid_of(&d, "held.txt"), held_uid);
+        // The fourth seal pauses too: let it go.
+        let c2 = d.client().await;
+        let after = tokio::spawn(async move {
+            call(
+                &c2,
+                "hs",
+                json!({"session": "b", "script": script, "out": "after.txt"}),
+            )
+            .await
+        });
+        wait_until("the next seal to pause", || mark.exists()).await;
+        std::fs::remove_file(&mark).expect("resume");
+        let r = after.await.expect("call after");
+        assert!(!is_error(&r), "[{profile}] {r}");
+        assert_eq!(
+            uid_of(&d, "after.txt"),
+            held_uid,
+            "[{profile}] the uid is free again"
+        );
+        d.assert_audit_verifies(profile);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 6. Startup refuses a worker identity it cannot honour.
 

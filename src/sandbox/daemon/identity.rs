@@ -5,7 +5,8 @@
 //! daemon's socket and the workspace root included. The strongest answer is that workers do
 //! not share the daemon's uid: each gets a uid and gid of its own from a reserved range
 //! (`worker_uids`), like systemd's DynamicUser, held from spawn until its whole process
-//! group is confirmed gone. File permissions then protect everything the worker does not
+//! group is confirmed gone (then handed to the caller in `Outcome::lease`: a write call
+//! keeps it until its staging dirs are gone or given back to the daemon). File permissions then protect everything the worker does not
 //! own, and concurrent workers cannot touch each other's staging.
 //!
 //! Switching uids needs privilege: root, or an unprivileged daemon holding

@@ -87,8 +87,9 @@ pub struct Launch {
     pub cgroup_parent: Option<PathBuf>,
     /// Names the worker's cgroup and log lines.
     pub job_id: String,
-    /// The worker's own uid and gid, held until its group is confirmed gone; `None`: it
-    /// keeps the daemon's.
+    /// The worker's own uid and gid, held until its group is confirmed gone, then handed
+    /// back in [`Outcome::lease`] (never, if the group is not confirmed gone: the uid is
+    /// retired for the run); `None`: it keeps the daemon's.
     pub identity: Option<Lease>,
     /// Where the live worker is recorded, so that a restart can kill what a dead daemon's
     /// workers left.
@@ -194,6 +195,10 @@ pub struct Outcome {
     pub stderr: Captured,
     pub enforcement: Enforcement,
     pub pid: u32,
+    /// The worker's uid lease, now that its group is confirmed gone: the caller holds it
+    /// until nothing the worker owned is left (a write worker's staging dirs), then drops
+    /// it, and the uid may serve another worker.
+    pub lease: Option<Lease>,
 }
 
 /// A started worker. Dropping it without [`Worker::finish`] kills its whole group (confirmed
@@ -221,11 +226,11 @@ struct Live {
     held: Held,
 }
 
-/// What a worker holds until its group is confirmed gone: its uid lease. (Its registry
-/// record is its spawner's session's, kept until the next start.)
+/// What a worker holds until its group is confirmed gone: its uid lease, then handed to the
+/// caller. (Its registry record is its spawner's session's, kept until the next start.)
 #[derive(Debug, Default)]
 struct Held {
-    _lease: Option<Lease>,
+    lease: Option<Lease>,
 }
 
 /// How long `finish` keeps draining stdout/stderr once the group is confirmed gone (a write
@@ -525,7 +530,7 @@ impl Worker {
                     containment: containment.into(),
                     cgroup_limits,
                 },
-                held: Held { _lease: lease },
+                held: Held { lease },
             }),
         };
         // Nothing to feed: the write end is closed here (the worker reads EOF), never
@@ -676,16 +681,18 @@ impl Worker {
             }
             end
         };
-        match &end {
-            // The group is confirmed gone: the uid may serve another worker.
-            Some(Ok(_)) => drop(held),
+        let lease = match &end {
+            // The group is confirmed gone: the uid may serve another worker once the caller
+            // is done with what the worker owned.
+            Some(Ok(_)) => held.lease,
             // Not confirmed: the uid is never leased again in this run, and the record stays
             // for the next start to sweep.
             _ => {
                 tracing::warn!(pid, "worker group not confirmed gone; its uid is retired");
                 std::mem::forget(held);
+                None
             }
-        }
+        };
         let end = match end {
             Some(end) => end?,
             None => return Err(SandboxError::NoResult { pid }),
@@ -696,6 +703,7 @@ impl Worker {
             stderr: err,
             enforcement,
             pid,
+            lease,
         })
     }
 }
