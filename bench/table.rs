@@ -395,10 +395,12 @@ fn durable_copy_by_hand(args: &[String]) -> std::io::Result<()> {
 /// (the copy is made there), the journal `recovery.json`; the undo record `undo.json`
 /// rewritten in place in the session's blank slot of two (made, with its dir, the first
 /// time only); the session file written under a temp name and renamed over the last one;
-/// a job record (kept, and not fsynced: the call is not keyed). After the copy is renamed
-/// into place, the journal and the job dir's tree are removed and the other undo slot's
-/// record truncated, as the call's cleanup does. Five inodes made and freed per copy
-/// besides the output, and the job record.
+/// a job record (kept, and not fsynced: the call is not keyed). The job dir's tree is an
+/// idle one another copy set aside, taken by a rename, when there is one. After the copy is
+/// renamed into place, the journal is removed, the other undo slot's record truncated and
+/// the job dir set aside, as the call's cleanup does. Two inodes made and freed per copy
+/// besides the output once idle dirs exist (the journal, the session file), and the job
+/// record.
 fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     use std::fs;
     use std::io::Write;
@@ -413,9 +415,16 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     let (jobs, undo, sessions) = (dir.join("jobs"), dir.join("undo"), dir.join("sessions"));
     let job = dir.join(format!("job-{id}"));
     let slot = job.join("stage").join("0");
-    fs::create_dir(&job)?;
-    fs::create_dir(job.join("stage"))?;
-    fs::create_dir(&slot)?;
+    // An idle job dir another copy set aside, renamed to this job's name; else a fresh tree.
+    let taken = fs::read_dir(dir)?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("idle-"))
+        .any(|e| fs::rename(e.path(), &job).is_ok());
+    if !taken {
+        fs::create_dir(&job)?;
+        fs::create_dir(job.join("stage"))?;
+        fs::create_dir(&slot)?;
+    }
     let staged = slot.join("out");
     let out_dir = out.parent().unwrap_or(Path::new("."));
     copy_synced(src, &staged)?;
@@ -460,9 +469,11 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     }
     fs::remove_file(job.join("recovery.json"))?;
     sync_dir(&job)?;
-    fs::remove_dir(&slot)?;
-    fs::remove_dir(job.join("stage"))?;
-    fs::remove_dir(&job)
+    // Set aside for a later copy, as the daemon keeps ended jobs' dirs.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    fs::rename(&job, dir.join(format!("idle-{id}-{nanos}")))
 }
 
 /// The durable copy by hand's work: copy `src` to `tmp`, `fdatasync` it, `rename` it to

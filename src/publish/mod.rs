@@ -16,8 +16,10 @@
 //!   filesystem commits them together. For a call with outputs `a.txt` (exists), `n/m/b.txt`
 //!   and `c.txt` (new), in order:
 //!   - `Job::create`: `mkdir_job`, `mkdir_stage`, `mkdir_slot` x3 (each followed by
-//!     `chown_stage` when the worker has a uid of its own); no journal, no fsync: a job dir
-//!     without a journal never published, whether or not it survives a crash;
+//!     `chown_stage` when the worker has a uid of its own); or, when an idle dir is taken
+//!     ([`pool`]), `pool_take` (then `chmod_job` for a worker with its own uid) in place of
+//!     the job dir's, the stage's and the first slot's mkdirs; no journal, no fsync: a job
+//!     dir without a journal never published, whether or not it survives a crash;
 //!   - `Job::publish_and_commit`: `seal_output` x3 (owner and mode of each staged output),
 //!     the job's one journal: `journal_write` (`publishing_outputs`), then together
 //!     `fsync_output` x3 (the outputs' data), `fsync_journal`, `fsync_job_dir`, `fsync_root`;
@@ -29,7 +31,9 @@
 //!     and the caller's own records due before the commit point (`prepare`), then the
 //!     caller's `commit()`, then `cleanup_unlink` of the journal and `fsync_unlink` (under
 //!     the session's lock), then `cleanup_unlink` / `cleanup_rmdir` (and `cleanup_chmod` for
-//!     unreadable dirs a worker left) per entry, without fsync.
+//!     unreadable dirs a worker left) per entry, without fsync; a dir the pool keeps is
+//!     emptied but for `stage/0`, then `pool_chown` and `pool_chmod` (staging dirs given back
+//!     to the daemon, modes 0700) and `pool_keep` (the rename to its idle name).
 //!   - Rollback (in-process or in recovery): `rollback_exchange` / `rollback_unlink` per
 //!     target holding its new file, `rollback_rmdir` per created dir, then the cleanup points.
 //!   - A directory output (`OutputKind::Directory`) adds `mkdir_staged_dir` (and
