@@ -397,8 +397,8 @@ fn durable_copy_by_hand(args: &[String]) -> std::io::Result<()> {
 /// time only); the session file written under a temp name and renamed over the last one;
 /// a job record (kept, and not fsynced: the call is not keyed). The job dir's tree is an
 /// idle one another copy set aside, taken by a rename, when there is one. After the copy is
-/// renamed into place, the journal is removed, the other undo slot's record truncated and
-/// the job dir set aside, as the call's cleanup does. Two inodes made and freed per copy
+/// renamed into place, the journal is removed, the blank marker written over the other undo
+/// slot's record and the job dir set aside, as the call's cleanup does. Two inodes made and freed per copy
 /// besides the output once idle dirs exist (the journal, the session file), and the job
 /// record.
 fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
@@ -433,8 +433,9 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     sync_dir(out_dir)?;
     fs::rename(&staged, out)?;
     // The slot whose record is blank (the other one holds the last copy's).
-    let blank =
-        |slot: &str| fs::metadata(undo.join(slot).join("undo.json")).map_or(true, |m| m.len() == 0);
+    let blank = |slot: &str| {
+        fs::read(undo.join(slot).join("undo.json")).map_or(true, |r| r.is_empty() || r == b"null")
+    };
     let (slot_now, slot_other) = if blank("g0") {
         ("g0", "g1")
     } else {
@@ -442,11 +443,12 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     };
     let generation = undo.join(slot_now);
     if generation.join("undo.json").exists() {
-        let mut f = fs::OpenOptions::new()
+        // Written over in place and cut after, as the daemon does: the file keeps its block.
+        let f = fs::OpenOptions::new()
             .write(true)
-            .truncate(true)
             .open(generation.join("undo.json"))?;
-        f.write_all(&record)?;
+        std::os::unix::fs::FileExt::write_all_at(&f, &record, 0)?;
+        f.set_len(record.len() as u64)?;
         f.sync_all()?;
     } else {
         fs::create_dir_all(&generation)?;
@@ -465,7 +467,8 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
         .write(true)
         .open(undo.join(slot_other).join("undo.json"))
     {
-        f.set_len(0)?;
+        std::os::unix::fs::FileExt::write_all_at(&f, b"null", 0)?;
+        f.set_len(4)?;
     }
     fs::remove_file(job.join("recovery.json"))?;
     sync_dir(&job)?;

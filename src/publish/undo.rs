@@ -13,8 +13,9 @@
 //! 3. each backup renamed from the job dir into `b<i>` of the slot ([`keep_backups`]; startup
 //!    recovery does the same for a committed job whose dir it finds, so a crash between 2
 //!    and 3 loses nothing);
-//! 4. the other slot blanked: its backups removed, its record truncated to nothing
-//!    ([`drop_generations`]); a commit that keeps no undo data removes the session's slots.
+//! 4. the other slot blanked: its backups removed, the blank marker written over its record
+//!    ([`drop_generations`]; a record is always written over in place and cut after, so the
+//!    file keeps its block); a commit that keeps no undo data removes the session's slots.
 //!
 //! Undo data is used only while its record is complete (every backup there, with the
 //! identity the record names) and the session file's last commit is its job: a crash at any
@@ -47,6 +48,9 @@ pub const UNDO_DIR: &str = ".airlock-undo";
 /// A generation's record.
 pub const UNDO_RECORD: &str = "undo.json";
 const UNDO_VERSION: u32 = 1;
+/// What a blank slot's record holds: JSON that names no job (an empty record, as earlier
+/// versions left, reads as blank too).
+pub(super) const BLANK: &[u8] = b"null";
 /// A record is a few hundred bytes per target, plus a directory output's entries.
 const MAX_RECORD: u64 = 64 << 20;
 
@@ -211,11 +215,12 @@ pub(super) fn write_record(
         path: path.clone(),
         source: std::io::Error::other(e),
     })?;
+    // A reused record is written over in place and then cut to its new length, so that its
+    // block is kept (a truncation to nothing would free it, and the write allocate another).
+    // Until the cut, an older record's tail may follow the new one: the file does not parse,
+    // so it names no job, and nothing uses it before the fsync that precedes the commit.
     let (mut file, made) = match reusable_record(gen.as_fd(), &path)? {
-        Some(f) => {
-            mutate("publish.undo_write", &path, || rustix::fs::ftruncate(&f, 0))?;
-            (f, false)
-        }
+        Some(f) => (f, false),
         None => {
             let fd = mutate("publish.undo_write", &path, || {
                 rustix::fs::openat(
@@ -232,11 +237,15 @@ pub(super) fn write_record(
             (std::fs::File::from(fd), true)
         }
     };
-    file.write_all(&bytes).map_err(|e| PublishError::Io {
-        op: "write undo record",
-        path: path.clone(),
-        source: e,
-    })?;
+    if made {
+        file.write_all(&bytes).map_err(|e| PublishError::Io {
+            op: "write undo record",
+            path: path.clone(),
+            source: e,
+        })?;
+    } else {
+        mutate("publish.undo_write", &path, || overwrite(&file, &bytes))?;
+    }
     syncs.push("publish.fsync_undo", file.into(), &path);
     // Each dir whose entries changed: the slot's if its record is new, and above it only
     // what this write created.
@@ -255,6 +264,16 @@ pub(super) fn write_record(
     Ok(slot)
 }
 
+/// Writes `bytes` over the start of `file` and cuts it there: a record shorter than the last
+/// keeps the last one's block. A short write (a full disk) is `ENOSPC`.
+pub(super) fn overwrite(file: &std::fs::File, bytes: &[u8]) -> Result<(), Errno> {
+    let n = rustix::io::pwrite(file, bytes, 0)?;
+    if n != bytes.len() {
+        return Err(Errno::NOSPC);
+    }
+    rustix::fs::ftruncate(file, n as u64)
+}
+
 /// Removes every entry of slot dir `gen` but its record.
 fn clear_backups(gen: BorrowedFd<'_>, abs: &Path) -> Result<(), PublishError> {
     for name in names(gen, abs)? {
@@ -265,8 +284,8 @@ fn clear_backups(gen: BorrowedFd<'_>, abs: &Path) -> Result<(), PublishError> {
     Ok(())
 }
 
-/// Blanks slot `slot` of `session`: every backup in it removed and its record truncated to
-/// nothing (a record written for a job that did not commit, or a generation that is no
+/// Blanks slot `slot` of `session`: every backup in it removed and the blank marker written
+/// over its record (a record written for a job that did not commit, or a generation that is no
 /// longer the latest). Not made durable: a record left by a crash is not its session's
 /// latest commit's, so nothing uses it, and the next write to the slot or the next start
 /// clears it.
@@ -279,7 +298,9 @@ fn blank_slot(sess: BorrowedFd<'_>, slot: &str, abs: &Path) -> Result<(), Publis
     clear_backups(gen.as_fd(), abs)?;
     let path = abs.join(UNDO_RECORD);
     if let Some(f) = reusable_record(gen.as_fd(), &path)? {
-        mutate("publish.undo_clear", &path, || rustix::fs::ftruncate(&f, 0))?;
+        // The blank marker over the record, the rest cut: the file keeps its block for the
+        // next record (see `write_record`).
+        mutate("publish.undo_clear", &path, || overwrite(&f, BLANK))?;
     }
     Ok(())
 }
@@ -330,7 +351,7 @@ fn read_slot(
             path: path.clone(),
             source: e,
         })?;
-    if bytes.is_empty() {
+    if bytes.is_empty() || bytes == BLANK {
         return Ok(None);
     }
     if bytes.len() as u64 > MAX_RECORD {

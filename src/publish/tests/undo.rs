@@ -276,8 +276,9 @@ fn backups_over_the_limit_keep_nothing() {
 }
 
 /// Three commits in a row: each writes the slot of its version's parity, so the third
-/// rewrites the first's record in place (the same file: no inode per call), and the slot it
-/// does not use is left blank (an empty record, nothing else).
+/// rewrites the first's record in place (the same file: no inode per call; written over and
+/// cut, so that no tail of the longer record before it is left), and the slot it does not use
+/// is left blank (the blank marker as its record, nothing else).
 #[test]
 fn commits_reuse_the_two_slots_in_turn() {
     use std::os::unix::fs::MetadataExt;
@@ -288,7 +289,10 @@ fn commits_reuse_the_two_slots_in_turn() {
         .ino();
     assert!(u.commit_a("j2", 1, "2").unwrap().kept());
     assert_eq!(u.generations(), ["j2"]);
-    assert_eq!(fs::read(u.slot("g1").join(undo::UNDO_RECORD)).unwrap(), b"");
+    assert_eq!(
+        fs::read(u.slot("g1").join(undo::UNDO_RECORD)).unwrap(),
+        undo::BLANK
+    );
     assert!(u.commit_a("j3", 2, "3").unwrap().kept());
     assert_eq!(u.generations(), ["j3"]);
     let third = fs::metadata(u.slot("g1").join(undo::UNDO_RECORD))
@@ -306,7 +310,10 @@ fn commits_reuse_the_two_slots_in_turn() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(blank, [undo::UNDO_RECORD]);
-    assert_eq!(fs::read(u.slot("g0").join(undo::UNDO_RECORD)).unwrap(), b"");
+    assert_eq!(
+        fs::read(u.slot("g0").join(undo::UNDO_RECORD)).unwrap(),
+        undo::BLANK
+    );
     // The undo puts back the second commit's file.
     u.undo_of("j3").unwrap();
     assert_eq!(fs::read_to_string(u.root().join("a.txt")).unwrap(), "2");
@@ -452,4 +459,21 @@ fn a_planted_record_or_stray_backup_in_a_slot_is_replaced_not_written_through() 
             "{plant}"
         );
     }
+}
+
+/// A record written over a longer one in place is the new record alone (cut after it: no
+/// tail of the old one), in the same file; the blank marker likewise.
+#[test]
+fn a_record_written_over_a_longer_one_leaves_no_tail() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(undo::UNDO_RECORD);
+    fs::write(&path, format!("{{\"job\":\"{}\"}}", "x".repeat(5000))).unwrap();
+    let ino = fs::metadata(&path).unwrap().ino();
+    let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
+    undo::overwrite(&f, b"{\"job\":\"short\"}").unwrap();
+    assert_eq!(fs::read(&path).unwrap(), b"{\"job\":\"short\"}");
+    undo::overwrite(&f, undo::BLANK).unwrap();
+    assert_eq!(fs::read(&path).unwrap(), undo::BLANK);
+    assert_eq!(fs::metadata(&path).unwrap().ino(), ino);
 }

@@ -441,7 +441,7 @@ impl Daemon {
     }
 
     /// The undo data kept in the workspace, sorted: `session/job` for each slot of
-    /// `.airlock-undo/<session>/` whose record names a job; a blank slot (an empty record
+    /// `.airlock-undo/<session>/` whose record names a job; a blank slot (an empty or `null` record
     /// and nothing else) is not listed, and anything else is, by its name (`session/g0:
     /// blank with entries`, `session/g1: damaged`, `session/other`, `session/` for an
     /// empty session dir).
@@ -459,7 +459,8 @@ impl Daemon {
                     continue;
                 }
                 let record = std::fs::read(e.path().join("undo.json")).unwrap_or_default();
-                if record.is_empty() {
+                // An empty record or the blank marker (the daemon's `publish::undo::BLANK`).
+                if record.is_empty() || record == b"null" {
                     let entries = std::fs::read_dir(e.path()).map_or(0, |r| r.count());
                     if entries > 1 {
                         out.push(format!("{session}/{name}: blank with entries"));
