@@ -140,24 +140,33 @@ struct NewJobDir {
 }
 
 impl NewJobDir {
-    /// Makes `.airlock-job-<id>/` with `mode` in the workspace root.
-    fn make(ws: &Workspace, id: &str, mode: u32) -> Result<NewJobDir, PublishError> {
+    /// Job `id`'s dir with `mode`, named but not yet there.
+    fn named(ws: &Workspace, id: &str, mode: u32) -> Result<NewJobDir, PublishError> {
         let name = format!("{JOB_DIR_PREFIX}{id}");
-        let dir = ws.root().join(&name);
         let root = ws.fd().try_clone_to_owned().map_err(|e| PublishError::Io {
             op: "dup workspace fd",
             path: ws.root().into(),
             source: e,
         })?;
-        mutate("publish.mkdir_job", &dir, || {
-            rustix::fs::mkdirat(root.as_fd(), name.as_str(), Mode::from_raw_mode(mode))
-        })?;
         Ok(NewJobDir {
             root,
+            dir: ws.root().join(&name),
             name,
-            dir,
             mode,
         })
+    }
+
+    /// Makes `.airlock-job-<id>/` with `mode` in the workspace root.
+    fn make(ws: &Workspace, id: &str, mode: u32) -> Result<NewJobDir, PublishError> {
+        let made = NewJobDir::named(ws, id, mode)?;
+        mutate("publish.mkdir_job", &made.dir, || {
+            rustix::fs::mkdirat(
+                made.root.as_fd(),
+                made.name.as_str(),
+                Mode::from_raw_mode(mode),
+            )
+        })?;
+        Ok(made)
     }
 
     /// Takes an idle job dir ([`super::pool`]) for job `id` and gives it `mode`: the dir, its
@@ -167,21 +176,9 @@ impl NewJobDir {
         id: &str,
         mode: u32,
     ) -> Result<Option<(NewJobDir, OwnedFd, OwnedFd)>, PublishError> {
-        let name = format!("{JOB_DIR_PREFIX}{id}");
-        let Some(taken) = ws.pool().take(ws.fd(), ws.root(), &name) else {
+        let made = NewJobDir::named(ws, id, mode)?;
+        let Some(taken) = ws.pool().take(ws.fd(), ws.root(), &made.name) else {
             return Ok(None);
-        };
-        let dir = ws.root().join(&name);
-        let root = ws.fd().try_clone_to_owned().map_err(|e| PublishError::Io {
-            op: "dup workspace fd",
-            path: ws.root().into(),
-            source: e,
-        })?;
-        let made = NewJobDir {
-            root,
-            name,
-            dir,
-            mode,
         };
         if mode & 0o077 != 0 {
             let set = mutate("publish.chmod_job", &made.dir, || {

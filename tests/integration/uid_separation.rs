@@ -942,6 +942,25 @@ async fn a_hostile_workers_staging_dir_reaches_the_next_call_clean() {
     }
 }
 
+/// Runs `script` with the `hs` tool in `session`, writing `out`, on a connection of its own
+/// in the background: for a call that will pause.
+async fn hs_in_background(
+    d: &Daemon,
+    session: &'static str,
+    script: &'static str,
+    out: &'static str,
+) -> tokio::task::JoinHandle<serde_json::Value> {
+    let c = d.client().await;
+    tokio::spawn(async move {
+        call(
+            &c,
+            "hs",
+            json!({"session": session, "script": script, "out": out}),
+        )
+        .await
+    })
+}
+
 /// A write worker's uid is leased to no other worker until its call is done with its
 /// staging dirs (its outputs taken back, the dirs given back to the daemon): a later worker
 /// under the same uid could otherwise open them up to someone else (chmod passes Landlock)
@@ -983,15 +1002,7 @@ async fn a_write_workers_uid_is_not_leased_again_while_its_call_publishes() {
         .await;
         assert!(!is_error(&r), "[{profile}] {r}");
         let first = uid_of(&d, "first.txt");
-        let c1 = d.client().await;
-        let held = tokio::spawn(async move {
-            call(
-                &c1,
-                "hs",
-                json!({"session": "a", "script": script, "out": "held.txt"}),
-            )
-            .await
-        });
+        let held = hs_in_background(&d, "a", script, "held.txt").await;
         wait_until("publication to pause before its seal", || mark.exists()).await;
         let jobs = d.job_dirs();
         assert_eq!(jobs.len(), 1, "[{profile}] {jobs:?}");
@@ -1018,15 +1029,7 @@ async fn a_write_workers_uid_is_not_leased_again_while_its_call_publishes() {
         assert!(!is_error(&r), "[{profile}] {r}");
         assert_eq!(uid_of(&d, "held.txt"), held_uid);
         // The fourth seal pauses too: let it go.
-        let c2 = d.client().await;
-        let after = tokio::spawn(async move {
-            call(
-                &c2,
-                "hs",
-                json!({"session": "b", "script": script, "out": "after.txt"}),
-            )
-            .await
-        });
+        let after = hs_in_background(&d, "b", script, "after.txt").await;
         wait_until("the next seal to pause", || mark.exists()).await;
         std::fs::remove_file(&mark).expect("resume");
         let r = after.await.expect("call after");

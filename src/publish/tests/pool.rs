@@ -22,6 +22,18 @@ fn call(ws: &Workspace, id: &str, content: &str, marker: &Path) -> Result<(), Pu
     job.publish_and_commit(|| fs::write(marker, id).map_err(Into::into))
 }
 
+/// A pooled workspace whose `a.txt` ("old") one call replaced with "first" (job `j1`,
+/// committed to the marker file, returned with the dir holding it).
+fn one_call_made() -> (tempfile::TempDir, tempfile::TempDir, PathBuf, Workspace) {
+    let tmp = tempfile::tempdir().unwrap();
+    let session = tempfile::tempdir().unwrap();
+    let marker = session.path().join("committed");
+    write(tmp.path(), "a.txt", "old");
+    let ws = pooled(&tmp);
+    call(&ws, "j1", "first", &marker).unwrap();
+    (tmp, session, marker, ws)
+}
+
 /// The idle dirs in `root`.
 fn idle(root: &Path) -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir(root)
@@ -43,6 +55,15 @@ fn ids(dir: &Path) -> Vec<(u64, u64, std::time::SystemTime)> {
             (m.dev(), m.ino(), m.created().unwrap())
         })
         .collect()
+}
+
+/// The one idle dir in `root`, checked clean.
+fn the_idle_dir(root: &Path) -> PathBuf {
+    let kept = idle(root);
+    assert_eq!(kept.len(), 1, "{kept:?}; job dirs {:?}", job_dirs(root));
+    let dir = root.join(&kept[0]);
+    assert_clean(&dir);
+    dir
 }
 
 /// A clean idle dir: `stage/0` and nothing else, each dir the daemon's, 0700, without
@@ -81,12 +102,7 @@ fn assert_clean(dir: &Path) {
 
 #[test]
 fn an_ended_jobs_dir_is_set_aside_clean_and_reused_by_the_next_job() {
-    let tmp = tempfile::tempdir().unwrap();
-    let session = tempfile::tempdir().unwrap();
-    let marker = session.path().join("committed");
-    write(tmp.path(), "a.txt", "old");
-    let ws = pooled(&tmp);
-    call(&ws, "j1", "first", &marker).unwrap();
+    let (tmp, _session, marker, ws) = one_call_made();
     assert_eq!(
         fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
         "first"
@@ -113,10 +129,7 @@ fn an_ended_jobs_dir_is_set_aside_clean_and_reused_by_the_next_job() {
         fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
         "second"
     );
-    let again = idle(tmp.path());
-    assert_eq!(again.len(), 1);
-    assert_eq!(ids(&tmp.path().join(&again[0])), before);
-    assert_clean(&tmp.path().join(&again[0]));
+    assert_eq!(ids(&the_idle_dir(tmp.path())), before);
 
     // A job with more outputs than the kept slot makes the others, and sets aside only the
     // first.
@@ -130,9 +143,7 @@ fn an_ended_jobs_dir_is_set_aside_clean_and_reused_by_the_next_job() {
         fs::read_to_string(tmp.path().join("b.txt")).unwrap(),
         "third b"
     );
-    let kept = idle(tmp.path());
-    assert_eq!(kept.len(), 1);
-    assert_clean(&tmp.path().join(&kept[0]));
+    the_idle_dir(tmp.path());
 
     // Recovery removes idle dirs without reporting them; the workspace holds the outputs.
     drop(ws);
@@ -182,16 +193,12 @@ fn what_a_worker_left_is_cleared_and_its_permissions_taken_back_before_a_dir_is_
     job.publish_and_commit(|| Ok::<(), CallbackError>(()))
         .unwrap();
     assert_eq!(fs::read_to_string(tmp.path().join("a.txt")).unwrap(), "out");
-    let kept = idle(tmp.path());
-    assert_eq!(kept.len(), 1, "{:?}", job_dirs(tmp.path()));
-    assert_clean(&tmp.path().join(&kept[0]));
+    the_idle_dir(tmp.path());
     // Discarding a job that did not publish sets its dir aside too.
     let job = Job::create(&ws, spec("j2", &["a.txt"])).unwrap();
     fs::write(job.dir().join("stage/left"), "x").unwrap();
     job.discard().unwrap();
-    let kept = idle(tmp.path());
-    assert_eq!(kept.len(), 1);
-    assert_clean(&tmp.path().join(&kept[0]));
+    the_idle_dir(tmp.path());
     assert_eq!(fs::read_to_string(tmp.path().join("a.txt")).unwrap(), "out");
 }
 
@@ -269,9 +276,7 @@ fn an_idle_dir_changed_while_idle_is_removed_not_reused() {
         write(tmp.path(), "a.txt", "old");
         let job = Job::create(&ws, spec("j1", &["a.txt"])).unwrap();
         job.discard().unwrap();
-        let kept = idle(tmp.path());
-        assert_eq!(kept.len(), 1, "{what}");
-        let dir = tmp.path().join(&kept[0]);
+        let dir = the_idle_dir(tmp.path());
         let before = ids(&dir);
         tamper(&dir);
         let job = Job::create(&ws, spec("j2", &["a.txt"])).unwrap();
@@ -295,9 +300,7 @@ fn an_idle_dir_changed_while_idle_is_removed_not_reused() {
             "new",
             "{what}"
         );
-        let kept = idle(tmp.path());
-        assert_eq!(kept.len(), 1, "{what}");
-        assert_clean(&tmp.path().join(&kept[0]));
+        the_idle_dir(tmp.path());
         drop(ws);
         recover(tmp.path(), &|_, _| Ok(true)).unwrap();
         let want: BTreeMap<PathBuf, Entry> =
@@ -319,17 +322,8 @@ fn set_xattr(p: &Path, name: &str) {
 /// all-old or succeeds all-new, and whatever idle dir is left is clean.
 #[test]
 fn a_crash_or_an_error_at_every_point_of_a_reusing_call_is_recovered() {
-    let setup = || {
-        let tmp = tempfile::tempdir().unwrap();
-        let session = tempfile::tempdir().unwrap();
-        let marker = session.path().join("committed");
-        write(tmp.path(), "a.txt", "old");
-        let ws = pooled(&tmp);
-        call(&ws, "j1", "first", &marker).unwrap();
-        (tmp, session, marker, ws)
-    };
     let points = {
-        let (_tmp, _s, marker, ws) = setup();
+        let (_tmp, _s, marker, ws) = one_call_made();
         testsim::arm(Mode::Off);
         call(&ws, "j2", "second", &marker).unwrap();
         testsim::disarm()
@@ -339,7 +333,7 @@ fn a_crash_or_an_error_at_every_point_of_a_reusing_call_is_recovered() {
     }
     for (k, point) in points.iter().enumerate() {
         for crash in [true, false] {
-            let (tmp, _s, marker, ws) = setup();
+            let (tmp, _s, marker, ws) = one_call_made();
             testsim::arm(if crash {
                 Mode::Crash(k)
             } else {
