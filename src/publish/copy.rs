@@ -323,8 +323,8 @@ fn copy_level(
         Mode::empty(),
     )
     .map_err(|e| Err(io("open in-out directory", src_abs, e)))?;
-    let mut dir = rustix::fs::Dir::read_from(&dup)
-        .map_err(|e| Err(io("list in-out directory", src_abs, e)))?;
+    let mut dir =
+        rustix::fs::Dir::new(dup).map_err(|e| Err(io("list in-out directory", src_abs, e)))?;
     while let Some(ent) = dir.read() {
         let ent = ent.map_err(|e| Err(io("list in-out directory", src_abs, e)))?;
         let n = ent.file_name().to_bytes();
@@ -543,8 +543,7 @@ fn snapshot_level(
         Mode::empty(),
     )
     .map_err(|e| io("open in-out directory", abs, e))?;
-    let mut d =
-        rustix::fs::Dir::read_from(&dup).map_err(|e| io("list in-out directory", abs, e))?;
+    let mut d = rustix::fs::Dir::new(dup).map_err(|e| io("list in-out directory", abs, e))?;
     let mut names = Vec::new();
     while let Some(ent) = d.read() {
         let ent = ent.map_err(|e| io("list in-out directory", abs, e))?;

@@ -29,7 +29,7 @@ use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use rustix::fs::{Mode, RenameFlags};
 
@@ -61,6 +61,9 @@ pub(super) struct Pool {
     idle: Mutex<Vec<String>>,
     /// How many idle dirs are kept at most; 0: none (the default).
     cap: AtomicUsize,
+    /// The inode flags a dir of the pool may have: the workspace root's (read once, when the
+    /// first dir is checked) and [`NATURAL_FLAGS`].
+    allowed_flags: OnceLock<u32>,
 }
 
 /// A job dir taken from the pool, renamed to its job's name: the dir and its `stage/` open.
@@ -96,6 +99,12 @@ impl Pool {
         self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn allowed_flags(&self, root: BorrowedFd<'_>) -> u32 {
+        *self
+            .allowed_flags
+            .get_or_init(|| flags(root).unwrap_or(0) | NATURAL_FLAGS)
+    }
+
     /// Takes an idle dir for job dir `name` (in `root`, at `root_path`): checked, renamed to
     /// `name`, opened. `None`: none is idle, or the one taken was unfit (it is removed) or
     /// could not be renamed; the caller makes a fresh tree.
@@ -103,9 +112,14 @@ impl Pool {
         loop {
             let idle = self.lock().pop()?;
             let abs = root_path.join(&idle);
+            let allowed = self.allowed_flags(root);
             let fit = open_dir_beneath(root, &idle)
                 .map_err(|e| Unfit::Io("open", e))
-                .and_then(|fd| check_tree(root, fd.as_fd()).map(|stage| (fd, stage)));
+                .and_then(|fd| open_tree(fd.as_fd()).map(|(stage, slot)| (fd, stage, slot)))
+                .and_then(|(fd, stage, slot)| {
+                    check_tree(fd.as_fd(), stage.as_fd(), slot.as_fd(), allowed)?;
+                    Ok((fd, stage))
+                });
             let (fd, stage) = match fit {
                 Ok(fds) => fds,
                 Err(why) => {
@@ -143,14 +157,9 @@ impl Pool {
         }
         let abs = root_path.join(name);
         let stage_abs = abs.join(STAGE);
-        let stage = match open_dir_beneath(fd, STAGE) {
-            Ok(s) => s,
-            Err(_) => return Ok(false),
-        };
         let slot_abs = stage_abs.join(KEPT_SLOT);
-        let slot = match open_dir_beneath(stage.as_fd(), KEPT_SLOT) {
-            Ok(s) => s,
-            Err(_) => return Ok(false),
+        let Ok((stage, slot)) = open_tree(fd) else {
+            return Ok(false);
         };
         for n in names(stage.as_fd(), &stage_abs)? {
             if n != KEPT_SLOT {
@@ -190,7 +199,7 @@ impl Pool {
                 rustix::fs::fchmod(fd, Mode::from_raw_mode(0o700))
             })?;
         }
-        if let Err(why) = check_tree(root, fd) {
+        if let Err(why) = check_tree(fd, stage.as_fd(), slot.as_fd(), self.allowed_flags(root)) {
             tracing::warn!(dir = %abs.display(), %why, "a job dir is unfit for reuse; removed");
             return Ok(false);
         }
@@ -219,16 +228,24 @@ fn discard(root: BorrowedFd<'_>, name: &str, abs: &Path) {
     }
 }
 
-/// Checks that the job dir `fd` is fit for reuse (see the module's invariants): returns its
-/// `stage/`, open.
-fn check_tree(root: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Result<OwnedFd, Unfit> {
-    let allowed = flags(root).unwrap_or(0) | NATURAL_FLAGS;
-    check_dir("the job dir", fd, 3, &[STAGE], allowed)?;
+/// Opens the job dir `fd`'s `stage/` and its kept slot (beneath, no symlink followed).
+fn open_tree(fd: BorrowedFd<'_>) -> Result<(OwnedFd, OwnedFd), Unfit> {
     let stage = open_dir_beneath(fd, STAGE).map_err(|e| Unfit::Io("open stage", e))?;
-    check_dir("stage", stage.as_fd(), 3, &[KEPT_SLOT], allowed)?;
     let slot = open_dir_beneath(stage.as_fd(), KEPT_SLOT).map_err(|e| Unfit::Io("open slot", e))?;
-    check_dir("its slot", slot.as_fd(), 2, &[], allowed)?;
-    Ok(stage)
+    Ok((stage, slot))
+}
+
+/// Checks that the job dir `fd`, its `stage` and its kept `slot` (opened by [`open_tree`])
+/// are fit for reuse (see the module's invariants); `allowed` is [`Pool::allowed_flags`].
+fn check_tree(
+    fd: BorrowedFd<'_>,
+    stage: BorrowedFd<'_>,
+    slot: BorrowedFd<'_>,
+    allowed: u32,
+) -> Result<(), Unfit> {
+    check_dir("the job dir", fd, 3, &[STAGE], allowed)?;
+    check_dir("stage", stage, 3, &[KEPT_SLOT], allowed)?;
+    check_dir("its slot", slot, 2, &[], allowed)
 }
 
 fn check_dir(

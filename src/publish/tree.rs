@@ -312,7 +312,8 @@ pub(super) fn remove_entry(
     }
 }
 
-/// The names in a directory (`.` and `..` left out).
+/// The names in a directory (`.` and `..` left out), read through a description of its own
+/// (one `openat`), so `fd`'s position is left as it was.
 pub(super) fn names(fd: BorrowedFd<'_>, abs: &Path) -> Result<Vec<OsString>, PublishError> {
     let dup: OwnedFd = rustix::fs::openat(
         fd,
@@ -322,7 +323,7 @@ pub(super) fn names(fd: BorrowedFd<'_>, abs: &Path) -> Result<Vec<OsString>, Pub
     )
     .map_err(|e| io("open", abs, e))?;
     let mut out = Vec::new();
-    let mut d = rustix::fs::Dir::read_from(&dup).map_err(|e| io("read directory", abs, e))?;
+    let mut d = rustix::fs::Dir::new(dup).map_err(|e| io("read directory", abs, e))?;
     while let Some(ent) = d.read() {
         let ent = ent.map_err(|e| io("read directory", abs, e))?;
         let n = ent.file_name().to_bytes();
