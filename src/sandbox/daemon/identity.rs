@@ -30,6 +30,8 @@ use caps::{CapSet, Capability};
 
 use crate::policy::WorkerUser;
 
+use super::accounts::{Accounts, Nss, Owner};
+
 /// What an unprivileged daemon needs to run workers under their own uids: switch to them
 /// (SETUID, SETGID), hand them their staging dir and take outputs back (CHOWN, FOWNER), read
 /// and remove what they leave whatever its modes (DAC_OVERRIDE), and signal them (KILL).
@@ -102,6 +104,18 @@ pub enum IdentityError {
     },
 }
 
+impl IdentityError {
+    fn taken(first: u32, last: u32, owner: Owner) -> IdentityError {
+        IdentityError::Taken {
+            first,
+            last,
+            what: owner.what,
+            id: owner.id,
+            name: owner.name,
+        }
+    }
+}
+
 /// What makes a lease directory (or a directory on the way to it) unsafe to lease uids in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseDirFault {
@@ -147,6 +161,17 @@ impl Identities {
     /// when workers get uids of their own.
     pub fn detect(
         wanted: WorkerUser,
+        range: (u32, u32),
+        max_concurrent_calls: usize,
+        lock_dir: &Path,
+    ) -> Result<Identities, IdentityError> {
+        Identities::detect_with(Arc::new(Nss), wanted, range, max_concurrent_calls, lock_dir)
+    }
+
+    /// [`Identities::detect`] against the account database `accounts`.
+    pub fn detect_with(
+        accounts: Arc<dyn Accounts>,
+        wanted: WorkerUser,
         (first, last): (u32, u32),
         max_concurrent_calls: usize,
         lock_dir: &Path,
@@ -184,23 +209,15 @@ impl Identities {
                 uid: me,
             });
         }
-        for id in first..=last {
-            let taken = |what, name| IdentityError::Taken {
-                first,
-                last,
-                what,
-                id,
-                name,
-            };
-            if let Ok(Some(user)) = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(id)) {
-                return Err(taken("uid", user.name));
-            }
-            if let Ok(Some(group)) = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(id)) {
-                return Err(taken("gid", group.name));
-            }
+        // Every account and group NSS can list; the ids of the others are looked up one by
+        // one before their first lease (`Pool::lease`).
+        if let Some(owner) = accounts.first_enumerated_in(first, last) {
+            return Err(IdentityError::taken(first, last, owner));
         }
         let dir = LeaseDir::open(lock_dir)?;
-        Ok(Identities::Separate(Pool::new(first, last, dir)))
+        Ok(Identities::Separate(Pool::with_accounts(
+            first, last, dir, accounts,
+        )))
     }
 
     /// A uid of its own for one worker, or `None` when workers keep the daemon's.
@@ -257,16 +274,48 @@ pub struct Pool {
     last: u32,
     dir: Arc<LeaseDir>,
     free: Arc<Mutex<BTreeSet<u32>>>,
+    /// The account database, asked about each uid before its first lease.
+    accounts: Arc<dyn Accounts>,
+    /// The uids it has found free of any account and group.
+    checked: Arc<Mutex<BTreeSet<u32>>>,
 }
 
 impl Pool {
     pub fn new(first: u32, last: u32, dir: LeaseDir) -> Pool {
+        Pool::with_accounts(first, last, dir, Arc::new(Nss))
+    }
+
+    pub fn with_accounts(
+        first: u32,
+        last: u32,
+        dir: LeaseDir,
+        accounts: Arc<dyn Accounts>,
+    ) -> Pool {
         Pool {
             first,
             last,
             dir: Arc::new(dir),
             free: Arc::new(Mutex::new((first..=last).collect())),
+            accounts,
+            checked: Arc::default(),
         }
+    }
+
+    /// The account or group that uses `uid`, looked up the first time only: once a uid is
+    /// found free, it is not asked about again in this process.
+    fn owner_of(&self, uid: u32) -> Option<Owner> {
+        if self.lock_checked().contains(&uid) {
+            return None;
+        }
+        let owner = self.accounts.owner_of(uid);
+        if owner.is_none() {
+            self.lock_checked().insert(uid);
+        }
+        owner
+    }
+
+    fn lock_checked(&self) -> std::sync::MutexGuard<'_, BTreeSet<u32>> {
+        self.checked.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The lowest free uid whose lease no other process holds. [`IdentityError::Exhausted`]
@@ -277,9 +326,19 @@ impl Pool {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         let mut failed = None;
         let mut found = None;
+        let mut refused = Vec::new();
         for &uid in free.iter() {
             match self.dir.lock(uid) {
                 Ok(Some(lock)) => {
+                    if let Some(owner) = self.owner_of(uid) {
+                        // Named after startup's pass, or by a source NSS cannot enumerate:
+                        // never leased by this process.
+                        let e = IdentityError::taken(self.first, self.last, owner);
+                        tracing::error!("{}; uid {uid} is skipped", crate::report::chain(&e));
+                        refused.push(uid);
+                        failed = Some(e);
+                        continue;
+                    }
                     found = Some((uid, lock));
                     break;
                 }
@@ -289,6 +348,9 @@ impl Pool {
                     failed.get_or_insert(e);
                 }
             }
+        }
+        for uid in refused {
+            free.remove(&uid);
         }
         let Some((uid, lock)) = found else {
             return Err(failed.unwrap_or(IdentityError::Exhausted {
@@ -687,5 +749,120 @@ mod tests {
         let (_tmp, dir) = lease_dir();
         let e = Identities::detect(WorkerUser::Separate, (70000, 70001), 64, &dir).unwrap_err();
         assert!(matches!(e, IdentityError::TooSmall { .. }), "{e}");
+    }
+
+    /// An account database of two ids: one every pass lists, one only a lookup finds (a
+    /// directory service without enumeration); it records the ids it is asked about.
+    #[derive(Debug, Default)]
+    struct FakeAccounts {
+        listed: Option<u32>,
+        unlisted: Option<u32>,
+        asked: Mutex<Vec<u32>>,
+    }
+
+    impl Accounts for FakeAccounts {
+        fn first_enumerated_in(&self, first: u32, last: u32) -> Option<Owner> {
+            let id = self.listed.filter(|id| (first..=last).contains(id))?;
+            Some(Owner {
+                what: "uid",
+                id,
+                name: "listed".into(),
+            })
+        }
+
+        fn owner_of(&self, id: u32) -> Option<Owner> {
+            self.asked.lock().unwrap().push(id);
+            [self.listed, self.unlisted]
+                .contains(&Some(id))
+                .then(|| Owner {
+                    what: "gid",
+                    id,
+                    name: "unlisted".into(),
+                })
+        }
+    }
+
+    #[test]
+    fn a_range_an_enumerated_account_uses_is_refused_at_startup() {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "this test needs root (it checks the privileged path)"
+        );
+        let (_tmp, dir) = lease_dir();
+        let accounts = Arc::new(FakeAccounts {
+            listed: Some(70003),
+            ..FakeAccounts::default()
+        });
+        let e = Identities::detect_with(
+            accounts.clone(),
+            WorkerUser::Separate,
+            (70000, 70007),
+            4,
+            &dir,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, IdentityError::Taken { what: "uid", id: 70003, name, .. } if name == "listed"),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("worker_uids 70000-70007: uid 70003 is \"listed\""),
+            "{e}"
+        );
+        assert!(!dir.exists(), "no lease dir made for a refused range");
+        // `auto` refuses it too: a taken range is a configuration fault, not a lack of
+        // privilege to fall back from.
+        assert!(Identities::detect_with(
+            accounts.clone(),
+            WorkerUser::Auto,
+            (70000, 70007),
+            4,
+            &dir
+        )
+        .is_err());
+        // Startup asked no id one by one.
+        assert!(accounts.asked.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_uid_only_a_lookup_names_is_never_leased_and_each_uid_is_asked_about_once() {
+        let (_tmp, dir) = lease_dir();
+        let accounts = Arc::new(FakeAccounts {
+            unlisted: Some(70401),
+            ..FakeAccounts::default()
+        });
+        let pool = Pool::with_accounts(
+            70400,
+            70402,
+            LeaseDir::open(&dir).unwrap(),
+            accounts.clone(),
+        );
+        let a = pool.lease().unwrap();
+        let b = pool.lease().unwrap();
+        assert_eq!((a.uid, b.uid), (70400, 70402), "70401 skipped");
+        assert!(matches!(pool.lease(), Err(IdentityError::Exhausted { .. })));
+        drop((a, b));
+        // Leased again, without asking again; the named uid stays out.
+        let again = [pool.lease().unwrap(), pool.lease().unwrap()];
+        assert_eq!(again.each_ref().map(|l| l.uid), [70400, 70402]);
+        assert!(matches!(pool.lease(), Err(IdentityError::Exhausted { .. })));
+        assert_eq!(*accounts.asked.lock().unwrap(), [70400, 70401, 70402]);
+        // Where the named uid was the only one left, the error names it.
+        let (_tmp, dir) = lease_dir();
+        let pool = Pool::with_accounts(70401, 70401, LeaseDir::open(&dir).unwrap(), accounts);
+        match pool.lease() {
+            Err(
+                e @ IdentityError::Taken {
+                    id: 70401,
+                    what: "gid",
+                    ..
+                },
+            ) => {
+                assert!(e.to_string().contains("gid 70401 is \"unlisted\""), "{e}")
+            }
+            Err(e) => panic!("{e}"),
+            Ok(l) => panic!("leased {}", l.uid),
+        }
     }
 }

@@ -24,6 +24,7 @@
 //! descendants come back to it to be killed and reaped, and gets the [`Sandbox`] value that
 //! holds what every worker shares (no process-wide statics but the once-per-process guard).
 
+mod accounts;
 mod cgroup;
 mod explain;
 mod filters;
