@@ -392,15 +392,15 @@ fn durable_copy_by_hand(args: &[String]) -> std::io::Result<()> {
 
 /// The durable copy of `src` to `out` laid out in `dir` as a write call lays out its files,
 /// each made durable as the call makes it, one after another: a job dir holding `stage/0`
-/// (the copy is made there), the journal `recovery.json`; the undo record `undo.json`
-/// rewritten in place in the session's blank slot of two (made, with its dir, the first
-/// time only); the session file written under a temp name and renamed over the last one;
-/// a job record (kept, and not fsynced: the call is not keyed). The job dir's tree is an
-/// idle one another copy set aside, taken by a rename, when there is one. After the copy is
-/// renamed into place, the journal is removed, the blank marker written over the other undo
-/// slot's record and the job dir set aside, as the call's cleanup does. Two inodes made and freed per copy
-/// besides the output once idle dirs exist (the journal, the session file), and the job
-/// record.
+/// (the copy is made there), the journal `recovery.json` (written over the blank one of a
+/// reused dir); the undo record `undo.json` rewritten in place in the session's blank slot of
+/// two (made, with its dir, the first time only); the session file written under a temp name
+/// and renamed over the last one; a job record (kept, and not fsynced: the call is not
+/// keyed). The job dir's tree is an idle one another copy set aside, taken by a rename, when
+/// there is one. After the copy is renamed into place, the journal is blanked (`null`,
+/// fdatasync), the blank marker written over the other undo slot's record and the job dir
+/// set aside, as the call's cleanup does. One inode made and freed per copy besides the
+/// output once idle dirs exist (the session file), and the job record.
 fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     use std::fs;
     use std::io::Write;
@@ -428,8 +428,16 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     let staged = slot.join("out");
     let out_dir = out.parent().unwrap_or(Path::new("."));
     copy_synced(src, &staged)?;
-    write_synced(&job.join("recovery.json"), &record)?;
-    sync_dir(&job)?;
+    let journal = job.join("recovery.json");
+    if taken && journal.exists() {
+        // Written over the blank one the dir keeps, as the daemon does: no file made.
+        let f = fs::OpenOptions::new().write(true).open(&journal)?;
+        std::os::unix::fs::FileExt::write_all_at(&f, &record, 0)?;
+        f.sync_all()?;
+    } else {
+        write_synced(&journal, &record)?;
+        sync_dir(&job)?;
+    }
     sync_dir(out_dir)?;
     fs::rename(&staged, out)?;
     // The slot whose record is blank (the other one holds the last copy's).
@@ -462,7 +470,7 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     fs::write(jobs.join(format!("{id}.json")), record)?;
     fs::rename(sessions.join(".s.json.tmp"), sessions.join("s.json"))?;
     sync_dir(&sessions)?;
-    // The cleanup: the other undo slot blanked, the journal, the job dir's tree.
+    // The cleanup: the other undo slot blanked, the journal blanked, the job dir's tree.
     if let Ok(f) = fs::OpenOptions::new()
         .write(true)
         .open(undo.join(slot_other).join("undo.json"))
@@ -470,8 +478,11 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
         std::os::unix::fs::FileExt::write_all_at(&f, b"null", 0)?;
         f.set_len(4)?;
     }
-    fs::remove_file(job.join("recovery.json"))?;
-    sync_dir(&job)?;
+    // The journal blanked in place and the blank made durable.
+    let f = fs::OpenOptions::new().write(true).open(&journal)?;
+    f.set_len(0)?;
+    std::os::unix::fs::FileExt::write_all_at(&f, b"null", 0)?;
+    f.sync_data()?;
     // Set aside for a later copy, as the daemon keeps ended jobs' dirs.
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -13,7 +13,7 @@ use super::journal::{Journal, Phase, TargetRecord, JOURNAL};
 use super::staged_tree::{check_tree, Refused};
 use super::sys::{
     describe, file_type, fsync_dir, io, mutate, nlink, open_beneath, open_dir_beneath,
-    run_together_with, stat_at, sync_point, FileId, Syncs,
+    run_together_with, stat_at, FileId, Syncs,
 };
 use super::tree::{remove_tree, usage, Usage};
 use super::workspace::{check_target, split_target};
@@ -45,6 +45,11 @@ pub struct Job {
     fd: OwnedFd,
     /// What is on disk in `recovery.json` (or is about to be).
     journal: Journal,
+    /// A reused dir's blank `recovery.json`, open read-write, until the journal is written
+    /// over it.
+    blank_journal: Option<std::fs::File>,
+    /// `recovery.json`, once written ([`Journal::create`]): blanked when the job ends.
+    journal_file: Option<std::fs::File>,
     /// Outputs up to this size are hashed (SHA-256) while they are validated.
     hash_limit: u64,
     /// What each target receives, once validated (same order as the targets).
@@ -169,13 +174,14 @@ impl NewJobDir {
         Ok(made)
     }
 
-    /// Takes an idle job dir ([`super::pool`]) for job `id` and gives it `mode`: the dir, its
-    /// job dir fd and its `stage/` fd, with `stage/0` in it. `None`: none is idle (or fit).
+    /// Takes an idle job dir ([`super::pool`]) for job `id` and gives it `mode`: the dir, and
+    /// its fd, its `stage/` fd (with `stage/0` in it) and its blank journal, if it has one.
+    /// `None`: none is idle (or fit).
     fn reuse(
         ws: &Workspace,
         id: &str,
         mode: u32,
-    ) -> Result<Option<(NewJobDir, OwnedFd, OwnedFd)>, PublishError> {
+    ) -> Result<Option<(NewJobDir, super::pool::Taken)>, PublishError> {
         let made = NewJobDir::named(ws, id, mode)?;
         let Some(taken) = ws.pool().take(ws.fd(), ws.root(), &made.name) else {
             return Ok(None);
@@ -189,7 +195,7 @@ impl NewJobDir {
                 return Err(e);
             }
         }
-        Ok(Some((made, taken.fd, taken.stage)))
+        Ok(Some((made, taken)))
     }
 
     /// Opens the job dir, makes its `stage/` (0700) and opens that: (job dir, stage dir). A
@@ -226,6 +232,8 @@ impl NewJobDir {
             root_path: ws.root().to_path_buf(),
             fd,
             journal,
+            blank_journal: None,
+            journal_file: None,
             hash_limit: super::DEFAULT_HASH_LIMIT,
             published: Vec::new(),
             trees: Vec::new(),
@@ -288,9 +296,9 @@ impl Job {
             true => NewJobDir::reuse(ws, &spec.id, job_mode)?,
             false => None,
         };
-        let (made_dir, reused) = match taken {
-            Some((made, fd, stage_fd)) => (made, Some((fd, stage_fd))),
-            None => (NewJobDir::make(ws, &spec.id, job_mode)?, None),
+        let (made_dir, reused, blank_journal) = match taken {
+            Some((made, t)) => (made, Some((t.fd, t.stage)), t.journal),
+            None => (NewJobDir::make(ws, &spec.id, job_mode)?, None, None),
         };
         let NewJobDir { root, dir, .. } = &made_dir;
         let made = (|| {
@@ -409,6 +417,7 @@ impl Job {
         match made {
             Ok((fd, journal, trees)) => Ok(Job {
                 trees,
+                blank_journal,
                 ..made_dir.into_job(ws, spec, fd, journal)
             }),
             Err(e) => {
@@ -538,13 +547,18 @@ impl Job {
         }
         let undo = self.after_commit_undo(undo);
         self.journal.phase = Phase::Committed;
-        // The unlink of the journal is made durable here, under the session's lock: a
+        // The blank of the journal is made durable here, under the session's lock: a
         // `publishing_outputs` journal left behind would make recovery ask the session again,
-        // after later commits of it no longer record this job.
-        if let Err(e) = self.remove_dir(true) {
-            tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not remove the job dir; startup recovery will");
-            let left = matches!(stat_at(self.fd.as_fd(), OsStr::new(JOURNAL)), Ok(Some(_)));
-            if left {
+        // after later commits of it no longer record this job. If it cannot be blanked, it
+        // is replaced by a `committed` one, and the dir left for startup recovery.
+        match self.blank_journal(true) {
+            Ok(()) => {
+                if let Err(e) = self.retire() {
+                    tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not remove the job dir; startup recovery will");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not blank its journal; startup recovery will remove the job dir");
                 if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {
                     tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not journal it");
                 }
@@ -553,39 +567,37 @@ impl Job {
         Ok(undo)
     }
 
-    /// Removes the job dir once the targets are final (all-new after the commit, all-old
-    /// after a rollback): the journal first, so that a job dir left half-removed reads as
-    /// "never published" and recovery only deletes it. `durable`: the journal's unlink is
-    /// fsynced (after a commit; after a rollback a journal that comes back is harmless, its
-    /// rollback by identity being idempotent). The rest of the tree goes without fsync.
-    fn remove_dir(&self, durable: bool) -> Result<(), PublishError> {
-        let journal = self.dir.join(JOURNAL);
-        let unlink = || {
-            mutate("publish.cleanup_unlink", &journal, || {
-                rustix::fs::unlinkat(self.fd.as_fd(), JOURNAL, AtFlags::empty())
-            })
-        };
-        let errno = |e: &PublishError| match e {
-            PublishError::Io { source, .. } => source.raw_os_error(),
-            _ => None,
-        };
-        let mut done = unlink();
-        if matches!(
-            done.as_ref().map_err(errno),
-            Err(Some(libc::EACCES | libc::EPERM))
-        ) {
-            // The worker took the permissions of its job dir (`chmod 0 ..` from staging).
-            mutate("publish.cleanup_chmod", &self.dir, || {
-                rustix::fs::fchmod(self.fd.as_fd(), Mode::from_raw_mode(0o700))
-            })?;
-            done = unlink();
+    /// Writes the job's journal ([`Journal::create`]), over the blank one of a reused dir if
+    /// it has one; its fsyncs join `syncs`.
+    fn write_journal(&mut self, syncs: &mut Syncs) -> Result<(), PublishError> {
+        let blank = self.blank_journal.take();
+        let file = self.journal.create(
+            self.fd.as_fd(),
+            &self.dir,
+            self.root.as_fd(),
+            &self.root_path,
+            blank,
+            syncs,
+        )?;
+        self.journal_file = Some(file);
+        Ok(())
+    }
+
+    /// Blanks the journal, if one was written ([`Journal::blank`]): from then on the job dir
+    /// reads as "never published". `durable`: after a commit.
+    fn blank_journal(&self, durable: bool) -> Result<(), PublishError> {
+        match &self.journal_file {
+            Some(file) => Journal::blank(file, &self.dir.join(JOURNAL), durable),
+            None => Ok(()),
         }
-        match done {
-            Ok(()) if durable => sync_point("publish.fsync_unlink", self.fd.as_fd(), &self.dir)?,
-            Ok(()) => {}
-            Err(e) if errno(&e) == Some(libc::ENOENT) => {}
-            Err(e) => return Err(e),
-        }
+    }
+
+    /// Ends a job whose targets are final (all-old after a rollback): the journal blanked
+    /// first, without fsync (a journal that comes back is harmless, its rollback by
+    /// identity being idempotent), so that a job dir left half-removed reads as "never
+    /// published"; then the dir set aside or removed.
+    fn remove_dir(&self) -> Result<(), PublishError> {
+        self.blank_journal(false)?;
         self.retire()
     }
 
@@ -668,13 +680,7 @@ impl Job {
         // 3. Journal the identities and the dirs to create before touching the workspace.
         self.journal.created_dirs = created;
         self.journal.phase = Phase::PublishingOutputs;
-        self.journal.create(
-            self.fd.as_fd(),
-            &self.dir,
-            self.root.as_fd(),
-            &self.root_path,
-            &mut before_renames,
-        )?;
+        self.write_journal(&mut before_renames)?;
         // 4. The outputs' data and the journal durable, together, before the first rename:
         //    none of them orders another, and a crash before the rename leaves the workspace
         //    untouched whichever of them survived.
@@ -977,7 +983,7 @@ impl Job {
             Ok(Rolled { restored: n, .. }) => {
                 tracing::info!(job = %self.spec.id, restored = n, error = %crate::report::chain(&error), "publication failed; targets restored");
                 self.give_back_taken();
-                if let Err(e) = self.remove_dir(false) {
+                if let Err(e) = self.remove_dir() {
                     tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "could not remove the job dir; startup recovery will");
                 }
                 error

@@ -1,13 +1,23 @@
 //! `recovery.json`: what recovery needs to finish or undo a job after a crash at any instant,
 //! written once per job, just before publication touches the workspace ([`Journal::create`]).
-//! A job dir without a journal (ENOENT) never published, or its targets are settled (the
-//! journal is dropped only then); a journal that is there but cannot be read
-//! ([`JournalError::Damaged`]) proves nothing, and recovery keeps its dir. A journal in phase
-//! `publishing_outputs` is settled by the session: the session file records the job's id
-//! only once every target durably holds its new file, so recovery completes the job if it
-//! does and rolls it back by identity otherwise. The journal is unlinked (and the unlink
-//! made durable) before the session's lock is released, so no later commit of the session
-//! can meet it; only if that unlink fails is the journal replaced by one in phase `committed`.
+//! A job dir without a journal (ENOENT), or whose journal is blank (`null`, [`BLANK`]), never
+//! published, or its targets are settled (the journal is blanked only then); a journal that
+//! is there but cannot be read ([`JournalError::Damaged`]: an empty file included) proves
+//! nothing, and recovery keeps its dir. A journal in phase `publishing_outputs` is settled
+//! by the session: the session file records the job's id only once every target durably
+//! holds its new file, so recovery completes the job if it does and rolls it back by
+//! identity otherwise. The journal is blanked (and the blank made durable) before the
+//! session's lock is released, so no later commit of the session can meet it; only if that
+//! fails is the journal replaced by one in phase `committed`.
+//!
+//! A blank journal stays in the job dir when the dir is set aside for reuse
+//! ([`super::pool`]), and the next job writes its journal over it in place: no file is made
+//! or removed per call. A journal written over `null` is longer than it, so nothing of the
+//! blank is left after it; until it is durable, a crash leaves `null` (never published:
+//! nothing is renamed before the journal's fsync), the whole journal, or (on a filesystem
+//! that does not order data before size) a damaged one, which recovery keeps. Blanking cuts
+//! the file to nothing and writes `null` in one step of the write path; a power loss between
+//! the two leaves an empty file, which reads as damaged, so the dir is kept, never removed.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -22,6 +32,8 @@ use super::{OutputKind, PublishError};
 
 pub(super) const JOURNAL: &str = "recovery.json";
 pub(super) const JOURNAL_TMP: &str = "recovery.json.tmp";
+/// A blank journal's whole content: the job never published, or its targets are settled.
+pub(super) const BLANK: &[u8] = b"null";
 /// A journal is a few hundred bytes per target; anything larger is not ours.
 const MAX_JOURNAL: u64 = 4 << 20;
 /// The version a journal of file outputs only is written with (every release reads it).
@@ -121,25 +133,59 @@ impl Journal {
         }
     }
 
-    /// Writes the job's one journal: `recovery.json` created (it must not exist) and written;
-    /// its fsync, the job dir's and the workspace root's join `syncs`, which the caller runs
-    /// before the first rename, so that the journal and the job dir holding it (and every
-    /// backup to come) are durable by then. A crash before they ran leaves no journal or an
+    /// Writes the job's one journal: written over the blank one of a reused job dir
+    /// (`blank`, open read-write), or else `recovery.json` created (it must not exist) and
+    /// written. Its fsync, the job dir's (for a new journal: its entry) and the workspace
+    /// root's (the job dir's name) join `syncs`, which the caller runs before the first
+    /// rename, so that the journal and the job dir holding it (and every backup to come) are
+    /// durable by then. A crash before they ran leaves no journal, a blank one or an
     /// unreadable one, and nothing renamed yet (recovery still keeps a dir whose journal it
-    /// cannot read: it cannot tell).
+    /// cannot read: it cannot tell). Returns the journal, open, for [`Journal::blank`].
     pub fn create(
         &self,
         job_fd: BorrowedFd<'_>,
         job_dir: &Path,
         root_fd: BorrowedFd<'_>,
         root: &Path,
+        blank: Option<std::fs::File>,
         syncs: &mut Syncs,
-    ) -> Result<(), PublishError> {
+    ) -> Result<std::fs::File, PublishError> {
         let path = job_dir.join(JOURNAL);
-        let file = self.write_to(job_fd, JOURNAL, &path, OFlags::EXCL)?;
-        syncs.push("publish.fsync_journal", file.into(), &path);
-        syncs.push_dup("publish.fsync_job_dir", job_fd, job_dir)?;
-        syncs.push_dup("publish.fsync_root", root_fd, root)
+        let new = blank.is_none();
+        let file = match blank {
+            Some(file) => {
+                let bytes = self.serialize(&path)?;
+                mutate("publish.journal_write", &path, || pwrite_all(&file, &bytes))?;
+                file
+            }
+            None => self.write_to(job_fd, JOURNAL, &path, OFlags::EXCL)?,
+        };
+        syncs.push_dup("publish.fsync_journal", file.as_fd(), &path)?;
+        if new {
+            syncs.push_dup("publish.fsync_job_dir", job_fd, job_dir)?;
+        }
+        syncs.push_dup("publish.fsync_root", root_fd, root)?;
+        Ok(file)
+    }
+
+    /// Blanks the job's journal `file` (at `path`) once its targets are settled: cut to
+    /// nothing and `null` written, so that what remains of the dir reads as "never
+    /// published" and the file can carry the next job's journal. `durable`: made durable
+    /// (after a commit: under the session's lock, a `publishing_outputs` journal left behind
+    /// would make recovery ask the session again after later commits no longer record the
+    /// job; after a rollback a journal that comes back is harmless, its rollback by identity
+    /// being idempotent).
+    pub fn blank(file: &std::fs::File, path: &Path, durable: bool) -> Result<(), PublishError> {
+        mutate("publish.journal_blank", path, || {
+            rustix::fs::ftruncate(file, 0)?;
+            pwrite_all(file, BLANK)
+        })?;
+        if durable {
+            mutate("publish.fsync_journal_blank", path, || {
+                rustix::fs::fdatasync(file)
+            })?;
+        }
+        Ok(())
     }
 
     /// Serializes the journal into `name` of the job dir (`path` for messages), opened with
@@ -151,11 +197,7 @@ impl Journal {
         path: &Path,
         flags: OFlags,
     ) -> Result<std::fs::File, PublishError> {
-        let bytes = serde_json::to_vec_pretty(self).map_err(|e| PublishError::Io {
-            op: "serialize journal",
-            path: path.to_path_buf(),
-            source: std::io::Error::other(e),
-        })?;
+        let bytes = self.serialize(path)?;
         let fd = mutate("publish.journal_write", path, || {
             rustix::fs::openat(
                 job_fd,
@@ -171,6 +213,14 @@ impl Journal {
             source: e,
         })?;
         Ok(file)
+    }
+
+    fn serialize(&self, path: &Path) -> Result<Vec<u8>, PublishError> {
+        serde_json::to_vec_pretty(self).map_err(|e| PublishError::Io {
+            op: "serialize journal",
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e),
+        })
     }
 
     /// Replaces the journal atomically: temp file, fsync, rename over `recovery.json`, fsync
@@ -191,9 +241,9 @@ impl Journal {
         sys::fsync_dir(job_fd, job_dir)
     }
 
-    /// Reads the journal of a job dir. [`JournalError::Missing`] (no `recovery.json`) means
-    /// nothing of the job was ever renamed into the workspace, or its targets were settled
-    /// and its journal dropped (see the module doc). [`JournalError::Damaged`] means a file is
+    /// Reads the journal of a job dir. [`JournalError::Missing`] (no `recovery.json`) and
+    /// [`JournalError::Blank`] mean nothing of the job was ever renamed into the workspace,
+    /// or its targets were settled and its journal dropped or blanked (see the module doc). [`JournalError::Damaged`] means a file is
     /// there that this airlock cannot use: the job may have published, and its backups are
     /// the only old copies, so the caller must keep the dir.
     pub fn read(job_fd: BorrowedFd<'_>, job_dir: &Path) -> Result<Journal, JournalError> {
@@ -223,6 +273,9 @@ impl Journal {
         if bytes.len() as u64 > MAX_JOURNAL {
             return Err(damaged(Damage::TooLarge { max: MAX_JOURNAL }));
         }
+        if bytes == BLANK {
+            return Err(JournalError::Blank { path });
+        }
         // The version first: a journal of another version need not parse as this one.
         #[derive(Deserialize)]
         struct Versioned {
@@ -239,12 +292,27 @@ impl Journal {
     }
 }
 
+/// Writes all of `bytes` at the start of `file`.
+fn pwrite_all(file: &std::fs::File, bytes: &[u8]) -> Result<(), rustix::io::Errno> {
+    let mut at = 0;
+    while at < bytes.len() {
+        match rustix::io::pwrite(file, &bytes[at..], at as u64)? {
+            0 => return Err(rustix::io::Errno::NOSPC),
+            n => at += n,
+        }
+    }
+    Ok(())
+}
+
 /// Why [`Journal::read`] returned no journal.
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
     /// No `recovery.json` in the job dir (ENOENT).
     #[error("{path}: no journal")]
     Missing { path: PathBuf },
+    /// A blank `recovery.json` ([`BLANK`]): as [`JournalError::Missing`].
+    #[error("{path}: a blank journal")]
+    Blank { path: PathBuf },
     /// A `recovery.json` is there but cannot be used.
     #[error("{path}: {reason}")]
     Damaged { path: PathBuf, reason: Damage },
@@ -262,7 +330,7 @@ pub enum Damage {
     /// Larger than any journal airlock writes.
     #[error("it is larger than {max} bytes, more than any journal")]
     TooLarge { max: u64 },
-    /// Not JSON, truncated, or missing fields of this version.
+    /// Not JSON, truncated (to nothing included), or missing fields of this version.
     #[error("it is not a journal (truncated or garbled)")]
     Unparsable(#[source] serde_json::Error),
     /// A version this airlock does not read (written by another release).

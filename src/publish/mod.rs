@@ -18,22 +18,26 @@
 //!   - `Job::create`: `mkdir_job`, `mkdir_stage`, `mkdir_slot` x3 (each followed by
 //!     `chown_stage` when the worker has a uid of its own); or, when an idle dir is taken
 //!     ([`pool`]), `pool_take` (then `chmod_job` for a worker with its own uid) in place of
-//!     the job dir's, the stage's and the first slot's mkdirs; no journal, no fsync: a job
-//!     dir without a journal never published, whether or not it survives a crash;
+//!     the job dir's, the stage's and the first slot's mkdirs (an idle dir may hold the blank
+//!     journal of its last job); no journal written, no fsync: a job dir without a journal,
+//!     or with a blank one, never published, whether or not it survives a crash;
 //!   - `Job::publish_and_commit`: `seal_output` x3 (owner and mode of each staged output),
-//!     the job's one journal: `journal_write` (`publishing_outputs`), then together
-//!     `fsync_output` x3 (the outputs' data), `fsync_journal`, `fsync_job_dir`, `fsync_root`;
+//!     the job's one journal: `journal_write` (`publishing_outputs`; written over the blank
+//!     one of a reused dir, or created), then together `fsync_output` x3 (the outputs'
+//!     data), `fsync_journal`, `fsync_job_dir` (for a created journal only), `fsync_root`;
 //!     `mkdir_parent` x2 (`n`, `n/m`), `exchange` (a.txt), `rename_noreplace` x2, the undo
 //!     record if one is kept (`undo_mkdir` for each undo dir a session's first commit makes,
 //!     `undo_clear` per stray entry of the slot, `undo_write`), then together `fsync_renamed`
 //!     per changed dir (each parent, each staging slot), `fsync_undo` for the record and per
 //!     undo dir whose entries changed,
 //!     and the caller's own records due before the commit point (`prepare`), then the
-//!     caller's `commit()`, then `cleanup_unlink` of the journal and `fsync_unlink` (under
-//!     the session's lock), then `cleanup_unlink` / `cleanup_rmdir` (and `cleanup_chmod` for
-//!     unreadable dirs a worker left) per entry, without fsync; a dir the pool keeps is
-//!     emptied but for `stage/0`, then `pool_chown` and `pool_chmod` (staging dirs given back
-//!     to the daemon, modes 0700) and `pool_keep` (the rename to its idle name).
+//!     caller's `commit()`, then `journal_blank` (the journal cut and `null` written) and
+//!     `fsync_journal_blank` (an fdatasync, under the session's lock); a dir the pool keeps
+//!     is emptied but for `stage/0` and the blank journal (`cleanup_unlink` /
+//!     `cleanup_rmdir` per entry, without fsync), then `pool_chown` and `pool_chmod`
+//!     (staging dirs given back to the daemon, modes 0700) and `pool_keep` (the rename to
+//!     its idle name); a dir it does not keep is removed (`cleanup_unlink` /
+//!     `cleanup_rmdir`, and `cleanup_chmod` for unreadable dirs a worker left, per entry).
 //!   - Rollback (in-process or in recovery): `rollback_exchange` / `rollback_unlink` per
 //!     target holding its new file, `rollback_rmdir` per created dir, then the cleanup points.
 //!   - A directory output (`OutputKind::Directory`) adds `mkdir_staged_dir` (and

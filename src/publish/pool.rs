@@ -1,8 +1,8 @@
-//! Idle job dirs, kept for the next job: a job dir's tree (the dir, `stage/`, `stage/0`) is
-//! emptied and renamed aside when its job ends, and the next job renames it back under its
-//! own name instead of making three new directories. On ext4 without a journal, making a
-//! directory scans past every inode its group freed in the last half minute; reusing the
-//! tree makes and frees none.
+//! Idle job dirs, kept for the next job: a job dir's tree (the dir, `stage/`, `stage/0`, and
+//! its blank journal if it wrote one) is emptied and renamed aside when its job ends, and the
+//! next job renames it back under its own name instead of making three new directories and a
+//! journal file. On ext4 without a journal, making a directory or a file scans past every
+//! inode its group freed in the last half minute; reusing the tree makes and frees none.
 //!
 //! Invariants:
 //! * An idle dir is the daemon's alone: before it is set aside, `stage/` and `stage/0` are
@@ -11,14 +11,18 @@
 //!   neither write through it nor chmod it any more).
 //! * Nothing is reused unchecked: when set aside and again when taken, each of the three
 //!   dirs must be a directory the daemon owns, mode 0700, with exactly the expected entries
-//!   (the job dir `stage`, `stage` only `0`, `0` nothing), no extended attribute but the
-//!   `security.` ones a fresh directory also gets (no ACL), and no inode flag a fresh
-//!   directory here would not have. Anything else is removed and a fresh tree made.
+//!   (the job dir `stage` and maybe `recovery.json`, `stage` only `0`, `0` nothing), no
+//!   extended attribute but the `security.` ones a fresh directory also gets (no ACL), and no
+//!   inode flag a fresh directory here would not have; the journal, a regular file the
+//!   daemon owns, mode 0600, one link, holding exactly the blank marker (`null`), with the
+//!   same rules for attributes and flags. Anything else is removed and a fresh tree made.
 //! * An idle dir is named `.airlock-job-.idle-<n>`: a job id holds no dot, so no job dir is
 //!   named so, and a path parameter cannot name it (the job dir prefix is reserved).
-//!   Recovery removes idle dirs without reporting them: they hold no journal and nothing of
-//!   any job. A crash while one is set aside or taken leaves a dir without a journal, under
-//!   either name, which recovery removes.
+//!   Recovery removes idle dirs without reporting them while their journal is blank or
+//!   absent: they hold nothing of any job (one whose journal reads otherwise, which no path
+//!   of the daemon leaves, it keeps aside like a job dir it cannot prove disposable). A
+//!   crash while one is set aside or taken leaves a dir without a journal or with a blank
+//!   one, under either name, which recovery removes.
 //! * Taking and setting aside are renames within the workspace root and `chown`/`chmod`s:
 //!   every one passes a failpoint (`publish.pool_chown`, `publish.pool_chmod`,
 //!   `publish.pool_keep`, `publish.pool_take`), and none is fsynced (an idle dir's name
@@ -31,9 +35,10 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use rustix::fs::{Mode, RenameFlags};
+use rustix::fs::{FileType, Mode, OFlags, RenameFlags};
 
-use super::sys::{file_type, mutate, nlink, open_dir_beneath};
+use super::journal::{BLANK, JOURNAL};
+use super::sys::{file_type, mutate, nlink, open_beneath, open_dir_beneath};
 use super::tree::{names, remove_entry, remove_tree};
 use super::{PublishError, STAGE};
 
@@ -66,10 +71,12 @@ pub(super) struct Pool {
     allowed_flags: OnceLock<u32>,
 }
 
-/// A job dir taken from the pool, renamed to its job's name: the dir and its `stage/` open.
+/// A job dir taken from the pool, renamed to its job's name: the dir and its `stage/` open,
+/// and its blank journal, open read-write, if it has one.
 pub(super) struct Taken {
     pub(super) fd: OwnedFd,
     pub(super) stage: OwnedFd,
+    pub(super) journal: Option<std::fs::File>,
 }
 
 /// Why a tree is not fit for reuse.
@@ -87,6 +94,8 @@ enum Unfit {
     Xattr(&'static str, String),
     #[error("{0} has the inode flags {1:#x}")]
     Flags(&'static str, u32),
+    #[error("its journal is not blank")]
+    NotBlank,
 }
 
 impl Pool {
@@ -117,10 +126,10 @@ impl Pool {
                 .map_err(|e| Unfit::Io("open", e))
                 .and_then(|fd| open_tree(fd.as_fd()).map(|(stage, slot)| (fd, stage, slot)))
                 .and_then(|(fd, stage, slot)| {
-                    check_tree(fd.as_fd(), stage.as_fd(), slot.as_fd(), allowed)?;
-                    Ok((fd, stage))
+                    let journal = check_tree(fd.as_fd(), stage.as_fd(), slot.as_fd(), allowed)?;
+                    Ok((fd, stage, journal))
                 });
-            let (fd, stage) = match fit {
+            let (fd, stage, journal) = match fit {
                 Ok(fds) => fds,
                 Err(why) => {
                     tracing::warn!(dir = %abs.display(), %why, "an idle job dir is unfit for reuse; removed");
@@ -136,11 +145,12 @@ impl Pool {
                 discard(root, &idle, &abs);
                 return None;
             }
-            return Some(Taken { fd, stage });
+            return Some(Taken { fd, stage, journal });
         }
     }
 
-    /// Sets job dir `name` (`fd`, at `abs`) aside for a later job, its journal already gone:
+    /// Sets job dir `name` (`fd`, at `abs`) aside for a later job, its journal blank or never
+    /// written:
     /// `stage/` emptied but for an empty `stage/0`, given back to the daemon, checked, and
     /// renamed to an idle name. `Ok(false)`: the pool is full, or the tree does not have the
     /// shape of a reusable one; the caller removes it. An `Err` leaves the dir under one of
@@ -236,42 +246,77 @@ fn open_tree(fd: BorrowedFd<'_>) -> Result<(OwnedFd, OwnedFd), Unfit> {
 }
 
 /// Checks that the job dir `fd`, its `stage` and its kept `slot` (opened by [`open_tree`])
-/// are fit for reuse (see the module's invariants); `allowed` is [`Pool::allowed_flags`].
+/// are fit for reuse, and its journal if it has one (see the module's invariants); `allowed`
+/// is [`Pool::allowed_flags`]. Returns the journal, open read-write.
 fn check_tree(
     fd: BorrowedFd<'_>,
     stage: BorrowedFd<'_>,
     slot: BorrowedFd<'_>,
     allowed: u32,
-) -> Result<(), Unfit> {
-    check_dir("the job dir", fd, 3, &[STAGE], allowed)?;
+) -> Result<Option<std::fs::File>, Unfit> {
+    let found = check_dir("the job dir", fd, 3, &[STAGE, JOURNAL], allowed)?;
     check_dir("stage", stage, 3, &[KEPT_SLOT], allowed)?;
-    check_dir("its slot", slot, 2, &[], allowed)
+    check_dir("its slot", slot, 2, &[], allowed)?;
+    if found.len() == 1 {
+        return Ok(None);
+    }
+    let journal = open_beneath(fd, JOURNAL, OFlags::RDWR | OFlags::NONBLOCK)
+        .map_err(|e| Unfit::Io("open journal", e))?;
+    let what = "its journal";
+    let st = check_owner(what, journal.as_fd())?;
+    if file_type(&st) != FileType::RegularFile || st.st_mode & 0o7777 != 0o600 {
+        return Err(Unfit::Mode(what, st.st_mode));
+    }
+    let mut head = [0u8; 8];
+    let n = rustix::io::pread(&journal, &mut head, 0).map_err(|e| Unfit::Io("read journal", e))?;
+    if nlink(&st) != 1 || st.st_size != BLANK.len() as i64 || head[..n] != *BLANK {
+        return Err(Unfit::NotBlank);
+    }
+    check_attrs(what, journal.as_fd(), allowed)?;
+    Ok(Some(std::fs::File::from(journal)))
 }
 
+/// The stat of `fd`, if the daemon owns it.
+fn check_owner(what: &'static str, fd: BorrowedFd<'_>) -> Result<rustix::fs::Stat, Unfit> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Unfit::Io("stat", e))?;
+    let (euid, egid) = (rustix::process::geteuid(), rustix::process::getegid());
+    if (st.st_uid, st.st_gid) != (euid.as_raw(), egid.as_raw()) {
+        return Err(Unfit::Owner(what, st.st_uid, st.st_gid));
+    }
+    Ok(st)
+}
+
+/// Checks one dir of the tree: owner, mode 0700, `links`, entries among `entries` (the first
+/// one required), attributes and flags. Returns the entries found.
 fn check_dir(
     what: &'static str,
     fd: BorrowedFd<'_>,
     links: u64,
     entries: &[&str],
     allowed_flags: u32,
-) -> Result<(), Unfit> {
-    let st = rustix::fs::fstat(fd).map_err(|e| Unfit::Io("stat", e))?;
-    let (euid, egid) = (rustix::process::geteuid(), rustix::process::getegid());
-    if (st.st_uid, st.st_gid) != (euid.as_raw(), egid.as_raw()) {
-        return Err(Unfit::Owner(what, st.st_uid, st.st_gid));
-    }
+) -> Result<Vec<std::ffi::OsString>, Unfit> {
+    let st = check_owner(what, fd)?;
     if file_type(&st) != rustix::fs::FileType::Directory || st.st_mode & 0o7777 != 0o700 {
         return Err(Unfit::Mode(what, st.st_mode));
     }
     let found = names(fd, Path::new(what)).map_err(|_| Unfit::Io("read", rustix::io::Errno::IO))?;
+    let required = entries
+        .first()
+        .is_none_or(|e| found.iter().any(|n| n == OsStr::new(e)));
     if nlink(&st) != links
-        || found.len() != entries.len()
+        || !required
         || found
             .iter()
             .any(|n| !entries.iter().any(|e| OsStr::new(e) == n))
     {
         return Err(Unfit::Entries(what, found));
     }
+    check_attrs(what, fd, allowed_flags)?;
+    Ok(found)
+}
+
+/// No extended attribute but `security.*` on `fd`, and no inode flag beyond `allowed_flags`.
+fn check_attrs(what: &'static str, fd: BorrowedFd<'_>, allowed_flags: u32) -> Result<(), Unfit> {
     let mut buf = vec![0u8; 1024];
     let n = match rustix::fs::flistxattr(fd, &mut buf[..]) {
         Ok(n) => n,

@@ -19,10 +19,11 @@ use super::{PublishError, Recovered, Settled, Workspace, JOB_DIR_PREFIX, QUARANT
 /// tells whether the session state holds that job's commit.
 ///
 /// Decisions, by the journal:
-/// * none (ENOENT), and nothing in the dir but `stage/` (and a journal's temp file): nothing
-///   was published, or the targets were settled before the journal was dropped (backups
-///   exist only once the journal is durable, and it is dropped only once they are settled);
-///   the dir is removed.
+/// * none (ENOENT) or a blank one (`null`), and nothing else in the dir but `stage/` (and a
+///   journal's temp file): nothing was published, or the targets were settled before the
+///   journal was blanked or dropped (backups exist only once the journal is durable, and it
+///   is blanked only once they are settled); the dir is removed. An empty journal is not
+///   blank: it is damaged.
 /// * `worker_running`: nothing was published; the dir is removed.
 /// * `publishing_outputs` (or `committing_state`, written by earlier versions): `committed`
 ///   decides: completed (backups dropped) or rolled back by identity.
@@ -102,8 +103,10 @@ where
             continue;
         }
         // An idle dir holds nothing of any job: removed unreported. One that cannot be
-        // removed goes the way of a job dir that cannot, and is reported.
+        // removed, or whose journal is not blank, goes the way of a job dir that cannot be
+        // proved disposable, and is reported.
         if super::pool::is_idle(name.as_bytes())
+            && journal_settled(&ws, &name)
             && remove_tree(ws.fd(), &name, &ws.root().join(&name)).is_ok()
         {
             continue;
@@ -111,6 +114,18 @@ where
         out.push(recover_one(&ws, &name, committed, settled)?);
     }
     Ok(out)
+}
+
+/// Whether the dir `name` has no journal or a blank one.
+fn journal_settled(ws: &Workspace, name: &OsStr) -> bool {
+    let dir = ws.root().join(name);
+    match open_repairing(ws.fd(), name, &dir) {
+        Ok(Some(fd)) => matches!(
+            Journal::read(fd.as_fd(), &dir),
+            Err(JournalError::Missing { .. } | JournalError::Blank { .. })
+        ),
+        Ok(None) | Err(_) => false,
+    }
 }
 
 fn is_dir(ws: &Workspace, name: &OsStr) -> Result<bool, PublishError> {
@@ -221,7 +236,7 @@ fn recover_one(
     let mut settled = "never published";
     let mut info = Recovered::bare(id.clone(), Settled::NeverPublished);
     let action = match Journal::read(fd.as_fd(), &dir) {
-        Err(JournalError::Missing { .. }) => {
+        Err(JournalError::Missing { .. } | JournalError::Blank { .. }) => {
             let others = match entries_besides_staging(fd.as_fd(), &dir) {
                 Ok(o) => o,
                 Err(e) => {
@@ -530,8 +545,9 @@ fn move_aside(ws: &Workspace, name: &OsStr, to: &Path) -> Result<(), MoveAside> 
     .map_err(|e| MoveAside::Rename(Box::new(e)))
 }
 
-/// The names in a job dir with no journal other than its staging dir (and the temp file of a
-/// journal rewrite, written only after the commit): such a dir holds nothing else.
+/// The names in a job dir with no journal (or a blank one) other than its staging dir, the
+/// blank journal and the temp file of a journal rewrite (written only after the commit):
+/// such a dir holds nothing else.
 fn entries_besides_staging(
     fd: std::os::fd::BorrowedFd<'_>,
     dir: &Path,
@@ -552,7 +568,9 @@ fn entries_besides_staging(
         let expected = match n {
             b"." | b".." => true,
             b"stage" => kind == FileType::Directory,
-            n if n == JOURNAL_TMP.as_bytes() => kind == FileType::RegularFile,
+            n if n == JOURNAL_TMP.as_bytes() || n == JOURNAL.as_bytes() => {
+                kind == FileType::RegularFile
+            }
             _ => false,
         };
         if !expected {

@@ -148,16 +148,6 @@ pub(super) fn mutate<T>(
     f().map_err(|e| io(op, path, e))
 }
 
-/// An fsync on the write path, with its own failpoint: a crash or an injected error (EIO is
-/// how a failed writeback surfaces) between two mutations, where durability is decided.
-pub(super) fn sync_point(
-    op: &'static str,
-    fd: BorrowedFd<'_>,
-    path: &Path,
-) -> Result<(), PublishError> {
-    mutate(op, path, || rustix::fs::fsync(fd))
-}
-
 /// fsyncs of the write path that must all be durable before the next step, none of which
 /// orders another: each keeps its own failpoint, and they are issued together, each on a
 /// thread of [`crate::sync_pool`], so that on a journaling filesystem they wait for one

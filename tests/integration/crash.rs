@@ -611,6 +611,8 @@ async fn offline_recover_rolls_back_and_is_idempotent() {
 enum Harm {
     /// `recovery.json` cut to half its length.
     Truncated,
+    /// `recovery.json` cut to nothing (not the blank marker a settled job leaves).
+    Emptied,
     /// `recovery.json` replaced by bytes that are not JSON.
     Garbage,
     /// `recovery.json` rewritten with `"version": 99` (another release's journal).
@@ -721,6 +723,7 @@ async fn kept_when_not_provably_disposable(harm: Harm, unprivileged: bool, offli
     let bytes = std::fs::read(&journal).unwrap();
     match harm {
         Harm::Truncated => std::fs::write(&journal, &bytes[..bytes.len() / 2]).unwrap(),
+        Harm::Emptied => std::fs::write(&journal, b"").unwrap(),
         Harm::Garbage => std::fs::write(&journal, b"\x00\xff{ not a journal \x01").unwrap(),
         Harm::UnknownVersion => {
             let mut v: Value = serde_json::from_slice(&bytes).unwrap();
@@ -869,6 +872,11 @@ async fn kept_when_not_provably_disposable(harm: Harm, unprivileged: bool, offli
 #[tokio::test(flavor = "multi_thread")]
 async fn a_truncated_journal_keeps_the_job_dir_aside() {
     kept_when_not_provably_disposable(Harm::Truncated, false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_journal_cut_to_nothing_keeps_the_job_dir_aside_under_an_unprivileged_daemon() {
+    kept_when_not_provably_disposable(Harm::Emptied, true, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -399,13 +399,7 @@ impl Job {
     pub(super) fn publish_undo(&mut self) -> Result<Syncs, PublishError> {
         self.journal.phase = Phase::PublishingOutputs;
         let mut journal = Syncs::default();
-        self.journal.create(
-            self.fd.as_fd(),
-            &self.dir,
-            self.root.as_fd(),
-            &self.root_path,
-            &mut journal,
-        )?;
+        self.write_journal(&mut journal)?;
         journal.run()?;
         let mut renamed = Syncs::default();
         for i in 0..self.journal.targets.len() {

@@ -45,16 +45,22 @@ fn idle(root: &Path) -> Vec<String> {
     v
 }
 
-/// Who the dirs of an idle or job dir are (itself, `stage`, `stage/0`): (device, inode,
-/// birth time), since a removed dir's inode number is soon handed out again.
+/// Who the dirs of an idle or job dir are (itself, `stage`, `stage/0`, and its journal if it
+/// has one): (device, inode, birth time), since a removed file's inode number is soon handed
+/// out again.
 fn ids(dir: &Path) -> Vec<(u64, u64, std::time::SystemTime)> {
-    [dir.to_path_buf(), dir.join("stage"), dir.join("stage/0")]
-        .iter()
-        .map(|p| {
-            let m = fs::symlink_metadata(p).unwrap();
-            (m.dev(), m.ino(), m.created().unwrap())
-        })
-        .collect()
+    [
+        dir.to_path_buf(),
+        dir.join("stage"),
+        dir.join("stage/0"),
+        dir.join("recovery.json"),
+    ]
+    .iter()
+    .filter_map(|p| {
+        let m = fs::symlink_metadata(p).ok()?;
+        Some((m.dev(), m.ino(), m.created().unwrap()))
+    })
+    .collect()
 }
 
 /// The one idle dir in `root`, checked clean.
@@ -66,15 +72,24 @@ fn the_idle_dir(root: &Path) -> PathBuf {
     dir
 }
 
-/// A clean idle dir: `stage/0` and nothing else, each dir the daemon's, 0700, without
-/// extended attributes.
+/// A clean idle dir: `stage/0` and nothing else but a blank journal, each dir the daemon's,
+/// 0700, without extended attributes; the journal, if any, the daemon's, 0600, `null`.
 fn assert_clean(dir: &Path) {
     let me = (
         rustix::process::geteuid().as_raw(),
         rustix::process::getegid().as_raw(),
     );
+    let journal = dir.join("recovery.json");
+    let mut top = vec!["stage".to_string()];
+    if let Ok(m) = fs::symlink_metadata(&journal) {
+        assert!(m.is_file(), "{}", journal.display());
+        assert_eq!(m.mode() & 0o7777, 0o600, "{}", journal.display());
+        assert_eq!((m.uid(), m.gid(), m.nlink()), (me.0, me.1, 1));
+        assert_eq!(fs::read(&journal).unwrap(), b"null");
+        top.insert(0, "recovery.json".to_string());
+    }
     let levels = [
-        (dir.to_path_buf(), vec!["stage".to_string()]),
+        (dir.to_path_buf(), top),
         (dir.join("stage"), vec!["0".to_string()]),
         (dir.join("stage/0"), vec![]),
     ];
@@ -116,15 +131,25 @@ fn an_ended_jobs_dir_is_set_aside_clean_and_reused_by_the_next_job() {
     let idle_dir = tmp.path().join(&first[0]);
     assert_clean(&idle_dir);
     let before = ids(&idle_dir);
+    assert_eq!(before.len(), 4, "three dirs and the blank journal");
 
-    // The next job takes it: the same three dirs, under the job's name.
+    // The next job takes it: the same three dirs and journal, under the job's name; its
+    // journal is written over the blank one.
     let job = Job::create(&ws, spec("j2", &["a.txt"])).unwrap();
     assert!(idle(tmp.path()).is_empty());
     assert_eq!(ids(job.dir()), before);
     assert_eq!(job.staged_path(0), job.dir().join("stage/0/a.txt"));
     fs::write(job.staged_path(0), "second").unwrap();
-    job.publish_and_commit(|| fs::write(&marker, "j2").map_err(Into::into))
-        .unwrap();
+    let journal = job.dir().join("recovery.json");
+    job.publish_and_commit(|| {
+        let j: serde_json::Value = serde_json::from_slice(&fs::read(&journal).unwrap()).unwrap();
+        assert_eq!(
+            (&j["job"], &j["phase"]),
+            (&"j2".into(), &"publishing_outputs".into())
+        );
+        fs::write(&marker, "j2").map_err(Into::into)
+    })
+    .unwrap();
     assert_eq!(
         fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
         "second"
@@ -230,7 +255,45 @@ fn an_idle_dir_changed_while_idle_is_removed_not_reused() {
             fs::write(d.join("stage/planted"), "planted").unwrap()
         }),
         ("file planted in the job dir", |d| {
-            fs::write(d.join("recovery.json"), "planted").unwrap()
+            fs::write(d.join("recovery.json.tmp"), "planted").unwrap()
+        }),
+        ("journal not blank", |d| {
+            fs::write(d.join("recovery.json"), "{}").unwrap()
+        }),
+        ("journal cut to nothing", |d| {
+            fs::write(d.join("recovery.json"), "").unwrap()
+        }),
+        ("journal opened up", |d| {
+            fs::set_permissions(d.join("recovery.json"), fs::Permissions::from_mode(0o644)).unwrap()
+        }),
+        ("journal given away", |d| {
+            rustix::fs::chown(
+                d.join("recovery.json"),
+                Some(rustix::process::Uid::from_raw(60999)),
+                None,
+            )
+            .unwrap()
+        }),
+        ("journal linked elsewhere", |d| {
+            fs::hard_link(d.join("recovery.json"), d.join("../linked")).unwrap()
+        }),
+        ("journal replaced by a symlink", |d| {
+            fs::remove_file(d.join("recovery.json")).unwrap();
+            symlink("/etc/passwd", d.join("recovery.json")).unwrap();
+        }),
+        ("journal replaced by a FIFO", |d| {
+            fs::remove_file(d.join("recovery.json")).unwrap();
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                d.join("recovery.json"),
+                rustix::fs::FileType::Fifo,
+                FsMode::from_raw_mode(0o600),
+                0,
+            )
+            .unwrap();
+        }),
+        ("an xattr on the journal", |d| {
+            set_xattr(&d.join("recovery.json"), "user.planted")
         }),
         ("slot replaced by a symlink", |d| {
             fs::remove_dir(d.join("stage/0")).unwrap();
@@ -271,11 +334,8 @@ fn an_idle_dir_changed_while_idle_is_removed_not_reused() {
         }),
     ];
     for (what, tamper) in tampers {
-        let tmp = tempfile::tempdir().unwrap();
-        let ws = pooled(&tmp);
-        write(tmp.path(), "a.txt", "old");
-        let job = Job::create(&ws, spec("j1", &["a.txt"])).unwrap();
-        job.discard().unwrap();
+        // An idle dir with its blank journal, from a committed call.
+        let (tmp, _session, _marker, ws) = one_call_made();
         let dir = the_idle_dir(tmp.path());
         let before = ids(&dir);
         tamper(&dir);
@@ -303,6 +363,7 @@ fn an_idle_dir_changed_while_idle_is_removed_not_reused() {
         the_idle_dir(tmp.path());
         drop(ws);
         recover(tmp.path(), &|_, _| Ok(true)).unwrap();
+        let _ = fs::remove_file(tmp.path().join("linked"));
         let want: BTreeMap<PathBuf, Entry> =
             [(PathBuf::from("a.txt"), Entry::File(b"new".to_vec()))]
                 .into_iter()
@@ -370,5 +431,37 @@ fn a_crash_or_an_error_at_every_point_of_a_reusing_call_is_recovered() {
             assert_eq!(snapshot(tmp.path()), want, "{what}");
             assert!(recover(tmp.path(), &asked).unwrap().is_empty(), "{what}");
         }
+    }
+}
+
+/// An idle dir is removed unreported only while its journal is blank or absent: one whose
+/// journal reads otherwise (a blank lost to a power cut, or a journal planted) proves
+/// nothing, and recovery keeps it aside as it is, the files in it included.
+#[test]
+fn an_idle_dir_whose_journal_is_not_blank_is_kept_aside_by_recovery() {
+    for (what, bytes) in [
+        ("cut to nothing", &b""[..]),
+        ("a journal", br#"{"version": 1, "job": "j9"}"#),
+    ] {
+        let (tmp, _session, _marker, ws) = one_call_made();
+        let dir = the_idle_dir(tmp.path());
+        fs::write(dir.join("recovery.json"), bytes).unwrap();
+        fs::write(dir.join("stage/0/a.txt"), "maybe the only old copy").unwrap();
+        drop(ws);
+        let rec = recover(tmp.path(), &|_, _| Ok(true)).unwrap();
+        assert_eq!(rec.len(), 1, "{what}: {rec:?}");
+        assert_eq!(rec[0].settled, Settled::Kept, "{what}: {rec:?}");
+        let q = rec[0].quarantined.clone().expect("quarantined");
+        assert_eq!(
+            fs::read_to_string(q.join("stage/0/a.txt")).unwrap(),
+            "maybe the only old copy",
+            "{what}"
+        );
+        assert!(idle(tmp.path()).is_empty(), "{what}");
+        assert_eq!(
+            fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+            "first",
+            "{what}"
+        );
     }
 }

@@ -213,7 +213,8 @@ fn recovery_quarantines_a_job_dir_it_cannot_remove_and_goes_on() {
     assert_eq!(snapshot(tmp.path()), before);
 }
 
-/// `Journal::read` tells a missing journal from each way one can be damaged.
+/// `Journal::read` tells a missing or blank journal from each way one can be damaged (an
+/// empty one, `null` with anything after it, or `null` spelled otherwise included).
 #[test]
 fn journal_read_tells_missing_from_damaged() {
     use super::journal::Journal;
@@ -241,6 +242,27 @@ fn journal_read_tells_missing_from_damaged() {
             other => panic!("{:?}: {other:?}", String::from_utf8_lossy(bytes)),
         }
     };
+    fs::write(&path, b"null").unwrap();
+    assert!(
+        matches!(read(), Err(JournalError::Blank { path: p }) if p == path),
+        "{:?}",
+        read()
+    );
+    for not_blank in [
+        &b""[..],
+        b"null\n",
+        b" null",
+        b"nul",
+        b"nullnull",
+        b"NULL",
+        b"null{\"version\": 1",
+    ] {
+        assert!(
+            matches!(damage(not_blank), Damage::Unparsable(_)),
+            "{:?}",
+            String::from_utf8_lossy(not_blank)
+        );
+    }
     assert!(matches!(
         damage(b"{\"version\": 1, \"jo"),
         Damage::Unparsable(_)

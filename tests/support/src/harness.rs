@@ -710,9 +710,9 @@ pub const UNDO_SLOTS: [&str; 2] = ["g0", "g1"];
 /// The idle job dirs a daemon keeps for reuse (the daemon's `publish::pool::IDLE_PREFIX`).
 pub const IDLE_JOB_DIR_PREFIX: &str = ".airlock-job-.idle-";
 
-/// What is wrong with the idle job dir `dir`: it must hold `stage/0` and nothing else, the
-/// three dirs mode 0700, all owned by the idle dir's owner (the daemon), with no extended
-/// attribute. Empty: clean.
+/// What is wrong with the idle job dir `dir`: it must hold `stage/0` and nothing else but a
+/// blank journal (`null`, 0600), the three dirs mode 0700, all owned by the idle dir's owner
+/// (the daemon), with no extended attribute. Empty: clean.
 pub fn idle_dir_faults(dir: &Path) -> Vec<String> {
     use std::os::unix::fs::MetadataExt;
     let mut faults = Vec::new();
@@ -736,13 +736,15 @@ pub fn idle_dir_faults(dir: &Path) -> Vec<String> {
                 m.gid()
             ));
         }
-        let names: Vec<String> = std::fs::read_dir(p)
+        let mut names: Vec<String> = std::fs::read_dir(p)
             .into_iter()
             .flatten()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect();
+        names.sort();
         let expected: &[&str] = match i {
+            0 if names.len() == 2 => &["recovery.json", "stage"],
             0 => &["stage"],
             1 => &["0"],
             _ => &[],
@@ -752,6 +754,41 @@ pub fn idle_dir_faults(dir: &Path) -> Vec<String> {
         }
         if !xattr_names(p).is_empty() {
             faults.push(format!("{} has xattrs {:?}", p.display(), xattr_names(p)));
+        }
+    }
+    // The blank journal a job that wrote one leaves: the daemon's, 0600, `null`.
+    let journal = dir.join("recovery.json");
+    if let Ok(m) = std::fs::symlink_metadata(&journal) {
+        if !m.is_file() || m.mode() & 0o7777 != 0o600 || m.nlink() != 1 {
+            faults.push(format!(
+                "{} has mode {:o}, {} links",
+                journal.display(),
+                m.mode(),
+                m.nlink()
+            ));
+        }
+        if Some((m.uid(), m.gid())) != owner {
+            faults.push(format!(
+                "{} is owned by {}:{}",
+                journal.display(),
+                m.uid(),
+                m.gid()
+            ));
+        }
+        let bytes = std::fs::read(&journal).unwrap_or_default();
+        if bytes != b"null" {
+            faults.push(format!(
+                "{} holds {:?}",
+                journal.display(),
+                String::from_utf8_lossy(&bytes)
+            ));
+        }
+        if !xattr_names(&journal).is_empty() {
+            faults.push(format!(
+                "{} has xattrs {:?}",
+                journal.display(),
+                xattr_names(&journal)
+            ));
         }
     }
     faults
