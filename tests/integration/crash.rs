@@ -322,10 +322,10 @@ async fn run_scenario_keyed(s: Scenario, key: Option<&str>) {
             let mut d2 = t.fresh();
             d2.env = vec![("AIRLOCK_FAILPOINT_CRASH_AT".into(), n.to_string())];
             d2.start();
-            let _ = try_call_keyed(&d2, &s, key).await;
+            let r = try_call_keyed(&d2, &s, key).await;
             assert!(
                 d2.wait_exit(Duration::from_secs(10)).is_some(),
-                "{}: crash at {n} did not repeat:\n{}",
+                "{}: crash at {n} did not repeat (the call: {r:?}):\n{}",
                 s.name,
                 d2.log_text()
             );

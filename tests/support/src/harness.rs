@@ -253,9 +253,10 @@ impl Daemon {
     /// Starts the daemon and waits until its socket accepts connections.
     pub fn start(&mut self) -> &mut Self {
         if let Err(status) = self.try_start() {
+            let log = self.log_text();
             panic!(
-                "airlock serve exited with {status} before listening:\n{}",
-                self.log_text()
+                "airlock serve exited with {status} before listening:\n{log}{}",
+                lock_holder(&log)
             );
         }
         self
@@ -702,6 +703,33 @@ fn command_lines() -> impl Iterator<Item = (i32, String)> {
 /// holds: its path relative to `root`, its full path and its `lstat`. Entries that vanish
 /// or cannot be read are passed over. The one tree walker of [`snapshot`], [`tree`] and
 /// [`tree_names`].
+/// For a daemon that found its workspace or state dir locked ("... (pid N) holds ..."): what
+/// process N is, to tell a daemon left running from one of its children.
+fn lock_holder(log: &str) -> String {
+    let Some(pid) = log
+        .rsplit_once("(pid ")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .and_then(|(pid, _)| pid.parse::<u32>().ok())
+    else {
+        return String::new();
+    };
+    let read = |f: &str| std::fs::read(format!("/proc/{pid}/{f}")).unwrap_or_default();
+    let cmdline: Vec<String> = read("cmdline")
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let status = String::from_utf8_lossy(&read("status")).into_owned();
+    let brief: Vec<&str> = status
+        .lines()
+        .filter(|l| {
+            ["State:", "PPid:", "Uid:", "Threads:"]
+                .iter()
+                .any(|k| l.starts_with(k))
+        })
+        .collect();
+    format!("\nthe lock's holder, pid {pid}: {cmdline:?} {brief:?}")
+}
+
 /// The workspace's undo data dir (the daemon's `publish::undo::UNDO_DIR`).
 pub const UNDO_DIR: &str = ".airlock-undo";
 /// The two slots of a session's undo data (the daemon's `publish::undo::SLOTS`).
