@@ -49,55 +49,37 @@ const MAX_ENTRY: usize = 1 << 20;
 impl Accounts for Nss {
     fn first_enumerated_in(&self, first: u32, last: u32) -> Option<Owner> {
         let _one = ENUMERATION.lock().unwrap_or_else(|p| p.into_inner());
-        let range = first..=last;
-        // SAFETY: the enumeration state is the process's; ENUMERATION keeps it to one
-        // caller at a time, and every entry is read through getpwent_r into our own buffer.
+        let wanted = |id: u32| (first..=last).contains(&id);
+        // SAFETY: the enumeration state is the process's and ENUMERATION keeps it to one
+        // caller at a time; each database is opened, read and closed by its own calls.
         let user = unsafe {
-            libc::setpwent();
-            let found = enumerate(
-                |buf, out: &mut Option<(u32, String)>| {
-                    let mut pw: libc::passwd = std::mem::zeroed();
-                    let mut res: *mut libc::passwd = std::ptr::null_mut();
-                    let rc = libc::getpwent_r(&mut pw, buf.as_mut_ptr(), buf.len(), &mut res);
-                    if rc == 0 && !res.is_null() {
-                        *out = Some((pw.pw_uid, name(pw.pw_name)));
-                    }
-                    rc
-                },
-                |id| range.contains(&id),
-            );
-            libc::endpwent();
-            found
+            enumerate_database(
+                libc::setpwent,
+                libc::getpwent_r,
+                libc::endpwent,
+                |pw: &libc::passwd| (pw.pw_uid, pw.pw_name),
+                wanted,
+            )
         };
-        if let Some((id, name)) = user {
-            return Some(Owner {
-                what: "uid",
-                id,
-                name,
-            });
-        }
-        // SAFETY: as above, for the group database.
-        let group = unsafe {
-            libc::setgrent();
-            let found = enumerate(
-                |buf, out: &mut Option<(u32, String)>| {
-                    let mut gr: libc::group = std::mem::zeroed();
-                    let mut res: *mut libc::group = std::ptr::null_mut();
-                    let rc = libc::getgrent_r(&mut gr, buf.as_mut_ptr(), buf.len(), &mut res);
-                    if rc == 0 && !res.is_null() {
-                        *out = Some((gr.gr_gid, name(gr.gr_name)));
-                    }
-                    rc
-                },
-                |id| range.contains(&id),
-            );
-            libc::endgrent();
-            found
+        let found = match user {
+            Some((id, name)) => ("uid", id, name),
+            // SAFETY: as above, for the group database.
+            None => unsafe {
+                let group = enumerate_database(
+                    libc::setgrent,
+                    libc::getgrent_r,
+                    libc::endgrent,
+                    |gr: &libc::group| (gr.gr_gid, gr.gr_name),
+                    wanted,
+                );
+                let (id, name) = group?;
+                ("gid", id, name)
+            },
         };
-        group.map(|(id, name)| Owner {
-            what: "gid",
-            id,
-            name,
+        Some(Owner {
+            what: found.0,
+            id: found.1,
+            name: found.2,
         })
     }
 
@@ -120,27 +102,43 @@ impl Accounts for Nss {
     }
 }
 
-/// Reads entries with `next` (a `get*ent_r` call filling its `Option` on success) until one
-/// whose id `wanted` holds, or the end; an entry too large for [`MAX_ENTRY`] ends the pass
-/// (an `ERANGE` leaves the position where it was).
-fn enumerate(
-    mut next: impl FnMut(&mut [c_char], &mut Option<(u32, String)>) -> libc::c_int,
+/// One pass over an NSS database (`set`, then `get` until the end, then `end`): the first
+/// entry whose id (by `id_name`) `wanted` holds, with its name. An entry too large for
+/// [`MAX_ENTRY`] ends the pass (an `ERANGE` leaves the position where it was), and so does a
+/// source that fails: the lookup before each first lease still answers for them.
+///
+/// # Safety
+/// The caller holds [`ENUMERATION`]; `set`, `get` and `end` are one database's
+/// `set*ent`, `get*ent_r` and `end*ent`, and `id_name` reads the entry `get` filled.
+unsafe fn enumerate_database<E>(
+    set: unsafe extern "C" fn(),
+    get: unsafe extern "C" fn(*mut E, *mut c_char, libc::size_t, *mut *mut E) -> libc::c_int,
+    end: unsafe extern "C" fn(),
+    id_name: impl Fn(&E) -> (u32, *const c_char),
     wanted: impl Fn(u32) -> bool,
 ) -> Option<(u32, String)> {
     let mut buf: Vec<c_char> = vec![0; 4096];
-    loop {
-        let mut entry = None;
-        match next(&mut buf, &mut entry) {
-            0 => match entry {
-                Some((id, name)) if wanted(id) => return Some((id, name)),
-                Some(_) => {}
-                None => return None,
-            },
-            libc::ERANGE if buf.len() < MAX_ENTRY => buf.resize(buf.len() * 2, 0),
-            // ENOENT: the end; anything else: the source failed, and the per-uid lookup
-            // before each first lease still answers.
-            _ => return None,
-        }
+    // SAFETY: the caller's contract; the entry is plain old data glibc fills, pointing into
+    // `buf`, and read before `buf` changes.
+    unsafe {
+        set();
+        let found = loop {
+            let mut entry: E = std::mem::zeroed();
+            let mut res: *mut E = std::ptr::null_mut();
+            match get(&mut entry, buf.as_mut_ptr(), buf.len(), &mut res) {
+                0 if !res.is_null() => {
+                    let (id, n) = id_name(&entry);
+                    if wanted(id) {
+                        break Some((id, name(n)));
+                    }
+                }
+                libc::ERANGE if buf.len() < MAX_ENTRY => buf.resize(buf.len() * 2, 0),
+                // ENOENT (or a null entry): the end; anything else: the source failed.
+                _ => break None,
+            }
+        };
+        end();
+        found
     }
 }
 
