@@ -259,8 +259,7 @@ fn bad_outputs_are_rejected_and_the_workspace_is_unchanged() {
         ("symlink", |staged, root| {
             std::os::unix::fs::symlink(root.join("a.txt"), staged).unwrap()
         }),
-        ("hard links", |staged, root| {
-            fs::write(root.join("../elsewhere-link"), "x").ok();
+        ("hard links", |staged, _| {
             fs::write(staged, "x").unwrap();
             fs::hard_link(staged, staged.with_extension("second")).unwrap();
         }),
