@@ -13,7 +13,7 @@ pub use handler::{Handler, AUDIT_URI};
 use connection::Connection;
 
 use std::collections::HashMap;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -67,14 +67,49 @@ pub fn bind(path: &Path, mode: u32, group: Option<&str>) -> Result<UnixListener,
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| io("create parent dir", e))?;
     }
-    // The umask makes the socket private from the instant it exists; the mode is then
-    // widened (never narrowed) to what the policy asks.
-    // SAFETY: umask only swaps the process's file mode mask; it cannot fail.
-    let old = unsafe { libc::umask(0o177) };
-    let bound = UnixListener::bind(path);
-    // SAFETY: as above, restoring the previous mask.
-    unsafe { libc::umask(old) };
-    let listener = bound.map_err(|e| io("bind", e))?;
+    // The socket is bound in a private dir of its own beside its path, given its group and
+    // mode there, and only then renamed into place: no one can connect before it has them.
+    // The process's umask is never changed: it is shared by every thread, and a worker's
+    // spawner or template forked meanwhile would keep a narrowed one for its whole life.
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| io("bind", std::io::ErrorKind::InvalidInput.into()))?;
+    let private = parent.join(format!(".airlock.{}", std::process::id()));
+    match std::fs::remove_dir_all(&private) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(io("remove the leftover bind dir", e))
+        }
+        _ => {}
+    }
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&private)
+        .map_err(|e| io("create the bind dir", e))?;
+    let bound = bind_privately(&private.join(name), path, mode, group);
+    let removed = std::fs::remove_dir_all(&private);
+    let listener = bound?;
+    removed.map_err(|e| io("remove the bind dir", e))?;
+    Ok(listener)
+}
+
+/// [`bind`]'s socket bound at `at` (in a dir only the daemon can enter), given `group` and
+/// `mode`, then renamed to `path` (never over an entry that appeared there meanwhile).
+fn bind_privately(
+    at: &Path,
+    path: &Path,
+    mode: u32,
+    group: Option<&str>,
+) -> Result<UnixListener, ListenError> {
+    let io = |op, source| ListenError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    };
+    let listener = UnixListener::bind(at).map_err(|e| io("bind", e))?;
     if let Some(g) = group {
         let gid = nix::unistd::Group::from_name(g)
             .ok()
@@ -84,10 +119,21 @@ pub fn bind(path: &Path, mode: u32, group: Option<&str>) -> Result<UnixListener,
                 group: g.to_string(),
             })?
             .gid;
-        std::os::unix::fs::chown(path, None, Some(gid.as_raw())).map_err(|e| io("chown", e))?;
+        std::os::unix::fs::chown(at, None, Some(gid.as_raw())).map_err(|e| io("chown", e))?;
     }
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+    std::fs::set_permissions(at, std::fs::Permissions::from_mode(mode))
         .map_err(|e| io("chmod", e))?;
+    rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        at,
+        rustix::fs::CWD,
+        path,
+        rustix::fs::RenameFlags::NOREPLACE,
+    )
+    .map_err(|e| match e {
+        rustix::io::Errno::EXIST => ListenError::InUse { path: path.into() },
+        e => io("rename into place", e.into()),
+    })?;
     Ok(listener)
 }
 
@@ -355,5 +401,70 @@ mod tests {
         );
         b.succeeded();
         assert_eq!([b.failed(), b.failed()], [ms(10), ms(20)]);
+    }
+
+    /// The process's umask, read without changing it.
+    fn umask_now() -> String {
+        std::fs::read_to_string("/proc/self/status")
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("Umask:").map(|v| v.trim().to_string()))
+            .expect("/proc/self/status has no Umask line")
+    }
+
+    /// A spawner or template forked by another thread while the socket is bound inherits the
+    /// umask of that instant for its whole life, and every worker with it: binding must never
+    /// change it, not even for a moment. Another thread samples it all along 200 binds.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn binding_the_socket_never_changes_the_process_umask() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = umask_now();
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                let mut seen = std::collections::BTreeSet::new();
+                while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                    seen.insert(umask_now());
+                }
+                seen
+            })
+        };
+        for i in 0..200 {
+            let path = dir.path().join(format!("s{i}.sock"));
+            let l = bind(&path, 0o660, None).unwrap();
+            let m = std::fs::symlink_metadata(&path).unwrap();
+            assert!(m.file_type().is_socket());
+            assert_eq!(m.permissions().mode() & 0o7777, 0o660);
+            drop(l);
+        }
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        let seen = sampler.join().unwrap();
+        assert_eq!(seen, [before].into(), "the umask changed while binding");
+        // Only the sockets are left: the private bind dirs are gone.
+        let mut names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| !n.ends_with(".sock"))
+            .collect();
+        names.sort();
+        assert!(names.is_empty(), "{names:?}");
+    }
+
+    #[tokio::test]
+    async fn a_live_socket_is_never_stolen_and_a_stale_one_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.sock");
+        let live = bind(&path, 0o600, None).unwrap();
+        assert!(matches!(
+            bind(&path, 0o600, None),
+            Err(ListenError::InUse { .. })
+        ));
+        drop(live);
+        // The file of a listener gone (a dead daemon's) is replaced.
+        let again = bind(&path, 0o640, None).unwrap();
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!(m.permissions().mode() & 0o7777, 0o640);
+        drop(again);
     }
 }
