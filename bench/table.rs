@@ -394,13 +394,13 @@ fn durable_copy_by_hand(args: &[String]) -> std::io::Result<()> {
 /// each made durable as the call makes it, one after another: a job dir holding `stage/0`
 /// (the copy is made there), the journal `recovery.json` (written over the blank one of a
 /// reused dir); the undo record `undo.json` rewritten in place in the session's blank slot of
-/// two (made, with its dir, the first time only); the session file written under a temp name
-/// and renamed over the last one; a job record (kept, and not fsynced: the call is not
+/// two (made, with its dir, the first time only); the session file's new version written over
+/// its spare in place and exchanged with it; a job record (kept, and not fsynced: the call is not
 /// keyed). The job dir's tree is an idle one another copy set aside, taken by a rename, when
 /// there is one. After the copy is renamed into place, the journal is blanked (`null`,
 /// fdatasync), the blank marker written over the other undo slot's record and the job dir
-/// set aside, as the call's cleanup does. One inode made and freed per copy besides the
-/// output once idle dirs exist (the session file), and the job record.
+/// set aside, as the call's cleanup does. Once idle dirs and the spare exist, the job record
+/// is the one inode made per copy besides the output.
 fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     use std::fs;
     use std::io::Write;
@@ -466,9 +466,30 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     }
     sync_dir(out_dir)?;
     sync_dir(&slot)?;
-    write_synced(&sessions.join(".s.json.tmp"), &record[..100])?;
+    // The session file: the new version written over the spare in place, then exchanged
+    // with the session's file (the first copy makes both).
+    let (spare, current) = (sessions.join(".s.json.tmp"), sessions.join("s.json"));
+    match fs::OpenOptions::new().write(true).open(&spare) {
+        Ok(f) => {
+            std::os::unix::fs::FileExt::write_all_at(&f, &record[..100], 0)?;
+            f.set_len(100)?;
+            f.sync_all()?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => write_synced(&spare, &record[..100])?,
+        Err(e) => return Err(e),
+    }
     fs::write(jobs.join(format!("{id}.json")), record)?;
-    fs::rename(sessions.join(".s.json.tmp"), sessions.join("s.json"))?;
+    let exchange = rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        &spare,
+        rustix::fs::CWD,
+        &current,
+        rustix::fs::RenameFlags::EXCHANGE,
+    );
+    match exchange {
+        Err(rustix::io::Errno::NOENT) => fs::rename(&spare, &current)?,
+        r => r?,
+    }
     sync_dir(&sessions)?;
     // The cleanup: the other undo slot blanked, the journal blanked, the job dir's tree.
     if let Ok(f) = fs::OpenOptions::new()

@@ -2,7 +2,7 @@
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::failpoint;
@@ -12,59 +12,82 @@ pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     DirBuilder::new().recursive(true).mode(0o700).create(dir)
 }
 
-/// Replaces `dir/name` with `bytes` atomically and durably: a temp file in the same dir,
-/// fsync, rename over the name, fsync of the dir. Both mutations pass failpoint `point`.
-pub fn atomic_write(
-    dir: &Path,
-    name: &str,
-    bytes: &[u8],
-    mode: u32,
-    point: &'static str,
-) -> std::io::Result<()> {
-    atomic_write_no_dir_sync(dir, name, bytes, mode, point)?;
-    File::open(dir)?.sync_all()
+/// What the temp file of `dir/name` may be, for [`write_temp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Temp {
+    /// Whatever it holds may be named by `dir/name` on disk (an exchange or rename whose
+    /// dir fsync did not succeed, or nothing known): it is unlinked and a new file made.
+    Fresh,
+    /// A spare: no name that survives a crash points at its inode (the exchange that made it
+    /// the temp file is durable), so it is written over in place. No inode is made or freed.
+    Spare,
 }
 
-/// [`atomic_write`] but for the fsync of the dir, which the caller owes before it relies on
-/// the new content surviving a crash (the session store group-commits it).
-pub fn atomic_write_no_dir_sync(
-    dir: &Path,
-    name: &str,
-    bytes: &[u8],
-    mode: u32,
-    point: &'static str,
-) -> std::io::Result<()> {
-    write_temp(dir, name, bytes, mode, point)?.sync_all()?;
-    rename_temp(dir, name, point)
-}
-
-/// The first half of [`atomic_write_no_dir_sync`]: `bytes` written to the temp file of
-/// `dir/name`, the name itself untouched; returns the temp file, for the caller to fsync
-/// before [`rename_temp`]. Failpoint `point` before it.
+/// `bytes` written to the temp file of `dir/name` (mode `mode` if made), the name itself
+/// untouched; returns the temp file, for the caller to fsync before [`rename_temp`] or
+/// [`exchange_temp`]. Failpoint `point` before it.
 pub fn write_temp(
     dir: &Path,
     name: &str,
     bytes: &[u8],
     mode: u32,
     point: &'static str,
+    temp: Temp,
 ) -> std::io::Result<File> {
     failpoint::hit(point)?;
+    let path = temp_path(dir, name);
+    if temp == Temp::Spare {
+        match OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+        {
+            Ok(f) => {
+                // Cut after the write, not before: a file cut to nothing would free its block
+                // for the write to allocate again.
+                f.write_all_at(bytes, 0)?;
+                f.set_len(bytes.len() as u64)?;
+                return Ok(f);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
     let mut f = OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(mode)
         .custom_flags(libc::O_NOFOLLOW)
-        .open(temp_path(dir, name))?;
+        .open(&path)?;
     f.write_all(bytes)?;
     Ok(f)
 }
 
-/// The second half: the temp file [`write_temp`] left renamed over `dir/name`. Failpoint
-/// `point` before it.
+/// The temp file [`write_temp`] left renamed over `dir/name`: the temp name is gone, the
+/// name's previous inode freed. Failpoint `point` before it.
 pub fn rename_temp(dir: &Path, name: &str, point: &'static str) -> std::io::Result<()> {
     failpoint::hit(point)?;
     std::fs::rename(temp_path(dir, name), dir.join(name))
+}
+
+/// The temp file [`write_temp`] left exchanged with `dir/name` (`RENAME_EXCHANGE`, atomic
+/// like a rename): the name holds the new content, and the temp name the previous one, a
+/// spare for the next write once the exchange is durable (the dir fsynced). `dir/name`
+/// must exist. Failpoint `point` before it.
+pub fn exchange_temp(dir: &Path, name: &str, point: &'static str) -> std::io::Result<()> {
+    failpoint::hit(point)?;
+    rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        temp_path(dir, name),
+        rustix::fs::CWD,
+        dir.join(name),
+        rustix::fs::RenameFlags::EXCHANGE,
+    )
+    .map_err(std::io::Error::from)
 }
 
 fn temp_path(dir: &Path, name: &str) -> std::path::PathBuf {

@@ -99,6 +99,15 @@ struct Session {
     lock: Arc<tokio::sync::Mutex<()>>,
     /// Set under `lock` by destruction; a mutator that gets the lock afterwards fails.
     destroyed: AtomicBool,
+    /// Set under `lock` once an exchange of the session's file with its temp file is durable:
+    /// the temp file is then a spare (the previous version, which no name on disk points at)
+    /// that the next write goes over in place. Cleared when a write starts, so that a write
+    /// that fails leaves the next one to make a fresh temp file.
+    spare: AtomicBool,
+    /// Held to read the session's file without `lock`, and to write the spare in place: a
+    /// reader that opened the file before two exchanges may still hold the spare's inode,
+    /// and must not read it while it is written over.
+    file: RwLock<()>,
     current: RwLock<Meta>,
 }
 
@@ -152,18 +161,16 @@ impl SessionStore {
             path: dir.clone(),
             source,
         })?;
+        let mut temps = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
             let name = entry.file_name();
-            if name.to_string_lossy().starts_with('.') && name.to_string_lossy().ends_with(".tmp") {
-                // A write that crashed before its rename never committed: drop its temp file.
-                crate::failpoint::hit("session.remove_tmp")
-                    .and_then(|()| std::fs::remove_file(&path))
-                    .map_err(|source| SessionError::Io {
-                        op: "remove stale temp file",
-                        path: path.clone(),
-                        source,
-                    })?;
+            if let Some(id) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix('.'))
+                .and_then(|n| n.strip_suffix(".json.tmp"))
+            {
+                temps.push((id.to_string(), path));
                 continue;
             }
             if path.extension().is_none_or(|x| x != "json") {
@@ -186,6 +193,37 @@ impl SessionStore {
                 u.bytes = u.bytes.saturating_add(meta.bytes);
             }
             sessions.insert(file.id, Arc::new(Session::new(meta)));
+        }
+        // A temp file holds the spare (an earlier version) or a write never exchanged into
+        // place (it never committed): never the session's state. A live session's is kept as
+        // its spare, once the fsync of the dir below has made every name durable as it is
+        // now (a daemon that died before its exchange was durable leaves the exchange in the
+        // page cache only: until then the temp name could still point at the session's file
+        // on disk). Any other is removed.
+        let mut spares = Vec::new();
+        for (id, path) in temps {
+            match sessions.get(&id) {
+                Some(s) => spares.push(Arc::clone(s)),
+                None => crate::failpoint::hit("session.remove_tmp")
+                    .and_then(|()| std::fs::remove_file(&path))
+                    .map_err(|source| SessionError::Io {
+                        op: "remove stale temp file",
+                        path: path.clone(),
+                        source,
+                    })?,
+            }
+        }
+        if !spares.is_empty() {
+            std::fs::File::open(&dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|source| SessionError::Io {
+                    op: "fsync",
+                    path: dir.clone(),
+                    source,
+                })?;
+            for s in spares {
+                s.spare.store(true, Ordering::SeqCst);
+            }
         }
         Ok(SessionStore {
             dir,
@@ -269,8 +307,7 @@ impl SessionStore {
 
     /// Reads the committed state of the session `meta` describes from its file.
     fn load(&self, meta: &Meta) -> Result<Snapshot, SessionError> {
-        let path = self.path(&meta.id);
-        let file = match read_file(&path) {
+        let file = match self.read_current(&meta.id) {
             Err(SessionError::Io { source, .. })
                 if source.kind() == std::io::ErrorKind::NotFound =>
             {
@@ -487,16 +524,18 @@ impl SessionStore {
         state: Map<String, Value>,
         job: &str,
     ) -> Result<Snapshot, SessionError> {
-        let next = next_version(guard, state);
-        self.persist(&next, Some(job), false)?;
-        Ok(self.took(guard, reserved, next))
+        let staged = self.stage_commit(guard, state, job)?;
+        staged.sync_beside(|| ()).0?;
+        self.commit_staged(guard, reserved, staged)
     }
 
     /// The first half of [`SessionStore::commit_reserved`], for a caller that makes it
     /// durable beside other work due before the commit point: the session file that records
-    /// `job` with `state`, written under its temp name, to be fsynced ([`Staged::sync`]).
-    /// Nothing changes until [`SessionStore::commit_staged`] renames it into place; a staged
-    /// file never committed is overwritten by the session's next write.
+    /// `job` with `state`, written under its temp name, to be fsynced
+    /// ([`Staged::sync_beside`]): over the spare in place if the session has one, else in a
+    /// file made for it. Nothing changes until [`SessionStore::commit_staged`] exchanges it
+    /// with the session's file; a staged file never committed is replaced by the session's
+    /// next write.
     pub fn stage_commit(
         &self,
         guard: &SessionGuard,
@@ -505,8 +544,16 @@ impl SessionStore {
     ) -> Result<Staged, SessionError> {
         let next = next_version(guard, state);
         let (name, bytes) = self.file_bytes(&next, Some(job), false)?;
-        let file = fsutil::write_temp(&self.dir, &name, &bytes, 0o600, "session.write")
-            .map_err(|source| self.io_error(&next.id, source))?;
+        let temp = if guard.session.spare.swap(false, Ordering::SeqCst) {
+            fsutil::Temp::Spare
+        } else {
+            fsutil::Temp::Fresh
+        };
+        let file = {
+            let _writing = (temp == fsutil::Temp::Spare).then(|| write(&guard.session.file));
+            fsutil::write_temp(&self.dir, &name, &bytes, 0o600, "session.write", temp)
+        }
+        .map_err(|source| self.io_error(&next.id, source))?;
         let path = self.path(&next.id);
         Ok(Staged {
             next,
@@ -517,17 +564,20 @@ impl SessionStore {
     }
 
     /// The commit point of a [`SessionStore::stage_commit`] (its file fsynced by
-    /// [`Staged::sync`]): renamed into place and made durable (the dir's fsync,
-    /// group-committed), then the store's memory.
+    /// [`Staged::sync_beside`]): exchanged with the session's file and made durable (the
+    /// dir's fsync, group-committed), then the store's memory. The temp name keeps the
+    /// previous version's inode, the spare of the next commit: a commit makes and frees no
+    /// inode.
     pub fn commit_staged(
         &self,
         guard: &SessionGuard,
         reserved: Reserved<'_>,
         staged: Staged,
     ) -> Result<Snapshot, SessionError> {
-        fsutil::rename_temp(&self.dir, &staged.name, "session.write")
+        fsutil::exchange_temp(&self.dir, &staged.name, "session.write")
             .and_then(|()| self.dir_sync.after_rename(&self.dir))
             .map_err(|source| self.io_error(&staged.next.id, source))?;
+        guard.session.spare.store(true, Ordering::SeqCst);
         Ok(self.took(guard, reserved, staged.next))
     }
 
@@ -574,11 +624,14 @@ impl SessionStore {
 
     /// Whether the session file records `job` as its last commit (recovery's question).
     pub fn committed(&self, id: &str, job: &str) -> Result<bool, SessionError> {
-        let path = self.path(id);
-        if !path.exists() {
-            return Ok(false);
-        }
-        let file = read_file(&path)?;
+        let file = match self.read_current(id) {
+            Err(SessionError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                return Ok(false)
+            }
+            r => r?,
+        };
         Ok(!file.destroyed && file.last_job.as_deref() == Some(job))
     }
 
@@ -586,13 +639,15 @@ impl SessionStore {
     /// session never committed to by a job), read from the file: which commit is the latest.
     pub fn latest_commit(&self, id: &str) -> Result<(u64, Option<String>), SessionError> {
         check_id(id)?;
-        let file = read_file(&self.path(id))?;
+        let file = self.read_current(id)?;
         if file.destroyed {
             return Err(SessionError::Destroyed(id.to_string()));
         }
         Ok((file.version, file.last_job))
     }
 
+    /// Writes the file of a session made (`create`) or its tombstone (`destroy`): a fresh
+    /// temp file renamed over the name, so that no spare holding an earlier state is left.
     fn persist(
         &self,
         snap: &Snapshot,
@@ -600,9 +655,18 @@ impl SessionStore {
         destroyed: bool,
     ) -> Result<(), SessionError> {
         let (name, bytes) = self.file_bytes(snap, job, destroyed)?;
-        fsutil::atomic_write_no_dir_sync(&self.dir, &name, &bytes, 0o600, "session.write")
-            .and_then(|()| self.dir_sync.after_rename(&self.dir))
-            .map_err(|source| self.io_error(&snap.id, source))
+        fsutil::write_temp(
+            &self.dir,
+            &name,
+            &bytes,
+            0o600,
+            "session.write",
+            fsutil::Temp::Fresh,
+        )
+        .and_then(|f| f.sync_all())
+        .and_then(|()| fsutil::rename_temp(&self.dir, &name, "session.write"))
+        .and_then(|()| self.dir_sync.after_rename(&self.dir))
+        .map_err(|source| self.io_error(&snap.id, source))
     }
 
     /// The session file of `snap` (its name and bytes).
@@ -630,6 +694,14 @@ impl SessionStore {
             cause,
         })?;
         Ok((format!("{}.json", snap.id), bytes))
+    }
+
+    /// The file of session `id`, read under its `file` lock if it is live (no session lock is
+    /// needed: the file is only ever exchanged whole, and the spare never written while read).
+    fn read_current(&self, id: &str) -> Result<SessionFile, SessionError> {
+        let live = lock(&self.sessions).get(id).cloned();
+        let _reading = live.as_ref().map(|s| read(&s.file));
+        read_file(&self.path(id))
     }
 
     fn io_error(&self, id: &str, source: std::io::Error) -> SessionError {
@@ -674,17 +746,44 @@ impl Session {
         Session {
             lock: Arc::new(tokio::sync::Mutex::new(())),
             destroyed: AtomicBool::new(false),
+            spare: AtomicBool::new(false),
+            file: RwLock::new(()),
             current: RwLock::new(meta),
         }
     }
 }
 
+/// A test's pause between opening the session file at its path and reading it (taken by
+/// the first read of that path).
+#[cfg(test)]
+type Pause = (PathBuf, Box<dyn FnOnce() + Send>);
+#[cfg(test)]
+static AFTER_OPEN: Mutex<Option<Pause>> = Mutex::new(None);
+
 fn read_file(path: &Path) -> Result<SessionFile, SessionError> {
-    let bytes = std::fs::read(path).map_err(|source| SessionError::Io {
+    let io = |source| SessionError::Io {
         op: "read",
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    #[cfg(test)]
+    {
+        let mut hook = lock(&AFTER_OPEN);
+        let pause = match hook.take() {
+            Some((at, pause)) if at == path => Some(pause),
+            other => {
+                *hook = other;
+                None
+            }
+        };
+        drop(hook);
+        if let Some(pause) = pause {
+            pause();
+        }
+    }
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut file, &mut bytes).map_err(io)?;
     serde_json::from_slice(&bytes).map_err(|cause| SessionError::Corrupt {
         path: path.to_path_buf(),
         cause,

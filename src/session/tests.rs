@@ -278,3 +278,185 @@ async fn memory_holds_no_state_and_reads_see_the_committed_file() {
         file.len()
     );
 }
+
+/// (device, inode) of `p`.
+fn inode(p: &Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(p).unwrap();
+    (m.dev(), m.ino())
+}
+
+fn numbered(n: u64) -> Map<String, Value> {
+    let mut st = Map::new();
+    st.insert("n".into(), n.into());
+    st
+}
+
+fn file_at(p: &Path) -> SessionFile {
+    read_file(p).unwrap()
+}
+
+#[tokio::test]
+async fn commits_exchange_the_file_with_a_spare_and_make_no_inode() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    store.create("s", Map::new(), 0).unwrap();
+    let (cur, spare) = (
+        dir.path().join("sessions/s.json"),
+        dir.path().join("sessions/.s.json.tmp"),
+    );
+    assert!(!spare.exists(), "a create leaves no temp file");
+    let g = store.lock("s").await.unwrap();
+    let made = inode(&cur);
+    store.commit(&g, numbered(1), "j1").unwrap();
+    // The first commit makes its temp file; the file it replaced becomes the spare.
+    assert_eq!(inode(&spare), made);
+    assert_eq!(file_at(&spare).version, 0);
+    let pair = [inode(&cur), inode(&spare)];
+    for n in 2..=9u64 {
+        store.commit(&g, numbered(n), &format!("j{n}")).unwrap();
+        let now = [inode(&cur), inode(&spare)];
+        assert_eq!(
+            now,
+            [pair[(n as usize + 1) % 2], pair[n as usize % 2]],
+            "commit {n} exchanged the same two inodes"
+        );
+        let (f, s) = (file_at(&cur), file_at(&spare));
+        assert_eq!((f.version, f.state["n"].as_u64()), (n, Some(n)));
+        assert_eq!(f.last_job.as_deref(), Some(format!("j{n}").as_str()));
+        assert_eq!(s.version, n - 1, "the spare holds the previous version");
+        for p in [&cur, &spare] {
+            let m = std::fs::symlink_metadata(p).unwrap();
+            assert_eq!(m.permissions().mode() & 0o7777, 0o600);
+            assert!(m.file_type().is_file());
+        }
+        assert!(store.committed("s", &format!("j{n}")).unwrap());
+    }
+    drop(g);
+    // A start keeps a live session's spare (after an fsync of the dir), and the next commit
+    // writes over it: still the same two inodes. A temp file of no live session goes.
+    let orphan = dir.path().join("sessions/.gone.json.tmp");
+    std::fs::write(&orphan, "{}").unwrap();
+    let reopened = SessionStore::open(dir.path()).unwrap();
+    assert!(
+        !orphan.exists(),
+        "a start removes a temp file no live session has"
+    );
+    assert_eq!(reopened.snapshot("s").unwrap().state["n"], 9);
+    let g = reopened.lock("s").await.unwrap();
+    let kept = [inode(&cur), inode(&spare)];
+    reopened.commit(&g, numbered(10), "j10").unwrap();
+    assert_eq!([inode(&cur), inode(&spare)], [kept[1], kept[0]]);
+    assert_eq!(file_at(&cur).version, 10);
+    assert_eq!(file_at(&spare).version, 9);
+}
+
+#[tokio::test]
+async fn a_commit_that_fails_leaves_its_temp_file_to_be_replaced_not_written_over() {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    store.create("s", Map::new(), 0).unwrap();
+    let (cur, spare, aside) = (
+        dir.path().join("sessions/s.json"),
+        dir.path().join("sessions/.s.json.tmp"),
+        dir.path().join("s.json.aside"),
+    );
+    let g = store.lock("s").await.unwrap();
+    store.commit(&g, numbered(1), "j1").unwrap();
+    store.commit(&g, numbered(2), "j2").unwrap();
+    let staged = store.stage_commit(&g, numbered(3), "failed").unwrap();
+    let mut held = std::fs::File::open(&spare).unwrap();
+    // The exchange fails: the session's file is not where the commit expects it.
+    std::fs::rename(&cur, &aside).unwrap();
+    let reserved = store.reserve(&g, &numbered(3)).unwrap();
+    assert!(matches!(
+        store.commit_staged(&g, reserved, staged),
+        Err(SessionError::Io { .. })
+    ));
+    std::fs::rename(&aside, &cur).unwrap();
+    assert_eq!(g.meta().version, 2);
+    assert_eq!(file_at(&cur).version, 2);
+    store.commit(&g, numbered(3), "j3").unwrap();
+    // The next commit made a fresh temp file: the failed one was unlinked, not written over.
+    assert_eq!(held.metadata().unwrap().nlink(), 0);
+    let mut bytes = Vec::new();
+    held.read_to_end(&mut bytes).unwrap();
+    let failed: SessionFile = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(failed.last_job.as_deref(), Some("failed"));
+    let f = file_at(&cur);
+    assert_eq!((f.version, f.last_job.as_deref()), (3, Some("j3")));
+    assert!(store.committed("s", "j3").unwrap());
+}
+
+#[tokio::test]
+async fn destroy_leaves_no_spare_holding_an_earlier_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    store.create("s", Map::new(), 0).unwrap();
+    let g = store.lock("s").await.unwrap();
+    store.commit(&g, numbered(1), "j1").unwrap();
+    store.commit(&g, numbered(2), "j2").unwrap();
+    assert!(dir.path().join("sessions/.s.json.tmp").exists());
+    store.destroy(g).unwrap();
+    let names: Vec<String> = std::fs::read_dir(dir.path().join("sessions"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["s.json"]);
+    let tomb = file_at(&dir.path().join("sessions/s.json"));
+    assert!(tomb.destroyed && tomb.state.is_empty());
+}
+
+#[tokio::test]
+async fn a_reader_without_the_session_lock_never_reads_a_spare_being_written() {
+    use std::sync::mpsc;
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    store.create("s", numbered(0), 0).unwrap();
+    let g = store.lock("s").await.unwrap();
+    store.commit(&g, numbered(1), "j1").unwrap();
+    // A reader stops between opening the session's file (version 1) and reading it.
+    let (opened_tx, opened) = mpsc::channel();
+    let (go, go_rx) = mpsc::channel::<()>();
+    let go_rx = Mutex::new(go_rx);
+    *lock(&AFTER_OPEN) = Some((
+        dir.path().join("sessions/s.json"),
+        Box::new(move || {
+            let _ = opened_tx.send(());
+            let _ = lock(&go_rx).recv();
+        }),
+    ));
+    let (store, g) = (&store, &g);
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(move || store.snapshot("s"));
+        opened.recv().unwrap();
+        // Meanwhile the next commit makes the reader's inode the spare, and the one after
+        // writes it over in place (staged, never committed).
+        let (written_tx, written) = mpsc::channel();
+        let writer = scope.spawn(move || {
+            store.commit(g, numbered(2), "j2").unwrap();
+            let staged = store.stage_commit(g, numbered(3), "j3").unwrap();
+            let _ = written_tx.send(());
+            staged
+        });
+        // The writer waits for the reader: it cannot write the spare while a read is under
+        // way, so it has written nothing by the time the reader goes on.
+        let early = written.recv_timeout(std::time::Duration::from_millis(500));
+        go.send(()).unwrap();
+        assert!(
+            early.is_err(),
+            "a spare was written while a reader held the file"
+        );
+        let snap = reader.join().unwrap().unwrap();
+        assert_eq!(
+            (snap.version, snap.state["n"].as_u64()),
+            (1, Some(1)),
+            "the reader read the version it opened"
+        );
+        writer.join().unwrap();
+    });
+    assert_eq!(store.snapshot("s").unwrap().version, 2);
+}
