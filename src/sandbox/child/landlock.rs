@@ -19,7 +19,8 @@
 //! Fail closed: the ruleset asks for the rights of the profile's ABI as a hard requirement,
 //! and a kernel below that ABI is refused up front, unless the profile says `best_effort`.
 
-use std::os::fd::OwnedFd;
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use crate::sandbox::sys;
@@ -128,16 +129,81 @@ impl Prepared {
     }
 }
 
-/// Builds the worker's ruleset (in the template: every rule's path opened and added), for the
-/// worker to restrict itself with. Refuses up front a kernel below the profile's ABI, unless
-/// the profile says `best_effort`.
-pub(crate) fn prepare(spec: &LandlockSpec) -> Result<Prepared, LandlockFailure> {
-    let kernel = sys::landlock_abi().map_err(|e| {
-        LandlockFailure::new(
-            e.raw_os_error().unwrap_or(0),
-            format!("cannot query the Landlock ABI: {e}"),
-        )
-    })?;
+/// What a template keeps from one worker's ruleset to the next: the kernel's Landlock ABI,
+/// and each profile path (`read`, `exec`, `write`) opened `O_PATH` the first time a ruleset
+/// names it, or its absence. A profile's paths are the same in every spec its template gets,
+/// so each is walked once per template instead of once per worker; a call's own paths
+/// (`readable`, `writable`) are walked for each worker, as before.
+///
+/// What it does not cover: a profile path that appears, or is replaced, after the template
+/// first resolved it is not seen until the template is rebuilt (at SIGHUP, or when it dies).
+/// A replaced directory then grants nothing beneath the new one, which is narrower, never
+/// wider: the rule stays on the inode it was resolved to, as a rule always did for the
+/// lifetime of one worker.
+#[derive(Debug, Default)]
+pub(crate) struct Resolved {
+    kernel_abi: Option<i32>,
+    paths: HashMap<PathBuf, Option<Opened>>,
+}
+
+/// A path opened for a rule: its descriptor and whether it is a directory.
+#[derive(Debug)]
+struct Opened {
+    fd: OwnedFd,
+    dir: bool,
+}
+
+impl Opened {
+    /// `access`, narrowed to file rights when the path is not a directory.
+    fn access(&self, access: BitFlags<AccessFs>, abi: ABI) -> BitFlags<AccessFs> {
+        if self.dir {
+            access
+        } else {
+            access & AccessFs::from_file(abi)
+        }
+    }
+}
+
+impl Resolved {
+    fn kernel_abi(&mut self) -> Result<i32, LandlockFailure> {
+        if let Some(abi) = self.kernel_abi {
+            return Ok(abi);
+        }
+        let abi = sys::landlock_abi().map_err(|e| {
+            LandlockFailure::new(
+                e.raw_os_error().unwrap_or(0),
+                format!("cannot query the Landlock ABI: {e}"),
+            )
+        })?;
+        self.kernel_abi = Some(abi);
+        Ok(abi)
+    }
+
+    /// A profile path, opened the first time (`None`: absent). Only an absence is kept;
+    /// another failure is returned, and tried again for the next worker.
+    fn profile_path(&mut self, path: &Path) -> Result<Option<&Opened>, LandlockFailure> {
+        if !self.paths.contains_key(path) {
+            let opened = open_path(path, false)?;
+            self.paths.insert(path.to_path_buf(), opened);
+        }
+        Ok(self.paths.get(path).and_then(Option::as_ref))
+    }
+
+    /// How many profile paths are resolved (present or absent).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.paths.len()
+    }
+}
+
+/// Builds the worker's ruleset (in the template: every rule added, a profile path opened
+/// once per template, see [`Resolved`]), for the worker to restrict itself with. Refuses up
+/// front a kernel below the profile's ABI, unless the profile says `best_effort`.
+pub(crate) fn prepare(
+    spec: &LandlockSpec,
+    resolved: &mut Resolved,
+) -> Result<Prepared, LandlockFailure> {
+    let kernel = resolved.kernel_abi()?;
     let kernel_abi = kernel.clamp(0, 255) as u8;
     if kernel_abi < spec.abi && !spec.best_effort {
         let what = if kernel_abi == 0 {
@@ -192,21 +258,31 @@ pub(crate) fn prepare(spec: &LandlockSpec) -> Result<Prepared, LandlockFailure> 
         .create()
         .map_err(|e| LandlockFailure::of(ctx("create the ruleset"), &e))?;
 
-    let groups: [(&[PathBuf], BitFlags<AccessFs>, bool); 5] = [
-        (&spec.writable, rights.staging, true),
-        (&spec.readable, rights.read, true),
-        (&spec.read, rights.read, false),
-        (&spec.exec, rights.exec, false),
-        (&spec.write, rights.write, false),
-    ];
-    for (paths, access, required) in groups {
+    // The call's own paths: each must exist, walked for this worker.
+    for (paths, access) in [
+        (&spec.writable, rights.staging),
+        (&spec.readable, rights.read),
+    ] {
         for path in paths {
-            let Some(rule) = rule_for(path, access, abi, required)? else {
+            let Some(opened) = open_path(path, true)? else {
                 continue;
             };
-            created = created.add_rule(rule).map_err(|e| {
-                LandlockFailure::of(format!("cannot add a rule for {}", path.display()), &e)
-            })?;
+            let access = opened.access(access, abi);
+            created = add_rule(created, PathBeneath::new(opened.fd, access), path)?;
+        }
+    }
+    // The profile's: skipped when absent, resolved once per template.
+    for (paths, access) in [
+        (&spec.read, rights.read),
+        (&spec.exec, rights.exec),
+        (&spec.write, rights.write),
+    ] {
+        for path in paths {
+            let Some(opened) = resolved.profile_path(path)? else {
+                continue;
+            };
+            let access = opened.access(access, abi);
+            created = add_rule(created, PathBeneath::new(opened.fd.as_fd(), access), path)?;
         }
     }
     Ok(Prepared {
@@ -217,15 +293,19 @@ pub(crate) fn prepare(spec: &LandlockSpec) -> Result<Prepared, LandlockFailure> 
     })
 }
 
-/// The rule for one path: its rights, narrowed to file rights when it is not a directory.
-/// `Ok(None)` for an absent optional path. The path is walked once (an `O_PATH` open), its
-/// type read from the descriptor.
-fn rule_for(
+fn add_rule<F: AsFd>(
+    created: RulesetCreated,
+    rule: PathBeneath<F>,
     path: &Path,
-    access: BitFlags<AccessFs>,
-    abi: ABI,
-    required: bool,
-) -> Result<Option<PathBeneath<OwnedFd>>, LandlockFailure> {
+) -> Result<RulesetCreated, LandlockFailure> {
+    created
+        .add_rule(rule)
+        .map_err(|e| LandlockFailure::of(format!("cannot add a rule for {}", path.display()), &e))
+}
+
+/// One path opened for a rule (`O_PATH`, walked once), its type read from the descriptor.
+/// `Ok(None)` for an absent path that is not `required`.
+fn open_path(path: &Path, required: bool) -> Result<Option<Opened>, LandlockFailure> {
     use rustix::fs::{FileType, Mode, OFlags};
     let fd = match rustix::fs::open(path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty()) {
         Ok(fd) => fd,
@@ -243,12 +323,8 @@ fn rule_for(
             format!("cannot stat {}: {e}", path.display()),
         )
     })?;
-    let access = if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
-        access
-    } else {
-        access & AccessFs::from_file(abi)
-    };
-    Ok(Some(PathBeneath::new(fd, access)))
+    let dir = FileType::from_raw_mode(st.st_mode) == FileType::Directory;
+    Ok(Some(Opened { fd, dir }))
 }
 
 #[cfg(test)]
@@ -285,6 +361,72 @@ mod tests {
         // ABI 1 has no Truncate: the write rights shrink instead of failing.
         assert!(!Rights::for_abi(ABI::V1).write.contains(AccessFs::Truncate));
         assert!(Rights::for_abi(ABI::V1).write.contains(AccessFs::WriteFile));
+    }
+
+    fn spec(read: Vec<PathBuf>, readable: Vec<PathBuf>) -> LandlockSpec {
+        LandlockSpec {
+            abi: 1,
+            best_effort: false,
+            network: true,
+            read,
+            exec: vec!["/usr".into()],
+            write: vec![],
+            writable: vec![],
+            readable,
+        }
+    }
+
+    #[test]
+    fn profile_paths_are_opened_once_per_template_and_a_calls_paths_every_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("input.txt");
+        std::fs::write(&input, "x").unwrap();
+        let absent = dir.path().join("absent");
+        let spec = spec(
+            vec!["/etc".into(), absent.clone(), "/usr".into()],
+            vec![input.clone()],
+        );
+        let mut resolved = Resolved::default();
+        let first = prepare(&spec, &mut resolved).unwrap();
+        // /etc, the absent path (kept as absent) and /usr, once although named twice.
+        assert_eq!(resolved.len(), 3);
+        let held: Vec<i32> = ["/etc", "/usr"]
+            .iter()
+            .map(|p| {
+                use std::os::fd::AsRawFd;
+                resolved.paths[Path::new(p)]
+                    .as_ref()
+                    .unwrap()
+                    .fd
+                    .as_raw_fd()
+            })
+            .collect();
+        assert!(resolved.paths[&absent].is_none());
+        drop(first);
+        // A second worker's ruleset opens no profile path again: the same fds are held.
+        let second = prepare(&spec, &mut resolved).unwrap();
+        assert!(second.created.is_some());
+        assert_eq!(resolved.len(), 3);
+        let again: Vec<i32> = ["/etc", "/usr"]
+            .iter()
+            .map(|p| {
+                use std::os::fd::AsRawFd;
+                resolved.paths[Path::new(p)]
+                    .as_ref()
+                    .unwrap()
+                    .fd
+                    .as_raw_fd()
+            })
+            .collect();
+        assert_eq!(held, again);
+        // The absent path stays absent for this template, even once it exists.
+        std::fs::create_dir(&absent).unwrap();
+        prepare(&spec, &mut resolved).unwrap();
+        assert!(resolved.paths[&absent].is_none());
+        // A call's own path must exist, every time.
+        std::fs::remove_file(&input).unwrap();
+        let err = prepare(&spec, &mut resolved).unwrap_err();
+        assert_eq!(err.errno, libc::ENOENT, "{}", err.message);
     }
 
     #[test]

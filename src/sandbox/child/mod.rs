@@ -30,6 +30,8 @@
 
 mod kernel;
 mod landlock;
+
+pub(crate) use self::landlock::Resolved;
 mod plan;
 mod report;
 #[cfg(test)]
@@ -91,13 +93,15 @@ pub(crate) enum Prepared {
 
 /// In the template, before the worker exists: reads the spec from `channel` (to EOF: the
 /// daemon wrote it and shut its side) and prepares the worker's plan, or the report of why
-/// not. `progress` is the progress pipe's write end, `seal` the template's seal.
+/// not. `progress` is the progress pipe's write end, `seal` the template's seal, `resolved`
+/// what the template keeps of the profile's Landlock paths from one worker to the next.
 pub(crate) fn prepare(
     channel: BorrowedFd<'_>,
     progress: Option<RawFd>,
     seal: &[seccompiler::BpfProgram],
+    resolved: &mut landlock::Resolved,
 ) -> Prepared {
-    match Plan::prepare(channel, progress, seal) {
+    match Plan::prepare(channel, progress, seal, resolved) {
         Ok(plan) => Prepared::Plan(Box::new(plan)),
         Err(refusal) => Prepared::Refused(refusal.line()),
     }
@@ -188,6 +192,7 @@ impl Plan {
         channel: BorrowedFd<'_>,
         progress: Option<RawFd>,
         seal: &[seccompiler::BpfProgram],
+        resolved: &mut landlock::Resolved,
     ) -> Result<Plan, Refusal> {
         let mut bytes = Vec::with_capacity(16 * 1024);
         let mut chunk = [0u8; 16 * 1024];
@@ -207,7 +212,7 @@ impl Plan {
         }
         let spec: Spec = serde_json::from_slice(&bytes)
             .map_err(|e| Refusal::new(Step::Spec, libc::EINVAL, format!("unreadable spec: {e}")))?;
-        let ruleset = landlock::prepare(&spec.landlock)
+        let ruleset = landlock::prepare(&spec.landlock, resolved)
             .map_err(|f| Refusal::new(Step::Landlock, f.errno, f.message))?;
         let uid = rustix::process::getuid().as_raw();
         Plan::check(

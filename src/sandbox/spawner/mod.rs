@@ -13,7 +13,8 @@
 //! launcher's calls carved out), says it is ready, and creates each worker posix_spawn's way:
 //! it first reads the worker's spec from its channel and prepares everything that is not
 //! per-process state ([`child::prepare`]: C strings, argv and envp, rlimits, the Landlock
-//! ruleset), then clones the worker with `CLONE_VM | CLONE_VFORK | CLONE_PARENT |
+//! ruleset, whose profile paths it opened once, at its first worker: [`child::Resolved`]),
+//! then clones the worker with `CLONE_VM | CLONE_VFORK | CLONE_PARENT |
 //! CLONE_PIDFD` on a stack of its own (the worker is the daemon's child too, covered by its
 //! subreaper and kill-and-confirm, its PDEATHSIG following the daemon). The worker shares the
 //! template's memory and runs only system calls on the prepared data until `execve`; the
@@ -420,6 +421,8 @@ fn template_main(sock: OwnedFd, daemon: i32, stack: &[BpfProgram], seal: &[BpfPr
     if rustix::net::send(&sock, &[READY], SendFlags::NOSIGNAL).is_err() {
         std::process::exit(0);
     }
+    // The profile's Landlock paths, resolved once for all our workers.
+    let mut resolved = child::Resolved::default();
     let mut tag = [0u8; 9];
     loop {
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
@@ -446,7 +449,7 @@ fn template_main(sock: OwnedFd, daemon: i32, stack: &[BpfProgram], seal: &[BpfPr
         }
         let reply = match spawn_request::decode_request(&tag[..got.bytes], fds.len()) {
             Some(Request::Spawn(_)) => match SpawnFds::from_received(fds) {
-                Some(fds) => spawn_worker(&worker_stack, &fds, seal),
+                Some(fds) => spawn_worker(&worker_stack, &fds, seal, &mut resolved),
                 None => Err(Errno::INVAL),
             },
             _ => Err(Errno::INVAL),
@@ -488,11 +491,13 @@ fn spawn_worker(
     stack: &WorkerStack,
     fds: &SpawnFds,
     seal: &[BpfProgram],
+    resolved: &mut child::Resolved,
 ) -> Result<(i32, OwnedFd), Errno> {
     let prepared = child::prepare(
         fds.channel.as_fd(),
         fds.progress.as_ref().map(|p| p.as_raw_fd()),
         seal,
+        resolved,
     );
     let args = WorkerArgs {
         prepared: &prepared,
