@@ -397,8 +397,8 @@ fn durable_copy_by_hand(args: &[String]) -> std::io::Result<()> {
 /// two (made, with its dir, the first time only); the session file's new version written over
 /// its spare in place and exchanged with it; a job record (kept, and not fsynced: the call is not
 /// keyed). The job dir's tree is an idle one another copy set aside, taken by a rename, when
-/// there is one. After the copy is renamed into place, the journal is blanked (`null`,
-/// fdatasync), the blank marker written over the other undo slot's record and the job dir
+/// there is one. After the copy is renamed into place, the journal is blanked (`null` padded
+/// with spaces to its length, written over it; fdatasync), the blank marker written over the other undo slot's record and the job dir
 /// set aside, as the call's cleanup does. Once idle dirs and the spare exist, the job record
 /// is the one inode made per copy besides the output.
 fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
@@ -499,10 +499,12 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
         std::os::unix::fs::FileExt::write_all_at(&f, b"null", 0)?;
         f.set_len(4)?;
     }
-    // The journal blanked in place and the blank made durable.
+    // The journal blanked in place, padded to its length (it keeps its size and its block),
+    // and the blank made durable.
     let f = fs::OpenOptions::new().write(true).open(&journal)?;
-    f.set_len(0)?;
-    std::os::unix::fs::FileExt::write_all_at(&f, b"null", 0)?;
+    let mut blank = vec![b' '; f.metadata()?.len().max(4) as usize];
+    blank[..4].copy_from_slice(b"null");
+    std::os::unix::fs::FileExt::write_all_at(&f, &blank, 0)?;
     f.sync_data()?;
     // Set aside for a later copy, as the daemon keeps ended jobs' dirs.
     let nanos = std::time::SystemTime::now()

@@ -13,11 +13,19 @@
 //! A blank journal stays in the job dir when the dir is set aside for reuse
 //! ([`super::pool`]), and the next job writes its journal over it in place: no file is made
 //! or removed per call. A journal written over `null` is longer than it, so nothing of the
-//! blank is left after it; until it is durable, a crash leaves `null` (never published:
-//! nothing is renamed before the journal's fsync), the whole journal, or (on a filesystem
-//! that does not order data before size) a damaged one, which recovery keeps. Blanking cuts
-//! the file to nothing and writes `null` in one step of the write path; a power loss between
-//! the two leaves an empty file, which reads as damaged, so the dir is kept, never removed.
+//! blank is left after it but spaces, which JSON allows after a value; until it is durable,
+//! a crash leaves the blank (never published: nothing is renamed before the journal's
+//! fsync), the whole journal, or (on a filesystem that does not order data before size) a
+//! damaged one, which recovery keeps.
+//!
+//! Blanking writes `null` padded with spaces to the journal's length, in one write over it
+//! ([`blank_marker`]): the file keeps its size and its block, so the blank's fdatasync writes
+//! that one block and no inode, no block is freed (on a filesystem mounted with `discard`,
+//! each freed block is a discard request the daemon would wait for), and no instant exists
+//! at which the file holds neither the journal nor the blank. A journal longer than one
+//! block ([`PAD_MAX`]) is cut to nothing and `null` written instead, so a blank never costs
+//! more than a block to write; a power loss between those two leaves an empty file, which
+//! reads as damaged, so the dir is kept, never removed.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -32,8 +40,28 @@ use super::{OutputKind, PublishError};
 
 pub(super) const JOURNAL: &str = "recovery.json";
 pub(super) const JOURNAL_TMP: &str = "recovery.json.tmp";
-/// A blank journal's whole content: the job never published, or its targets are settled.
+/// A blank journal's content: the job never published, or its targets are settled. It may
+/// be followed by spaces ([`is_blank`]).
 pub(super) const BLANK: &[u8] = b"null";
+/// The longest journal blanked in place, padded ([`blank_marker`]): one block.
+pub(super) const PAD_MAX: u64 = 4096;
+
+/// Whether `bytes` is a blank journal: [`BLANK`], then nothing but spaces.
+pub(super) fn is_blank(bytes: &[u8]) -> bool {
+    bytes.starts_with(BLANK) && bytes[BLANK.len()..].iter().all(|&b| b == b' ')
+}
+
+/// What blanks a journal of `len` bytes in place: [`BLANK`] padded with spaces to `len`, or
+/// `None` when the journal is longer than [`PAD_MAX`] (or shorter than the blank) and must
+/// be cut instead.
+pub(super) fn blank_marker(len: u64) -> Option<Vec<u8>> {
+    if len < BLANK.len() as u64 || len > PAD_MAX {
+        return None;
+    }
+    let mut bytes = vec![b' '; len as usize];
+    bytes[..BLANK.len()].copy_from_slice(BLANK);
+    Some(bytes)
+}
 /// A journal is a few hundred bytes per target; anything larger is not ours.
 const MAX_JOURNAL: u64 = 4 << 20;
 /// The version a journal of file outputs only is written with (every release reads it).
@@ -168,8 +196,9 @@ impl Journal {
         Ok(file)
     }
 
-    /// Blanks the job's journal `file` (at `path`) once its targets are settled: cut to
-    /// nothing and `null` written, so that what remains of the dir reads as "never
+    /// Blanks the job's journal `file` (at `path`) once its targets are settled: `null`
+    /// written over it, padded to its length (cut to nothing first if it is longer than a
+    /// block: see the module doc), so that what remains of the dir reads as "never
     /// published" and the file can carry the next job's journal. `durable`: made durable
     /// (after a commit: under the session's lock, a `publishing_outputs` journal left behind
     /// would make recovery ask the session again after later commits no longer record the
@@ -177,8 +206,14 @@ impl Journal {
     /// being idempotent).
     pub fn blank(file: &std::fs::File, path: &Path, durable: bool) -> Result<(), PublishError> {
         mutate("publish.journal_blank", path, || {
-            rustix::fs::ftruncate(file, 0)?;
-            pwrite_all(file, BLANK)
+            let len = rustix::fs::fstat(file)?.st_size.max(0) as u64;
+            match blank_marker(len) {
+                Some(padded) => pwrite_all(file, &padded),
+                None => {
+                    rustix::fs::ftruncate(file, 0)?;
+                    pwrite_all(file, BLANK)
+                }
+            }
         })?;
         if durable {
             mutate("publish.fsync_journal_blank", path, || {
@@ -273,7 +308,7 @@ impl Journal {
         if bytes.len() as u64 > MAX_JOURNAL {
             return Err(damaged(Damage::TooLarge { max: MAX_JOURNAL }));
         }
-        if bytes == BLANK {
+        if is_blank(&bytes) {
             return Err(JournalError::Blank { path });
         }
         // The version first: a journal of another version need not parse as this one.
@@ -310,7 +345,7 @@ pub enum JournalError {
     /// No `recovery.json` in the job dir (ENOENT).
     #[error("{path}: no journal")]
     Missing { path: PathBuf },
-    /// A blank `recovery.json` ([`BLANK`]): as [`JournalError::Missing`].
+    /// A blank `recovery.json` ([`is_blank`]): as [`JournalError::Missing`].
     #[error("{path}: a blank journal")]
     Blank { path: PathBuf },
     /// A `recovery.json` is there but cannot be used.

@@ -14,8 +14,8 @@
 //!   (the job dir `stage` and maybe `recovery.json`, `stage` only `0`, `0` nothing), no
 //!   extended attribute but the `security.` ones a fresh directory also gets (no ACL), and no
 //!   inode flag a fresh directory here would not have; the journal, a regular file the
-//!   daemon owns, mode 0600, one link, holding exactly the blank marker (`null`), with the
-//!   same rules for attributes and flags. Anything else is removed and a fresh tree made.
+//!   daemon owns, mode 0600, one link, holding exactly the blank marker (`null`, padded
+//!   with spaces to at most a block: `journal::blank_marker`), with the same rules for attributes and flags. Anything else is removed and a fresh tree made.
 //! * An idle dir is named `.airlock-job-.idle-<n>`: a job id holds no dot, so no job dir is
 //!   named so, and a path parameter cannot name it (the job dir prefix is reserved).
 //!   Recovery removes idle dirs without reporting them while their journal is blank or
@@ -37,7 +37,7 @@ use std::sync::{Mutex, OnceLock};
 
 use rustix::fs::{FileType, Mode, OFlags, RenameFlags};
 
-use super::journal::{BLANK, JOURNAL};
+use super::journal::{is_blank, JOURNAL, PAD_MAX};
 use super::sys::{file_type, mutate, nlink, open_beneath, open_dir_beneath};
 use super::tree::{names, remove_entry, remove_tree};
 use super::{PublishError, STAGE};
@@ -267,9 +267,10 @@ fn check_tree(
     if file_type(&st) != FileType::RegularFile || st.st_mode & 0o7777 != 0o600 {
         return Err(Unfit::Mode(what, st.st_mode));
     }
-    let mut head = [0u8; 8];
+    // The blank, padded to at most a block (`journal::blank_marker`).
+    let mut head = [0u8; PAD_MAX as usize + 1];
     let n = rustix::io::pread(&journal, &mut head, 0).map_err(|e| Unfit::Io("read journal", e))?;
-    if nlink(&st) != 1 || st.st_size != BLANK.len() as i64 || head[..n] != *BLANK {
+    if nlink(&st) != 1 || st.st_size != n as i64 || !is_blank(&head[..n]) {
         return Err(Unfit::NotBlank);
     }
     check_attrs(what, journal.as_fd(), allowed)?;

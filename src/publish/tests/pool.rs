@@ -1,6 +1,7 @@
 //! Idle job dirs: reuse, what unfits a dir for reuse, and crashes while one is set aside or
 //! taken.
 
+use std::os::fd::AsFd;
 use std::os::unix::fs::{symlink, MetadataExt};
 
 use rustix::fs::{Mode as FsMode, OFlags};
@@ -85,7 +86,13 @@ fn assert_clean(dir: &Path) {
         assert!(m.is_file(), "{}", journal.display());
         assert_eq!(m.mode() & 0o7777, 0o600, "{}", journal.display());
         assert_eq!((m.uid(), m.gid(), m.nlink()), (me.0, me.1, 1));
-        assert_eq!(fs::read(&journal).unwrap(), b"null");
+        let bytes = fs::read(&journal).unwrap();
+        assert!(
+            crate::publish::journal::is_blank(&bytes),
+            "{}: {:?}",
+            journal.display(),
+            String::from_utf8_lossy(&bytes)
+        );
         top.insert(0, "recovery.json".to_string());
     }
     let levels = [
@@ -180,6 +187,73 @@ fn an_ended_jobs_dir_is_set_aside_clean_and_reused_by_the_next_job() {
         .map(|(p, c)| (PathBuf::from(p), Entry::File(c.as_bytes().to_vec())))
         .collect();
     assert_eq!(snapshot(tmp.path()), want);
+}
+
+#[test]
+fn a_journal_is_blanked_in_place_keeping_its_block_and_one_longer_than_a_block_is_cut() {
+    let tmp = tempfile::tempdir().unwrap();
+    let session = tempfile::tempdir().unwrap();
+    let marker = session.path().join("committed");
+    let ws = pooled(&tmp);
+    // A job of two outputs: its journal is blanked padded to its own length.
+    let job = Job::create(&ws, spec("j1", &["a.txt", "b.txt"])).unwrap();
+    stage(&job, 0, "1a");
+    stage(&job, 1, "1b");
+    job.publish_and_commit(|| fs::write(&marker, "j1").map_err(Into::into))
+        .unwrap();
+    let journal = the_idle_dir(tmp.path()).join("recovery.json");
+    let first = fs::metadata(&journal).unwrap();
+    assert!(first.len() > 100, "{}", first.len());
+    assert!(first.blocks() > 0);
+
+    // A job of one output writes a shorter journal over that blank: the padding that is
+    // left is spaces, so recovery (here, a read from inside the commit) reads the journal.
+    let job = Job::create(&ws, spec("j2", &["a.txt"])).unwrap();
+    stage(&job, 0, "2a");
+    let (dir, path) = (job.dir().to_path_buf(), job.dir().join("recovery.json"));
+    job.publish_and_commit(|| {
+        let bytes = fs::read(&path).unwrap();
+        assert_eq!(bytes.len() as u64, first.len(), "written over, not cut");
+        let fd =
+            rustix::fs::open(&dir, OFlags::RDONLY | OFlags::DIRECTORY, FsMode::empty()).unwrap();
+        let j = crate::publish::journal::Journal::read(fd.as_fd(), &dir).unwrap();
+        assert_eq!((j.job.as_str(), j.targets.len()), ("j2", 1));
+        fs::write(&marker, "j2").map_err(Into::into)
+    })
+    .unwrap();
+    // Blanked again: the same inode, size and blocks; no block freed, none allocated.
+    let journal = the_idle_dir(tmp.path()).join("recovery.json");
+    let second = fs::metadata(&journal).unwrap();
+    assert_eq!(
+        (second.ino(), second.len(), second.blocks()),
+        (first.ino(), first.len(), first.blocks())
+    );
+
+    // A journal longer than a block is cut to the bare blank, so that no blank costs more
+    // than a block to write.
+    let names: Vec<String> = (0..40)
+        .map(|i| format!("{i:03}-{}.txt", "n".repeat(60)))
+        .collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let job = Job::create(&ws, spec("j3", &refs)).unwrap();
+    for i in 0..refs.len() {
+        stage(&job, i, "3");
+    }
+    let path = job.dir().join("recovery.json");
+    job.publish_and_commit(|| {
+        let len = fs::metadata(&path).unwrap().len();
+        assert!(len > crate::publish::journal::PAD_MAX, "{len}");
+        fs::write(&marker, "j3").map_err(Into::into)
+    })
+    .unwrap();
+    let journal = the_idle_dir(tmp.path()).join("recovery.json");
+    assert_eq!(fs::read(&journal).unwrap(), b"null");
+
+    // Recovery reads every blank as settled: it removes the idle dir, reporting nothing.
+    drop(ws);
+    let rec = recover(tmp.path(), &|_, _| Ok(true)).unwrap();
+    assert!(rec.is_empty(), "{rec:?}");
+    assert!(job_dirs(tmp.path()).is_empty());
 }
 
 #[test]

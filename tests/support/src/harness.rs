@@ -784,7 +784,7 @@ pub fn idle_dir_faults(dir: &Path) -> Vec<String> {
             faults.push(format!("{} has xattrs {:?}", p.display(), xattr_names(p)));
         }
     }
-    // The blank journal a job that wrote one leaves: the daemon's, 0600, `null`.
+    // The blank journal a job that wrote one leaves: the daemon's, 0600, `null` (padded).
     let journal = dir.join("recovery.json");
     if let Ok(m) = std::fs::symlink_metadata(&journal) {
         if !m.is_file() || m.mode() & 0o7777 != 0o600 || m.nlink() != 1 {
@@ -803,8 +803,11 @@ pub fn idle_dir_faults(dir: &Path) -> Vec<String> {
                 m.gid()
             ));
         }
+        // The blank marker, padded with spaces to the journal it blanked (the daemon's
+        // `publish::journal::is_blank`).
         let bytes = std::fs::read(&journal).unwrap_or_default();
-        if bytes != b"null" {
+        let blank = bytes.starts_with(b"null") && bytes[4..].iter().all(|&b| b == b' ');
+        if !blank || bytes.len() > 4096 {
             faults.push(format!(
                 "{} holds {:?}",
                 journal.display(),
