@@ -50,6 +50,11 @@ pub struct Job {
     blank_journal: Option<std::fs::File>,
     /// `recovery.json`, once written ([`Journal::create`]): blanked when the job ends.
     journal_file: Option<std::fs::File>,
+    /// Whether the dir's entry in the workspace root is durable, under some name: made so
+    /// by the root's fsync before its first job's renames, and kept through the pool. Its
+    /// renames to a job's name and back to an idle one are never made durable (recovery
+    /// goes by the job its journal names).
+    entry_durable: bool,
     /// Outputs up to this size are hashed (SHA-256) while they are validated.
     hash_limit: u64,
     /// What each target receives, once validated (same order as the targets).
@@ -234,6 +239,7 @@ impl NewJobDir {
             journal,
             blank_journal: None,
             journal_file: None,
+            entry_durable: false,
             hash_limit: super::DEFAULT_HASH_LIMIT,
             published: Vec::new(),
             trees: Vec::new(),
@@ -296,9 +302,9 @@ impl Job {
             true => NewJobDir::reuse(ws, &spec.id, job_mode)?,
             false => None,
         };
-        let (made_dir, reused, blank_journal) = match taken {
-            Some((made, t)) => (made, Some((t.fd, t.stage)), t.journal),
-            None => (NewJobDir::make(ws, &spec.id, job_mode)?, None, None),
+        let (made_dir, reused, blank_journal, entry_durable) = match taken {
+            Some((made, t)) => (made, Some((t.fd, t.stage)), t.journal, t.entry_durable),
+            None => (NewJobDir::make(ws, &spec.id, job_mode)?, None, None, false),
         };
         let NewJobDir { root, dir, .. } = &made_dir;
         let made = (|| {
@@ -417,6 +423,7 @@ impl Job {
         match made {
             Ok((fd, journal, trees)) => Ok(Job {
                 trees,
+                entry_durable,
                 blank_journal,
                 ..made_dir.into_job(ws, spec, fd, journal)
             }),
@@ -571,14 +578,12 @@ impl Job {
     /// it has one; its fsyncs join `syncs`.
     fn write_journal(&mut self, syncs: &mut Syncs) -> Result<(), PublishError> {
         let blank = self.blank_journal.take();
-        let file = self.journal.create(
-            self.fd.as_fd(),
-            &self.dir,
-            self.root.as_fd(),
-            &self.root_path,
-            blank,
-            syncs,
-        )?;
+        // The dir's entry in the root, durable before anything is published, unless it is
+        // already (under whatever name: see `Journal::create`).
+        let root = (!self.entry_durable).then(|| (self.root.as_fd(), self.root_path.as_path()));
+        let file = self
+            .journal
+            .create(self.fd.as_fd(), &self.dir, root, blank, syncs)?;
         self.journal_file = Some(file);
         Ok(())
     }
@@ -609,6 +614,7 @@ impl Job {
             &self.root_path,
             &self.name,
             self.fd.as_fd(),
+            self.entry_durable,
         );
         match kept {
             Ok(true) => return Ok(()),
@@ -685,6 +691,7 @@ impl Job {
         //    none of them orders another, and a crash before the rename leaves the workspace
         //    untouched whichever of them survived.
         before_renames.run()?;
+        self.entry_durable = true;
         // 5. Create missing parents, one component at a time beneath the root.
         let mut renamed = Syncs::default();
         for fd in self.make_parents()? {

@@ -163,18 +163,21 @@ impl Journal {
 
     /// Writes the job's one journal: written over the blank one of a reused job dir
     /// (`blank`, open read-write), or else `recovery.json` created (it must not exist) and
-    /// written. Its fsync, the job dir's (for a new journal: its entry) and the workspace
-    /// root's (the job dir's name) join `syncs`, which the caller runs before the first
-    /// rename, so that the journal and the job dir holding it (and every backup to come) are
-    /// durable by then. A crash before they ran leaves no journal, a blank one or an
-    /// unreadable one, and nothing renamed yet (recovery still keeps a dir whose journal it
-    /// cannot read: it cannot tell). Returns the journal, open, for [`Journal::blank`].
+    /// written. Its fsync, the job dir's (for a new journal: its entry) and, for a job dir
+    /// made for this job, the workspace root's (`root`: the job dir's entry) join `syncs`,
+    /// which the caller runs before the first rename, so that the journal and the job dir
+    /// holding it (and every backup to come) are durable by then. A dir taken from the pool
+    /// already has a durable entry in the root, under an idle name or an earlier job's: its
+    /// rename to this job's name is not made durable, and recovery goes by the job the
+    /// journal names, whatever the dir's name. A crash before they ran leaves no journal, a
+    /// blank one or an unreadable one, and nothing renamed yet (recovery still keeps a dir
+    /// whose journal it cannot read: it cannot tell). Returns the journal, open, for
+    /// [`Journal::blank`].
     pub fn create(
         &self,
         job_fd: BorrowedFd<'_>,
         job_dir: &Path,
-        root_fd: BorrowedFd<'_>,
-        root: &Path,
+        root: Option<(BorrowedFd<'_>, &Path)>,
         blank: Option<std::fs::File>,
         syncs: &mut Syncs,
     ) -> Result<std::fs::File, PublishError> {
@@ -192,7 +195,9 @@ impl Journal {
         if new {
             syncs.push_dup("publish.fsync_job_dir", job_fd, job_dir)?;
         }
-        syncs.push_dup("publish.fsync_root", root_fd, root)?;
+        if let Some((root_fd, root)) = root {
+            syncs.push_dup("publish.fsync_root", root_fd, root)?;
+        }
         Ok(file)
     }
 

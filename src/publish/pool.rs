@@ -25,9 +25,13 @@
 //!   one, under either name, which recovery removes.
 //! * Taking and setting aside are renames within the workspace root and `chown`/`chmod`s:
 //!   every one passes a failpoint (`publish.pool_chown`, `publish.pool_chmod`,
-//!   `publish.pool_keep`, `publish.pool_take`), and none is fsynced (an idle dir's name
-//!   does not need to survive a crash; a job's does, and its journal's `fsync_root` makes it
-//!   durable before anything is published).
+//!   `publish.pool_keep`, `publish.pool_take`), and none is fsynced: neither an idle dir's
+//!   name nor a job's needs to survive a power loss. What must is the dir's entry in the
+//!   root under *some* name, so that recovery finds the journal: the root's fsync
+//!   (`fsync_root`) makes it durable before the first job that publishes from a fresh dir
+//!   renames anything, and the pool remembers that a dir's entry is durable so that later
+//!   jobs skip that fsync. Recovery goes by the job a journal names, whatever the dir's
+//!   name (an idle one, or an earlier job's).
 
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -62,8 +66,9 @@ pub(super) fn is_idle(name: &[u8]) -> bool {
 /// The idle dirs of one workspace.
 #[derive(Debug, Default)]
 pub(super) struct Pool {
-    /// Names of the idle dirs, most recently set aside last.
-    idle: Mutex<Vec<String>>,
+    /// Names of the idle dirs, most recently set aside last, each with whether its entry in
+    /// the root is durable (under some name).
+    idle: Mutex<Vec<(String, bool)>>,
     /// How many idle dirs are kept at most; 0: none (the default).
     cap: AtomicUsize,
     /// The inode flags a dir of the pool may have: the workspace root's (read once, when the
@@ -72,11 +77,13 @@ pub(super) struct Pool {
 }
 
 /// A job dir taken from the pool, renamed to its job's name: the dir and its `stage/` open,
-/// and its blank journal, open read-write, if it has one.
+/// its blank journal, open read-write, if it has one, and whether its entry in the root is
+/// durable (under some name).
 pub(super) struct Taken {
     pub(super) fd: OwnedFd,
     pub(super) stage: OwnedFd,
     pub(super) journal: Option<std::fs::File>,
+    pub(super) entry_durable: bool,
 }
 
 /// Why a tree is not fit for reuse.
@@ -104,7 +111,7 @@ impl Pool {
         self.cap.store(cap, Ordering::Relaxed);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, bool)>> {
         self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -119,7 +126,7 @@ impl Pool {
     /// could not be renamed; the caller makes a fresh tree.
     pub(super) fn take(&self, root: BorrowedFd<'_>, root_path: &Path, name: &str) -> Option<Taken> {
         loop {
-            let idle = self.lock().pop()?;
+            let (idle, entry_durable) = self.lock().pop()?;
             let abs = root_path.join(&idle);
             let allowed = self.allowed_flags(root);
             let fit = open_dir_beneath(root, &idle)
@@ -145,12 +152,17 @@ impl Pool {
                 discard(root, &idle, &abs);
                 return None;
             }
-            return Some(Taken { fd, stage, journal });
+            return Some(Taken {
+                fd,
+                stage,
+                journal,
+                entry_durable,
+            });
         }
     }
 
-    /// Sets job dir `name` (`fd`, at `abs`) aside for a later job, its journal blank or never
-    /// written:
+    /// Sets job dir `name` (`fd`, at `abs`; its entry in the root durable under some name if
+    /// `entry_durable`) aside for a later job, its journal blank or never written:
     /// `stage/` emptied but for an empty `stage/0`, given back to the daemon, checked, and
     /// renamed to an idle name. `Ok(false)`: the pool is full, or the tree does not have the
     /// shape of a reusable one; the caller removes it. An `Err` leaves the dir under one of
@@ -161,6 +173,7 @@ impl Pool {
         root_path: &Path,
         name: &str,
         fd: BorrowedFd<'_>,
+        entry_durable: bool,
     ) -> Result<bool, PublishError> {
         if self.lock().len() >= self.cap.load(Ordering::Relaxed) {
             return Ok(false);
@@ -217,14 +230,14 @@ impl Pool {
         mutate("publish.pool_keep", &root_path.join(&idle), || {
             rustix::fs::renameat_with(root, name, root, &idle, RenameFlags::NOREPLACE)
         })?;
-        self.lock().push(idle);
+        self.lock().push((idle, entry_durable));
         Ok(true)
     }
 
     /// Removes every idle dir (at shutdown); what cannot be removed is left to recovery.
     pub(super) fn release(&self, root: BorrowedFd<'_>, root_path: &Path) {
         let idle = std::mem::take(&mut *self.lock());
-        for name in idle {
+        for (name, _) in idle {
             discard(root, &name, &root_path.join(&name));
         }
     }

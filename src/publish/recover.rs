@@ -28,8 +28,13 @@ use super::{PublishError, Recovered, Settled, Workspace, JOB_DIR_PREFIX, QUARANT
 /// * `publishing_outputs` (or `committing_state`, written by earlier versions): `committed`
 ///   decides: completed (backups dropped) or rolled back by identity.
 /// * `committed`: completed.
+/// * The job is the one the journal names, whatever the dir's name: a job dir taken from the
+///   pool ([`super::pool`]) is renamed from its idle name to the job's without an fsync, so
+///   after a power loss the dir holding a job's durable journal may still bear its idle name
+///   or the name of an earlier job that used it.
 /// * A journal that is there but damaged (unreadable, unparsable, another version), one
-///   naming another job, no journal but other entries than staging, a dir that cannot be
+///   naming a job id that is not one or that another dir's journal already named, no
+///   journal but other entries than staging, a dir that cannot be
 ///   opened, or a rollback that cannot reach a target safely (a parent swapped for a symlink):
 ///   recovery cannot prove the dir disposable. It changes no target (a rollback that meets an
 ///   unreachable target half-way keeps what it did), records an `error` event in the audit
@@ -92,6 +97,8 @@ where
     jobs.sort();
     quarantined.sort();
     let mut out = Vec::new();
+    // The jobs whose journal a dir held so far: a second dir naming one is not that job's.
+    let mut journaled = std::collections::HashSet::new();
     for name in quarantined {
         if !is_dir(&ws, &name)? {
             continue;
@@ -111,7 +118,7 @@ where
         {
             continue;
         }
-        out.push(recover_one(&ws, &name, committed, settled)?);
+        out.push(recover_one(&ws, &name, &mut journaled, committed, settled)?);
     }
     Ok(out)
 }
@@ -161,8 +168,9 @@ pub enum Kept {
     /// Its `recovery.json` is there but cannot be used.
     #[error("its journal is damaged")]
     Journal(#[source] JournalError),
-    /// Its journal names another job.
-    #[error("its journal names job {found:?}")]
+    /// Its journal names something that is not a job id, or a job another dir's journal
+    /// named first.
+    #[error("its journal names job {found:?}, which is not a job id or is another dir's job")]
     OtherJob { found: String },
     /// No journal, but entries no job dir without one holds.
     #[error("it has no journal but holds {entries:?} besides its staging dir")]
@@ -211,14 +219,25 @@ impl Kept {
     }
 }
 
+/// Whether `job` can be a job id: what the daemon makes them of (letters, digits, `-`, `_`),
+/// so that the names recovery derives from it stay within the workspace root.
+fn is_job_id(job: &str) -> bool {
+    !job.is_empty()
+        && job.len() <= 128
+        && job
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
 fn recover_one(
     ws: &Workspace,
     name: &OsStr,
+    journaled: &mut std::collections::HashSet<String>,
     committed: &dyn Fn(&str, &str) -> Result<bool, super::CallbackError>,
     settled_hook: &dyn Fn(&Recovered) -> Result<(), super::CallbackError>,
 ) -> Result<Recovered, PublishError> {
     let dir = ws.root().join(name);
-    let id = name.to_string_lossy()[JOB_DIR_PREFIX.len()..].to_string();
+    let mut id = name.to_string_lossy()[JOB_DIR_PREFIX.len()..].to_string();
     // The worker may have taken every permission from its job dir (`chmod 0 ..`).
     let fd = match open_repairing(ws.fd(), name, &dir) {
         Ok(Some(fd)) => fd,
@@ -259,7 +278,7 @@ fn recover_one(
             info.settled = Settled::Kept;
             return keep(ws, name, Kept::Journal(e), info, settled_hook);
         }
-        Ok(j) if j.job != id => {
+        Ok(j) if !is_job_id(&j.job) || journaled.contains(&j.job) => {
             drop(fd);
             info.settled = Settled::Kept;
             info.phase = Some(j.phase.as_str());
@@ -272,6 +291,13 @@ fn recover_one(
             );
         }
         Ok(j) => {
+            journaled.insert(j.job.clone());
+            if j.job != id {
+                // A dir taken from the pool whose new name did not survive a power loss.
+                tracing::info!(dir = %dir.display(), job = %j.job, "the job dir still bears an earlier name; recovered as its journal's job");
+                id = j.job.clone();
+                info.job = id.clone();
+            }
             info.session = Some(j.session.clone());
             info.tool = Some(j.tool.clone());
             info.phase = Some(j.phase.as_str());

@@ -539,3 +539,86 @@ fn an_idle_dir_whose_journal_is_not_blank_is_kept_aside_by_recovery() {
         );
     }
 }
+
+/// The jobs after a dir's first are spared the root's fsync: the dir's entry is durable
+/// already, under the name its first job gave it. After a power loss the dir holding a
+/// job's durable journal may so bear an idle name or an earlier job's; recovery goes by the
+/// job the journal names, rolls it back or completes it as the session says, and reports it
+/// as that job. A second dir whose journal names the same job is kept aside, untouched.
+#[test]
+fn a_reused_dir_that_lost_its_new_name_is_recovered_as_its_journals_job() {
+    // The first call's dir is made fresh: its journal's fsyncs include the root's.
+    let first = {
+        let tmp = tempfile::tempdir().unwrap();
+        let session = tempfile::tempdir().unwrap();
+        let ws = pooled(&tmp);
+        write(tmp.path(), "a.txt", "old");
+        testsim::arm(Mode::Off);
+        call(&ws, "j1", "first", &session.path().join("committed")).unwrap();
+        testsim::disarm()
+    };
+    assert!(first.contains(&"publish.fsync_root"), "{first:?}");
+    let second = {
+        let (_tmp, _s, marker, ws) = one_call_made();
+        testsim::arm(Mode::Off);
+        call(&ws, "j2", "second", &marker).unwrap();
+        testsim::disarm()
+    };
+    assert!(second.contains(&"publish.pool_take"), "{second:?}");
+    assert!(!second.contains(&"publish.fsync_root"), "{second:?}");
+    // Crash once the outputs are renamed, before the commit.
+    let renamed = second
+        .iter()
+        .position(|p| *p == "publish.fsync_renamed")
+        .expect("a rename's fsync");
+
+    for earlier in [".airlock-job-.idle-777", ".airlock-job-j1"] {
+        for committed in [false, true] {
+            let what = format!("under {earlier}, committed {committed}");
+            let (tmp, _s, _marker, ws) = one_call_made();
+            testsim::arm(Mode::Crash(renamed));
+            call(&ws, "j2", "second", &tmp.path().join("unused")).unwrap_err();
+            testsim::disarm();
+            drop(ws);
+            assert_eq!(job_dirs(tmp.path()), vec![".airlock-job-j2".to_string()]);
+            // The power loss: the rename to the job's name never reached the disk.
+            fs::rename(tmp.path().join(".airlock-job-j2"), tmp.path().join(earlier)).unwrap();
+            // And a second dir whose journal names the same job: not that job's.
+            let other = tmp.path().join(".airlock-job-zzz");
+            fs::create_dir_all(other.join("stage/0")).unwrap();
+            fs::copy(
+                tmp.path().join(earlier).join("recovery.json"),
+                other.join("recovery.json"),
+            )
+            .unwrap();
+            fs::write(other.join("stage/0/a.txt"), "kept as it is").unwrap();
+
+            let asked = move |_: &str, job: &str| -> Result<bool, CallbackError> {
+                Ok(committed && job == "j2")
+            };
+            let rec = recover(tmp.path(), &asked).unwrap();
+            assert_eq!(rec.len(), 2, "{what}: {rec:?}");
+            assert_eq!(rec[0].job, "j2", "{what}: {rec:?}");
+            let settled = if committed {
+                Settled::Completed
+            } else {
+                Settled::RolledBack
+            };
+            assert_eq!(rec[0].settled, settled, "{what}: {rec:?}");
+            assert_eq!(rec[1].settled, Settled::Kept, "{what}: {rec:?}");
+            let q = rec[1].quarantined.clone().expect("quarantined");
+            assert_eq!(
+                fs::read_to_string(q.join("stage/0/a.txt")).unwrap(),
+                "kept as it is",
+                "{what}"
+            );
+            let content = if committed { "second" } else { "first" };
+            assert_eq!(
+                fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+                content,
+                "{what}"
+            );
+            assert!(job_dirs(tmp.path()).is_empty(), "{what}");
+        }
+    }
+}
