@@ -430,15 +430,17 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     copy_synced(src, &staged)?;
     let journal = job.join("recovery.json");
     if taken && journal.exists() {
-        // Written over the blank one the dir keeps, as the daemon does: no file made.
+        // Written over the blank one the dir keeps, as the daemon does: no file made. The
+        // dir's entry is durable since its first copy (below), as a reused job dir's is.
         let f = fs::OpenOptions::new().write(true).open(&journal)?;
         std::os::unix::fs::FileExt::write_all_at(&f, &record, 0)?;
         f.sync_all()?;
     } else {
         write_synced(&journal, &record)?;
         sync_dir(&job)?;
+        // The new job dir's entry (the daemon's workspace root, here the output's dir).
+        sync_dir(out_dir)?;
     }
-    sync_dir(out_dir)?;
     fs::rename(&staged, out)?;
     // The slot whose record is blank (the other one holds the last copy's).
     let blank = |slot: &str| {
@@ -450,14 +452,18 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
         ("g1", "g0")
     };
     let generation = undo.join(slot_now);
+    // A file written over in place and cut after, as the daemon writes its undo record and
+    // its session file's spare: the file keeps its block.
+    let write_over = |f: fs::File, bytes: &[u8]| -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&f, bytes, 0)?;
+        f.set_len(bytes.len() as u64)?;
+        f.sync_all()
+    };
     if generation.join("undo.json").exists() {
-        // Written over in place and cut after, as the daemon does: the file keeps its block.
         let f = fs::OpenOptions::new()
             .write(true)
             .open(generation.join("undo.json"))?;
-        std::os::unix::fs::FileExt::write_all_at(&f, &record, 0)?;
-        f.set_len(record.len() as u64)?;
-        f.sync_all()?;
+        write_over(f, &record)?;
     } else {
         fs::create_dir_all(&generation)?;
         write_synced(&generation.join("undo.json"), &record)?;
@@ -470,11 +476,7 @@ fn call_files(src: &Path, out: &Path, dir: &Path) -> std::io::Result<()> {
     // with the session's file (the first copy makes both).
     let (spare, current) = (sessions.join(".s.json.tmp"), sessions.join("s.json"));
     match fs::OpenOptions::new().write(true).open(&spare) {
-        Ok(f) => {
-            std::os::unix::fs::FileExt::write_all_at(&f, &record[..100], 0)?;
-            f.set_len(100)?;
-            f.sync_all()?;
-        }
+        Ok(f) => write_over(f, &record[..100])?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => write_synced(&spare, &record[..100])?,
         Err(e) => return Err(e),
     }

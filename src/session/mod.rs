@@ -307,13 +307,8 @@ impl SessionStore {
 
     /// Reads the committed state of the session `meta` describes from its file.
     fn load(&self, meta: &Meta) -> Result<Snapshot, SessionError> {
-        let file = match self.read_current(&meta.id) {
-            Err(SessionError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                return Err(SessionError::NotFound(meta.id.clone()))
-            }
-            r => r?,
+        let Some(file) = self.read_existing(&meta.id)? else {
+            return Err(SessionError::NotFound(meta.id.clone()));
         };
         if file.destroyed {
             return Err(SessionError::Destroyed(meta.id.clone()));
@@ -624,13 +619,8 @@ impl SessionStore {
 
     /// Whether the session file records `job` as its last commit (recovery's question).
     pub fn committed(&self, id: &str, job: &str) -> Result<bool, SessionError> {
-        let file = match self.read_current(id) {
-            Err(SessionError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                return Ok(false)
-            }
-            r => r?,
+        let Some(file) = self.read_existing(id)? else {
+            return Ok(false);
         };
         Ok(!file.destroyed && file.last_job.as_deref() == Some(job))
     }
@@ -702,6 +692,18 @@ impl SessionStore {
         let live = lock(&self.sessions).get(id).cloned();
         let _reading = live.as_ref().map(|s| read(&s.file));
         read_file(&self.path(id))
+    }
+
+    /// [`SessionStore::read_current`], `None` when the session has no file.
+    fn read_existing(&self, id: &str) -> Result<Option<SessionFile>, SessionError> {
+        match self.read_current(id) {
+            Err(SessionError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Ok(None)
+            }
+            r => r.map(Some),
+        }
     }
 
     fn io_error(&self, id: &str, source: std::io::Error) -> SessionError {
