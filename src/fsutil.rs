@@ -2,7 +2,7 @@
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::failpoint;
@@ -43,10 +43,7 @@ pub fn write_temp(
             .open(&path)
         {
             Ok(f) => {
-                // Cut after the write, not before: a file cut to nothing would free its block
-                // for the write to allocate again.
-                f.write_all_at(bytes, 0)?;
-                f.set_len(bytes.len() as u64)?;
+                overwrite(&f, bytes)?;
                 return Ok(f);
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -65,6 +62,17 @@ pub fn write_temp(
         .open(&path)?;
     f.write_all(bytes)?;
     Ok(f)
+}
+
+/// Writes `bytes` over the start of `file` and cuts it there, after the write, not before
+/// (a file cut to nothing would free its block for the write to allocate again): a shorter
+/// content keeps the longer one's block. A short write (a full disk) is `ENOSPC`.
+pub fn overwrite(file: &File, bytes: &[u8]) -> Result<(), rustix::io::Errno> {
+    let n = rustix::io::pwrite(file, bytes, 0)?;
+    if n != bytes.len() {
+        return Err(rustix::io::Errno::NOSPC);
+    }
+    rustix::fs::ftruncate(file, n as u64)
 }
 
 /// The temp file [`write_temp`] left renamed over `dir/name`: the temp name is gone, the

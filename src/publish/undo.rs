@@ -264,15 +264,8 @@ pub(super) fn write_record(
     Ok(slot)
 }
 
-/// Writes `bytes` over the start of `file` and cuts it there: a record shorter than the last
-/// keeps the last one's block. A short write (a full disk) is `ENOSPC`.
-pub(super) fn overwrite(file: &std::fs::File, bytes: &[u8]) -> Result<(), Errno> {
-    let n = rustix::io::pwrite(file, bytes, 0)?;
-    if n != bytes.len() {
-        return Err(Errno::NOSPC);
-    }
-    rustix::fs::ftruncate(file, n as u64)
-}
+/// A record written over the last one in place: a shorter one keeps its block.
+pub(super) use crate::fsutil::overwrite;
 
 /// Removes every entry of slot dir `gen` but its record.
 fn clear_backups(gen: BorrowedFd<'_>, abs: &Path) -> Result<(), PublishError> {
