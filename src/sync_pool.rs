@@ -16,7 +16,10 @@ use std::panic::AssertUnwindSafe;
 use std::sync::mpsc;
 use std::sync::{Condvar, Mutex, OnceLock};
 
-type Task = Box<dyn FnOnce() + Send>;
+/// A task's work, which returns how to hand its result to its caller: the two are split so
+/// that the thread counts itself idle again before the caller hears of the result.
+type Task = Box<dyn FnOnce() -> Deliver + Send>;
+type Deliver = Box<dyn FnOnce() + Send>;
 
 struct Pool {
     state: Mutex<State>,
@@ -26,7 +29,8 @@ struct Pool {
 #[derive(Default)]
 struct State {
     tasks: VecDeque<Task>,
-    /// Threads parked on `ready`, waiting for a task.
+    /// Threads free to take a task: parked on `ready`, or done with one (its result about
+    /// to be handed over) and about to look for the next.
     idle: usize,
 }
 
@@ -35,10 +39,16 @@ const STACK: usize = 256 << 10;
 
 fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| Pool {
-        state: Mutex::new(State::default()),
-        ready: Condvar::new(),
-    })
+    POOL.get_or_init(Pool::new)
+}
+
+impl Pool {
+    fn new() -> Pool {
+        Pool {
+            state: Mutex::new(State::default()),
+            ready: Condvar::new(),
+        }
+    }
 }
 
 /// What [`run`] returns: the task's result, once it has run.
@@ -73,12 +83,22 @@ pub fn sync_file(
 
 /// Runs `f` on a pool thread, at once: an idle thread takes it, or a new one is started.
 pub fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Pending<T> {
+    run_on(pool(), f)
+}
+
+/// [`run`] on `pool`.
+fn run_on<T: Send + 'static>(
+    pool: &'static Pool,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Pending<T> {
     let (tx, rx) = mpsc::sync_channel(1);
     let task: Task = Box::new(move || {
-        // The receiver is gone only if its caller panicked: nothing to tell then.
-        let _ = tx.send(f());
+        let result = f();
+        Box::new(move || {
+            // The receiver is gone only if its caller panicked: nothing to tell then.
+            let _ = tx.send(result);
+        })
     });
-    let pool = pool();
     let mut state = lock(&pool.state);
     state.tasks.push_back(task);
     if state.idle >= state.tasks.len() {
@@ -91,44 +111,47 @@ pub fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Pending
     let started = std::thread::Builder::new()
         .name("airlock-sync".into())
         .stack_size(STACK)
-        .spawn(worker);
+        .spawn(move || worker(pool));
     if let Err(e) = started {
         tracing::warn!(error = %e, "cannot start a sync thread; the caller's thread runs the fsync");
         // The caller's thread runs one queued task: this one, or one queued before it whose
         // own caller got here too; each queued task is taken by a thread or by its caller.
         let task = lock(&pool.state).tasks.pop_front();
-        if let Some(task) = task {
-            run_task(task);
+        if let Some(deliver) = task.and_then(run_task) {
+            deliver();
         }
     }
     Pending { rx }
 }
 
-fn worker() {
-    let pool = pool();
+fn worker(pool: &'static Pool) {
+    let mut state = lock(&pool.state);
+    state.idle += 1;
     loop {
-        let task = {
-            let mut state = lock(&pool.state);
-            loop {
-                if let Some(task) = state.tasks.pop_front() {
-                    break task;
-                }
-                state.idle += 1;
-                state = pool
-                    .ready
-                    .wait(state)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                state.idle -= 1;
-            }
+        let Some(task) = state.tasks.pop_front() else {
+            state = pool
+                .ready
+                .wait(state)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            continue;
         };
-        run_task(task);
+        state.idle -= 1;
+        drop(state);
+        let deliver = run_task(task);
+        // Free again before the caller hears of the result: a caller that issues its next
+        // task as soon as it has this one's finds this thread rather than starting another.
+        lock(&pool.state).idle += 1;
+        if let Some(deliver) = deliver {
+            deliver();
+        }
+        state = lock(&pool.state);
     }
 }
 
 /// A task that panics loses its result (its caller's [`Pending::wait`] says so), not the
 /// thread.
-fn run_task(task: Task) {
-    let _ = std::panic::catch_unwind(AssertUnwindSafe(task));
+fn run_task(task: Task) -> Option<Deliver> {
+    std::panic::catch_unwind(AssertUnwindSafe(task)).ok()
 }
 
 fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -142,7 +165,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use super::run;
+    use super::{run, run_on, Pool};
 
     /// Tasks issued together run at the same moment: each waits until all have started,
     /// which a pool that ran them one after another would never see.
@@ -174,9 +197,11 @@ mod tests {
     /// A thread is reused once idle: tasks one after another do not each start one.
     #[test]
     fn idle_threads_take_the_next_task() {
+        // A pool of its own: the process's is shared with the tests running beside this one.
+        let pool: &'static Pool = Box::leak(Box::new(Pool::new()));
         let threads: HashSet<_> = (0..20)
             .map(|_| {
-                run(|| std::thread::current().id())
+                run_on(pool, || std::thread::current().id())
                     .wait()
                     .expect("the task ran")
             })
