@@ -70,9 +70,6 @@ pub struct Job {
     taken: Option<undo::Taken>,
     /// Where the dir goes once the job ended, if it is fit for another job.
     pool: std::sync::Arc<super::pool::Pool>,
-    /// The workspace filesystem's group commit, which this job's waves wait on, and the
-    /// failures it had counted when the job began (before its worker wrote anything).
-    group_commit: super::sys::GroupCommit,
 }
 
 impl std::fmt::Debug for Job {
@@ -250,7 +247,6 @@ impl NewJobDir {
             undo_slot: None,
             taken: None,
             pool: ws.pool().clone(),
-            group_commit: ws.group_commit(),
         }
     }
 
@@ -578,12 +574,6 @@ impl Job {
         Ok(undo)
     }
 
-    /// An empty group of fsyncs of this job, made durable by the workspace filesystem's
-    /// group commit.
-    fn syncs(&self) -> Syncs {
-        Syncs::on(&self.group_commit)
-    }
-
     /// Writes the job's journal ([`Journal::create`]), over the blank one of a reused dir if
     /// it has one; its fsyncs join `syncs`.
     fn write_journal(&mut self, syncs: &mut Syncs) -> Result<(), PublishError> {
@@ -689,7 +679,7 @@ impl Job {
         }
         // 1. Validate every staged output before anything is journaled or moved: a bad
         //    output fails the call with the workspace untouched.
-        let mut before_renames = self.syncs();
+        let mut before_renames = Syncs::default();
         let news = self.validate_outputs(&mut before_renames)?;
         // 2. Plan: what each target holds now and which parents are missing. No mutation.
         let created = self.plan(&news)?;
@@ -703,7 +693,7 @@ impl Job {
         before_renames.run()?;
         self.entry_durable = true;
         // 5. Create missing parents, one component at a time beneath the root.
-        let mut renamed = self.syncs();
+        let mut renamed = Syncs::default();
         for fd in self.make_parents()? {
             renamed.push("publish.fsync_renamed", fd, &self.root_path);
         }

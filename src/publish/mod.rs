@@ -13,9 +13,7 @@
 //!   failed writeback surfaces as EIO). fsyncs due before the same next step, none of which
 //!   orders another, are issued together (`sys::Syncs`): their failpoints are passed first,
 //!   in order, on the calling thread, then the fsyncs run at once, so that a journaling
-//!   filesystem commits them together; a job's groups on a filesystem with a group commit
-//!   ([`fs_sync`]: ext4, xfs, btrfs, tmpfs) run one `syncfs` instead, shared with the other
-//!   jobs' groups waiting, and fail if a writeback failure was counted since the job began. For a call with outputs `a.txt` (exists), `n/m/b.txt`
+//!   filesystem commits them together. For a call with outputs `a.txt` (exists), `n/m/b.txt`
 //!   and `c.txt` (new), in order:
 //!   - `Job::create`: `mkdir_job`, `mkdir_stage`, `mkdir_slot` x3 (each followed by
 //!     `chown_stage` when the worker has a uid of its own); or, when an idle dir is taken
@@ -52,7 +50,6 @@
 //!   before the daemon serves calls, with the workspace to itself.
 
 mod copy;
-mod fs_sync;
 mod job;
 mod journal;
 mod pool;

@@ -9,9 +9,7 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags, Stat};
 use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 
-use super::fs_sync::{Epoch, FsSync};
 use super::{fp, PublishError};
-use std::sync::Arc;
 
 /// How every path below a dirfd is resolved: no escape, no symlink, no magic link, no mount
 /// crossing (a rename across mounts would fail with EXDEV anyway; refuse it up front).
@@ -159,33 +157,13 @@ pub(super) fn mutate<T>(
 /// [`Syncs::run`] passes every item's failpoint first, in the order the items were added and
 /// on the calling thread (so a crash or an injected error lands where a real one would, and
 /// the points of a call keep one order), then issues the fsyncs.
-///
-/// A group made [`Syncs::on`] a workspace's [`FsSync`] is made durable by its group commit
-/// (one `syncfs` of the filesystem, shared with the other waves waiting) instead of an fsync
-/// per item: the items still pass their failpoints, and a failure of the group commit is
-/// every such group's.
 #[derive(Default)]
 pub(super) struct Syncs {
     /// (failpoint or, unmarked, the operation's name; the fd; its path; whether a failpoint).
     items: Vec<(&'static str, OwnedFd, PathBuf, bool)>,
-    /// The filesystem's group commit, and the epoch of the job the group is part of.
-    fs: GroupCommit,
 }
 
-/// A job's way to make its waves durable: its workspace filesystem's group commit and the
-/// failures counted when the job began, or `None` (an fsync per item).
-pub(super) type GroupCommit = Option<(Arc<FsSync>, Epoch)>;
-
 impl Syncs {
-    /// An empty group made durable by `fs`'s group commit (if any), failing if a writeback
-    /// failure was counted since its epoch (the job's start).
-    pub(super) fn on(fs: &GroupCommit) -> Syncs {
-        Syncs {
-            items: Vec::new(),
-            fs: fs.clone(),
-        }
-    }
-
     /// Adds the fsync of `fd` (kept open until the group runs), failpoint `op`.
     pub(super) fn push(&mut self, op: &'static str, fd: OwnedFd, path: &Path) {
         self.items.push((op, fd, path.to_path_buf(), true));
@@ -250,11 +228,7 @@ fn together<const N: usize, R>(
 ) -> ([Result<(), PublishError>; N], R) {
     let mut results: [Result<(), PublishError>; N] = std::array::from_fn(|_| Ok(()));
     let mut issued = Vec::new();
-    let mut fs = None;
     for (g, group) in groups.into_iter().enumerate() {
-        if fs.is_none() {
-            fs = group.fs;
-        }
         let mut passed = Vec::with_capacity(group.items.len());
         for (op, fd, path, marked) in group.items {
             if let Err(e) = if marked { fp(op) } else { Ok(()) } {
@@ -265,9 +239,6 @@ fn together<const N: usize, R>(
             passed.push((g, op, fd, path));
         }
         issued.extend(passed);
-    }
-    if let Some((fs, epoch)) = fs {
-        return by_group_commit(results, issued, fs, epoch, alongside, last_here);
     }
     let here = if last_here { issued.pop() } else { None };
     let pending: Vec<_> = issued
@@ -290,44 +261,6 @@ fn together<const N: usize, R>(
     }
     (results, ran)
 }
-
-/// The fsyncs that passed their failpoints (`issued`), made durable by one wait on the
-/// filesystem's group commit; a failure is every group's that issued one, named after the
-/// group's first item.
-fn by_group_commit<const N: usize, R>(
-    mut results: [Result<(), PublishError>; N],
-    issued: Vec<(usize, &'static str, OwnedFd, PathBuf)>,
-    fs: Arc<FsSync>,
-    epoch: Epoch,
-    alongside: impl FnOnce() -> R,
-    last_here: bool,
-) -> ([Result<(), PublishError>; N], R) {
-    if issued.is_empty() {
-        return (results, alongside());
-    }
-    let (synced, ran) = if last_here {
-        let ran = alongside();
-        (fs.wait(Some(epoch)), ran)
-    } else {
-        let pending = crate::sync_pool::run(move || fs.wait(Some(epoch)));
-        let ran = alongside();
-        // A task that never reported panicked: the sync failed, never succeeded.
-        (pending.wait().unwrap_or(Err(Errno::IO)), ran)
-    };
-    if let Err(e) = synced {
-        let mut named = [false; N];
-        for (g, _, _, path) in &issued {
-            if !std::mem::replace(&mut named[*g], true) && results[*g].is_ok() {
-                results[*g] = Err(io(SYNC_FILESYSTEM, path, e));
-            }
-        }
-    }
-    drop(issued);
-    (results, ran)
-}
-
-/// The operation a failed group commit reports.
-pub(super) const SYNC_FILESYSTEM: &str = "sync the workspace's filesystem (syncfs) for";
 
 pub(super) fn fsync_dir(fd: BorrowedFd<'_>, path: &Path) -> Result<(), PublishError> {
     rustix::fs::fsync(fd).map_err(|e| io("fsync", path, e))

@@ -24,9 +24,6 @@ pub struct Workspace {
     fd: OwnedFd,
     /// Job dirs kept for reuse (none unless [`Workspace::keep_idle_job_dirs`] says so).
     pool: std::sync::Arc<super::pool::Pool>,
-    /// The group commit of the root's filesystem, which a job's waves wait on (`None`: a
-    /// filesystem whose waves keep an fsync per item).
-    fs_sync: Option<std::sync::Arc<super::fs_sync::FsSync>>,
 }
 
 impl Workspace {
@@ -43,8 +40,6 @@ impl Workspace {
             Mode::empty(),
         )
         .map_err(|e| io("open workspace root", e.into()))?;
-        let fs_sync = super::fs_sync::FsSync::open(fd.as_fd())
-            .map_err(|e| io("open workspace root", e.into()))?;
         let given = if root.is_absolute() {
             lexical(root)
         } else {
@@ -55,7 +50,6 @@ impl Workspace {
             given,
             fd,
             pool: Default::default(),
-            fs_sync: fs_sync.map(std::sync::Arc::new),
         })
     }
 
@@ -81,19 +75,6 @@ impl Workspace {
 
     pub(super) fn pool(&self) -> &std::sync::Arc<super::pool::Pool> {
         &self.pool
-    }
-
-    #[cfg(test)]
-    pub(super) fn fs_sync(&self) -> Option<&std::sync::Arc<super::fs_sync::FsSync>> {
-        self.fs_sync.as_ref()
-    }
-
-    /// What a job begun now makes its waves durable by: the group commit, and the failures
-    /// it has counted so far.
-    pub(super) fn group_commit(&self) -> super::sys::GroupCommit {
-        self.fs_sync
-            .as_ref()
-            .map(|fs| (std::sync::Arc::clone(fs), fs.epoch()))
     }
 
     /// Resolves a path parameter beneath the workspace and returns it relative to the root,

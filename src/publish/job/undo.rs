@@ -81,7 +81,7 @@ impl Job {
     /// the bound, written; its fsyncs are returned, for the caller to run with the renames'.
     /// A failure keeps none (the job still commits).
     pub(super) fn prepare_undo(&mut self) -> (UndoStatus, Syncs) {
-        let mut syncs = self.syncs();
+        let mut syncs = Syncs::default();
         if self.taken.is_some() {
             return (UndoStatus::NotKept(NotKept::IsUndo), syncs);
         }
@@ -100,7 +100,7 @@ impl Job {
                 }
                 Err(e) => {
                     tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "cannot write the undo record; the job will not be undoable");
-                    syncs = self.syncs();
+                    syncs = Syncs::default();
                     UndoStatus::NotKept(NotKept::Failed(crate::report::chain(&e).to_string()))
                 }
             },
@@ -279,7 +279,7 @@ impl Job {
                 .map_err(|e| io("open undo dir", &gen_abs, e))?;
             let mut targets = Vec::with_capacity(n);
             let mut published = Vec::with_capacity(n);
-            let mut taken_syncs = Syncs::on(&ws.group_commit());
+            let mut taken_syncs = Syncs::default();
             for (i, t) in rec.targets.iter().enumerate() {
                 let (slot, slot_path) = mkdir_slot(stage_fd.as_fd(), &stage, i)?;
                 let slot_fd = open_dir_beneath(stage_fd.as_fd(), slot.as_str())
@@ -398,10 +398,10 @@ impl Job {
     /// that make them durable, as [`Job::publish`] does.
     pub(super) fn publish_undo(&mut self) -> Result<Syncs, PublishError> {
         self.journal.phase = Phase::PublishingOutputs;
-        let mut journal = self.syncs();
+        let mut journal = Syncs::default();
         self.write_journal(&mut journal)?;
         journal.run()?;
-        let mut renamed = self.syncs();
+        let mut renamed = Syncs::default();
         for i in 0..self.journal.targets.len() {
             if let Some((parent_fd, slot_fd)) = self.rename_one(i)? {
                 renamed.push("publish.fsync_renamed", parent_fd, &self.root_path);
