@@ -30,6 +30,7 @@ pub enum ErrorCode {
     SandboxError,
     PublishFailed,
     StateError,
+    CommitUndecided,
     AuditFailed,
     QuotaExceeded,
     Busy,
@@ -42,7 +43,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in README's order.
-    pub const ALL: [ErrorCode; 22] = [
+    pub const ALL: [ErrorCode; 23] = [
         ErrorCode::InvalidArgument,
         ErrorCode::PathRejected,
         ErrorCode::OverlappingOutputs,
@@ -57,6 +58,7 @@ impl ErrorCode {
         ErrorCode::SandboxError,
         ErrorCode::PublishFailed,
         ErrorCode::StateError,
+        ErrorCode::CommitUndecided,
         ErrorCode::AuditFailed,
         ErrorCode::QuotaExceeded,
         ErrorCode::Busy,
@@ -83,6 +85,7 @@ impl ErrorCode {
             ErrorCode::SandboxError => "SANDBOX_ERROR",
             ErrorCode::PublishFailed => "PUBLISH_FAILED",
             ErrorCode::StateError => "STATE_ERROR",
+            ErrorCode::CommitUndecided => "COMMIT_UNDECIDED",
             ErrorCode::AuditFailed => "AUDIT_FAILED",
             ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
             ErrorCode::Busy => "BUSY",
@@ -165,6 +168,11 @@ pub enum CallError {
     /// was published (every target restored) and the state is unchanged.
     #[error("{0}; the state is unchanged")]
     Conflict(PublishError),
+    /// The commit point may or may not be durable (a disk error, and undoing it failed too):
+    /// nothing was rolled back, the session is blocked, and recovery at the next start
+    /// completes or rolls back the call by what is on disk.
+    #[error("the commit may or may not be durable after a disk error; the session is blocked until the daemon restarts, and recovery then completes or rolls back this call by what is on disk")]
+    Undecided(#[source] PublishError),
     /// The `commit` event could not be made durable in the audit log: the call rolled back.
     #[error("the commit could not be recorded durably in the audit log; nothing was committed")]
     AuditFailed(#[source] crate::audit::AuditError),
@@ -227,7 +235,10 @@ impl CallError {
                 SessionError::Destroyed(_) => ErrorCode::SessionDestroyed,
                 SessionError::Exists(_) => ErrorCode::SessionExists,
                 SessionError::BadId(_) => ErrorCode::InvalidArgument,
-                SessionError::Io { .. } | SessionError::Corrupt { .. } => ErrorCode::StateError,
+                SessionError::Io { .. }
+                | SessionError::Corrupt { .. }
+                | SessionError::Undecided { .. }
+                | SessionError::Blocked(_) => ErrorCode::StateError,
                 SessionError::Quota(_) => ErrorCode::QuotaExceeded,
             },
             CallError::SessionForbidden { .. } => ErrorCode::SessionForbidden,
@@ -243,6 +254,7 @@ impl CallError {
                 ErrorCode::PublishFailed
             }
             CallError::Conflict(_) => ErrorCode::Conflict,
+            CallError::Undecided(_) => ErrorCode::CommitUndecided,
             CallError::AuditFailed(_) => ErrorCode::AuditFailed,
             CallError::Busy(_) => ErrorCode::Busy,
             CallError::IdempotencyKey(_)

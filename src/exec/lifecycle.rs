@@ -132,6 +132,9 @@ pub(super) enum Outcome {
         timed_out: bool,
         /// A `python` tool's exception class, for the `error` event.
         exception_type: Option<String>,
+        /// Its commit point may or may not be durable: no `rollback` follows the `error`
+        /// (recovery at the next start records how the job ended).
+        undecided: bool,
     },
     /// Refused where it would have started.
     Denied {
@@ -192,6 +195,7 @@ impl Ending {
                 message,
                 timed_out,
                 exception_type,
+                undecided,
             } => {
                 // A mutating call's timeout reads `timeout, worker_terminated, rollback`.
                 if !(self.mutating && timed_out) {
@@ -208,7 +212,7 @@ impl Ending {
                         exception_type,
                     }));
                 }
-                if rolls_back {
+                if rolls_back && !undecided {
                     events.push(Event::Rollback(Rollback::Failed {
                         ran: self.ran(),
                         code: code.into(),
@@ -273,6 +277,7 @@ mod tests {
             code,
             message: Some("m".into()),
             timed_out,
+            undecided: false,
             exception_type: None,
         }
     }

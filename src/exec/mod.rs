@@ -628,6 +628,10 @@ impl Executor {
         use crate::jobs::{JobState, RecordedReply};
         let (state, code, message) = match outcome {
             Outcome::Done => return,
+            // Its record stays `publishing`: the next start settles it by the session file.
+            Outcome::Fault {
+                undecided: true, ..
+            } => return,
             Outcome::Fault { code, message, .. } | Outcome::Denied { code, message } => {
                 (JobState::Failed, *code, message.clone())
             }
@@ -767,6 +771,7 @@ fn fault(cx: &Cx<'_>, e: CallError, timed_out: bool) -> (Outcome, Reply) {
         code: e.code().as_str(),
         message: error_message(&reply),
         timed_out,
+        undecided: matches!(e, CallError::Undecided(_)),
         exception_type: python::exception_type(&e).map(str::to_string),
     };
     (outcome, Reply::Result(reply))

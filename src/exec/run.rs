@@ -686,6 +686,17 @@ pub(super) enum CommitFailed {
     Job(#[source] crate::jobs::JobError),
 }
 
+impl publish::CommitError for CommitFailed {
+    /// Only the session store can leave its commit point undecided (its exchange made, its
+    /// fsync and its undoing failed).
+    fn undecided(&self) -> bool {
+        matches!(
+            self,
+            CommitFailed::Session(crate::session::SessionError::Undecided { .. })
+        )
+    }
+}
+
 /// The call's error for a failed publication.
 fn publish_failed(tool: &Tool, outputs: &[(String, PathBuf)], e: publish::PublishError) -> Stop {
     // What the worker left is at fault, not publication: nothing was published.
@@ -719,6 +730,9 @@ pub(super) fn commit_failed(e: publish::PublishError) -> Stop {
         },
         e => e,
     };
+    if let publish::PublishError::CommitUndecided(_) = e {
+        return CallError::Undecided(e).into();
+    }
     let restored = !matches!(e, publish::PublishError::RollbackFailed { .. });
     CallError::Publish {
         source: e,

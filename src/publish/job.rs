@@ -485,7 +485,7 @@ impl Job {
     /// As [`Job::publish_and_commit`], handing `commit` what each target received (size,
     /// identity, SHA-256), read from the validated outputs before anything was renamed.
     /// `commit`'s error is the caller's own type; it comes back in [`PublishError::Commit`].
-    pub fn publish_and_commit_with<E: Into<super::CallbackError>>(
+    pub fn publish_and_commit_with<E: super::CommitError>(
         self,
         commit: impl FnOnce(&[Published]) -> Result<(), E>,
     ) -> Result<(), PublishError> {
@@ -496,7 +496,7 @@ impl Job {
     /// ([`Job::keep_undo`]): `commit` is also told whether its record is written (before the
     /// commit point); returns whether the committed job kept it (keeping its backups after
     /// the commit point can still fail: then it did not).
-    pub fn publish_and_commit_undoable<E: Into<super::CallbackError>>(
+    pub fn publish_and_commit_undoable<E: super::CommitError>(
         self,
         commit: impl FnOnce(&[Published], &UndoStatus) -> Result<(), E>,
     ) -> Result<UndoStatus, PublishError> {
@@ -510,7 +510,7 @@ impl Job {
     /// failure of either rolls the job back, as a failure of `commit` does. `prepare` is told
     /// the undo status as it stands before the undo record's fsyncs ran; `commit`, as it
     /// stands after them (an fsync that failed makes a `Kept` one `NotKept`).
-    pub fn publish_and_commit_staged<S, E: Into<super::CallbackError>>(
+    pub fn publish_and_commit_staged<S, E: super::CommitError>(
         mut self,
         prepare: impl FnOnce(&[Published], &UndoStatus) -> Result<S, E>,
         commit: impl FnOnce(&[Published], &UndoStatus, S) -> Result<(), E>,
@@ -550,6 +550,13 @@ impl Job {
         };
         // The commit point: the caller persists the session state recording this job.
         if let Err(e) = commit(&self.published, &undo, staged) {
+            if e.undecided() {
+                // Neither rolled back nor finished: the journal stays `publishing_outputs`
+                // and recovery asks the session store again at the next start.
+                let e = PublishError::CommitUndecided(e.into());
+                tracing::error!(job = %self.spec.id, error = %crate::report::chain(&e), "commit undecided; job dir left for recovery at the next start");
+                return Err(e);
+            }
             return Err(self.fail(PublishError::Commit(e.into())));
         }
         let undo = self.after_commit_undo(undo);

@@ -118,6 +118,19 @@ pub enum PathError {
 /// The error of a caller's callback (the commit, recovery's question), kept with its causes.
 pub type CallbackError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// The error of a commit callback: whether it may have reached its commit point.
+pub trait CommitError: Into<CallbackError> {
+    /// True when the callback cannot tell whether its commit point is durable (a disk error
+    /// after it began making it so, and undoing it failed too): the job is then left as it
+    /// is, for recovery at the next start to decide by what is on disk, not rolled back.
+    fn undecided(&self) -> bool {
+        false
+    }
+}
+
+impl CommitError for std::io::Error {}
+impl CommitError for CallbackError {}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
     #[error("{op} {path}")]
@@ -137,6 +150,11 @@ pub enum PublishError {
     /// The caller's commit (the session store's write) failed; its error is kept.
     #[error("commit failed")]
     Commit(#[source] CallbackError),
+    /// The caller's commit cannot tell whether its commit point is durable
+    /// ([`CommitError::undecided`]): nothing was rolled back; the job dir is left for
+    /// recovery at the next start.
+    #[error("the commit may or may not be durable; the job dir is left for recovery at the next start, which completes or rolls back the job by what is on disk")]
+    CommitUndecided(#[source] CallbackError),
     /// The job spec cannot become a job dir (bad id, targets not normalized or overlapping).
     #[error("invalid job: {reason}")]
     InvalidSpec { reason: SpecError },

@@ -53,6 +53,17 @@ pub enum SessionError {
     },
     #[error(transparent)]
     Quota(#[from] QuotaError),
+    /// The commit point's fsync failed after the session's file was exchanged, and putting
+    /// the previous version back failed too: the commit may or may not be durable.
+    #[error("the commit of session {id:?} may or may not be durable (the fsync of the sessions dir failed after its file was exchanged, and putting the previous version back failed too); every call on it fails until the daemon restarts and recovery decides")]
+    Undecided {
+        id: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// An earlier commit of the session is undecided ([`SessionError::Undecided`]).
+    #[error("session {0:?} is blocked: an earlier commit's durability is unknown after a disk error; restart the daemon so that recovery decides it")]
+    Blocked(String),
 }
 
 /// A committed snapshot of one session.
@@ -99,6 +110,9 @@ struct Session {
     lock: Arc<tokio::sync::Mutex<()>>,
     /// Set under `lock` by destruction; a mutator that gets the lock afterwards fails.
     destroyed: AtomicBool,
+    /// Set under `lock` by a commit whose durability is unknown: every later lock and read
+    /// fails ([`SessionError::Blocked`]) until the next start.
+    undecided: AtomicBool,
     /// Set under `lock` once an exchange of the session's file with its temp file is durable:
     /// the temp file is then a spare (the previous version, which no name on disk points at)
     /// that the next write goes over in place. Cleared when a write starts, so that a write
@@ -301,14 +315,53 @@ impl SessionStore {
     /// The last committed snapshot, read from its file without taking the session's lock.
     pub fn snapshot(&self, id: &str) -> Result<Snapshot, SessionError> {
         let session = self.get(id)?;
+        if session.undecided.load(Ordering::SeqCst) {
+            return Err(SessionError::Blocked(id.to_string()));
+        }
         let meta = read(&session.current).clone();
         self.load(&meta)
     }
 
-    /// Reads the committed state of the session `meta` describes from its file.
+    /// Reads the committed state of the session `meta` describes from its file: the
+    /// version `meta` names. A file a commit has exchanged in but not yet made durable (its
+    /// version past `meta`'s) is not that: the committed version is then the spare's, read
+    /// under the same hold of the `file` lock (the spare is only written under it).
     fn load(&self, meta: &Meta) -> Result<Snapshot, SessionError> {
-        let Some(file) = self.read_existing(&meta.id)? else {
-            return Err(SessionError::NotFound(meta.id.clone()));
+        let live = lock(&self.sessions).get(&meta.id).cloned();
+        let _reading = live.as_ref().map(|s| read(&s.file));
+        let spare = self.dir.join(format!(".{}.json.tmp", meta.id));
+        let mut want = meta.version;
+        let mut tries = 0;
+        let file = loop {
+            let file = match read_file(&self.path(&meta.id)) {
+                Ok(file) => file,
+                Err(SessionError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    return Err(SessionError::NotFound(meta.id.clone()));
+                }
+                Err(e) => return Err(e),
+            };
+            if file.destroyed || file.version <= want {
+                break file;
+            }
+            match read_file(&spare) {
+                Ok(prev) if prev.version == want && !prev.destroyed => break prev,
+                // The commit ended (or was undone) between the reads: look again.
+                _ if tries < 3 => {
+                    tries += 1;
+                    if let Some(s) = &live {
+                        want = read(&s.current).version;
+                    }
+                }
+                _ => {
+                    return Err(SessionError::Io {
+                        op: "read the committed version (commits kept moving) of",
+                        path: spare,
+                        source: std::io::Error::from_raw_os_error(libc::EAGAIN),
+                    })
+                }
+            }
         };
         if file.destroyed {
             return Err(SessionError::Destroyed(meta.id.clone()));
@@ -493,6 +546,9 @@ impl SessionStore {
         if session.destroyed.load(Ordering::SeqCst) {
             return Err(SessionError::Destroyed(id.to_string()));
         }
+        if session.undecided.load(Ordering::SeqCst) {
+            return Err(SessionError::Blocked(id.to_string()));
+        }
         Ok(SessionGuard {
             session,
             _lock: guard,
@@ -569,9 +625,35 @@ impl SessionStore {
         reserved: Reserved<'_>,
         staged: Staged,
     ) -> Result<Snapshot, SessionError> {
+        let id = &staged.next.id;
         fsutil::exchange_temp(&self.dir, &staged.name, "session.write")
-            .and_then(|()| self.dir_sync.after_rename(&self.dir))
-            .map_err(|source| self.io_error(&staged.next.id, source))?;
+            .map_err(|source| self.io_error(id, source))?;
+        // The session's name holds the new version now, in the page cache at least.
+        let durable = crate::failpoint::hit("session.fsync_dir")
+            .and_then(|()| self.dir_sync.after_rename(&self.dir));
+        if let Err(source) = durable {
+            // Whether the exchange is on disk is unknown. The commit fails only once the
+            // previous version is back under the name and that is durable; if that cannot
+            // be done either, the commit is undecided: the session is blocked, and recovery
+            // at the next start decides by what is on disk.
+            let back = fsutil::exchange_temp(&self.dir, &staged.name, "session.unexchange")
+                .and_then(|()| self.dir_sync.after_rename(&self.dir));
+            return Err(match back {
+                Ok(()) => SessionError::Io {
+                    op: "fsync (after its exchange, now undone)",
+                    path: self.path(id),
+                    source,
+                },
+                Err(again) => {
+                    guard.session.undecided.store(true, Ordering::SeqCst);
+                    tracing::error!(session = %id, error = %source, undo = %again, "a commit's durability is unknown; the session is blocked until recovery at the next start");
+                    SessionError::Undecided {
+                        id: id.clone(),
+                        source,
+                    }
+                }
+            });
+        }
         guard.session.spare.store(true, Ordering::SeqCst);
         Ok(self.took(guard, reserved, staged.next))
     }
@@ -748,6 +830,7 @@ impl Session {
         Session {
             lock: Arc::new(tokio::sync::Mutex::new(())),
             destroyed: AtomicBool::new(false),
+            undecided: AtomicBool::new(false),
             spare: AtomicBool::new(false),
             file: RwLock::new(()),
             current: RwLock::new(meta),

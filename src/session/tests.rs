@@ -460,3 +460,158 @@ async fn a_reader_without_the_session_lock_never_reads_a_spare_being_written() {
     });
     assert_eq!(store.snapshot("s").unwrap().version, 2);
 }
+
+/// The state `{"n": n}`.
+fn n_state(n: u64) -> Map<String, Value> {
+    let mut st = Map::new();
+    st.insert("n".into(), n.into());
+    st
+}
+
+#[tokio::test]
+async fn a_failed_fsync_after_the_exchange_puts_the_previous_version_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    store.create("s1", Map::new(), 0).unwrap();
+    let g = store.lock("s1").await.unwrap();
+    store.commit(&g, n_state(1), "j1").unwrap();
+    // The fsync of the dir after the exchange fails; the one after putting v1 back runs.
+    lock(&store.dir_sync.state).fail_next = 1;
+    let e = store.commit(&g, n_state(2), "j2").unwrap_err();
+    assert!(
+        matches!(&e, SessionError::Io { source, .. } if source.raw_os_error() == Some(libc::EIO)),
+        "{e:?}"
+    );
+    // Nothing committed: memory, the file by name and recovery's question all say v1, j1.
+    assert_eq!(g.meta().version, 1);
+    let snap = store.snapshot("s1").unwrap();
+    assert_eq!((snap.version, &snap.state), (1, &n_state(1)));
+    assert!(store.committed("s1", "j1").unwrap());
+    assert!(!store.committed("s1", "j2").unwrap());
+    // The session serves on: the next commit is v2, and survives a restart.
+    assert_eq!(store.commit(&g, n_state(3), "j3").unwrap().version, 2);
+    drop(g);
+    let reopened = SessionStore::open(dir.path()).unwrap();
+    let snap = reopened.snapshot("s1").unwrap();
+    assert_eq!((snap.version, &snap.state), (2, &n_state(3)));
+    assert!(reopened.committed("s1", "j3").unwrap());
+}
+
+#[tokio::test]
+async fn a_commit_that_can_be_neither_made_durable_nor_undone_blocks_its_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    store.create("s1", Map::new(), 0).unwrap();
+    store.create("s2", Map::new(), 0).unwrap();
+    let g = store.lock("s1").await.unwrap();
+    store.commit(&g, n_state(1), "j1").unwrap();
+    // Both the fsync after the exchange and the one after putting v1 back fail.
+    lock(&store.dir_sync.state).fail_next = 2;
+    let e = store.commit(&g, n_state(2), "j2").unwrap_err();
+    assert!(
+        matches!(&e, SessionError::Undecided { id, source } if id == "s1" && source.raw_os_error() == Some(libc::EIO)),
+        "{e:?}"
+    );
+    assert_eq!(
+        g.meta().version,
+        1,
+        "memory never took the undecided version"
+    );
+    drop(g);
+    // Every later lock and read of it fails, saying why; another session serves on.
+    assert!(matches!(store.lock("s1").await, Err(SessionError::Blocked(id)) if id == "s1"));
+    assert!(matches!(store.snapshot("s1"), Err(SessionError::Blocked(id)) if id == "s1"));
+    let g2 = store.lock("s2").await.unwrap();
+    assert_eq!(store.commit(&g2, n_state(7), "k1").unwrap().version, 1);
+    drop(g2);
+    // A restart reads what is there (here: v1 back under the name) and serves it again.
+    drop(store);
+    let reopened = SessionStore::open(dir.path()).unwrap();
+    assert!(reopened.committed("s1", "j1").unwrap());
+    let g = reopened.lock("s1").await.unwrap();
+    assert_eq!(reopened.commit(&g, n_state(3), "j3").unwrap().version, 2);
+}
+
+#[test]
+fn a_failed_dir_fsync_fails_every_rename_it_was_to_cover() {
+    let dir = tempfile::tempdir().unwrap();
+    let sync = Arc::new(DirSync::default());
+    // The first run pauses until two more renames wait behind it, then the run that covers
+    // them both fails: neither may run an fsync of its own and take it as durable (the
+    // failed writeback left the dir's block clean).
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let watched = Arc::clone(&sync);
+    lock(&sync.state).pause = Some(Box::new(move || {
+        entered_tx.send(()).unwrap();
+        while lock(&watched.state).renamed < 3 {
+            std::thread::yield_now();
+        }
+        lock(&watched.state).fail_next = 1;
+    }));
+    let path = dir.path().to_path_buf();
+    let rename = |sync: &Arc<DirSync>| {
+        let (sync, path) = (Arc::clone(sync), path.clone());
+        std::thread::spawn(move || sync.after_rename(&path))
+    };
+    let first = rename(&sync);
+    entered_rx.recv().unwrap();
+    let (second, third) = (rename(&sync), rename(&sync));
+    first.join().unwrap().unwrap();
+    for r in [second.join().unwrap(), third.join().unwrap()] {
+        let e = r.unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e:?}");
+    }
+    let s = lock(&sync.state);
+    assert_eq!((s.renamed, s.durable, s.failed), (3, 1, 3));
+    drop(s);
+    // A rename after the failure is covered by a run of its own.
+    sync.after_rename(dir.path()).unwrap();
+    assert_eq!(lock(&sync.state).durable, 4);
+}
+
+#[tokio::test]
+async fn a_reader_sees_no_version_before_its_commit_point_nor_one_that_is_undone() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(SessionStore::open(dir.path()).unwrap());
+    store.create("s1", Map::new(), 0).unwrap();
+    let g = store.lock("s1").await.unwrap();
+    store.commit(&g, n_state(1), "j1").unwrap();
+    // Two commits stopped inside the fsync of the dir, the new file already exchanged in:
+    // one that then succeeds, one whose fsync fails and is undone. A reader in either window
+    // sees the version committed before, and after it what committed.
+    for (fails, job) in [(false, "j2"), (true, "j3")] {
+        let before = store.snapshot("s1").unwrap();
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        {
+            let mut s = lock(&store.dir_sync.state);
+            s.pause = Some(Box::new(move || {
+                entered_tx.send(()).unwrap();
+                go_rx.recv().unwrap();
+            }));
+            s.fail_next = u32::from(fails);
+        }
+        let next = n_state(before.version + 10);
+        std::thread::scope(|scope| {
+            let committer = scope.spawn(|| store.commit(&g, next.clone(), job));
+            entered_rx.recv().unwrap();
+            let name = std::fs::read(dir.path().join("sessions/s1.json")).unwrap();
+            assert!(
+                String::from_utf8_lossy(&name).contains(&format!("\"{job}\"")),
+                "the exchange is made"
+            );
+            let seen = store.snapshot("s1");
+            go_tx.send(()).unwrap();
+            let r = committer.join().unwrap();
+            let seen = seen.unwrap();
+            assert_eq!((seen.version, &seen.state), (before.version, &before.state));
+            assert_eq!(r.is_err(), fails, "{r:?}");
+        });
+        let seen = store.snapshot("s1").unwrap();
+        if fails {
+            assert_eq!((seen.version, &seen.state), (before.version, &before.state));
+        } else {
+            assert_eq!((seen.version, &seen.state), (before.version + 1, &next));
+        }
+    }
+}

@@ -353,3 +353,68 @@ fn target_changed_after_resolution_fails_closed() {
     assert!(fs::read_dir(outside.path()).unwrap().next().is_none());
     assert!(job_dirs(tmp.path()).is_empty());
 }
+
+/// A commit callback's error that cannot tell whether its commit point is durable.
+#[derive(Debug)]
+struct UndecidedCommit;
+
+impl std::fmt::Display for UndecidedCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the session's commit may or may not be durable")
+    }
+}
+
+impl std::error::Error for UndecidedCommit {}
+
+impl crate::publish::CommitError for UndecidedCommit {
+    fn undecided(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn an_undecided_commit_is_left_for_recovery_which_decides_by_the_session() {
+    for committed in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        write(tmp.path(), "a.txt", "old a");
+        let before = snapshot(tmp.path());
+        let ws = open(&tmp);
+        let job = Job::create(&ws, spec("j", &["a.txt", "n/b.txt"])).unwrap();
+        stage(&job, 0, "new a");
+        stage(&job, 1, "new b");
+        let dir = job.dir().to_path_buf();
+        let err = job
+            .publish_and_commit_with(|_| Err(UndecidedCommit))
+            .unwrap_err();
+        assert!(matches!(err, PublishError::CommitUndecided(_)), "{err:?}");
+        // Nothing rolled back, nothing finished: the outputs in place, the journal still
+        // `publishing_outputs`, the job dir where recovery finds it.
+        assert_eq!(
+            fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+            "new a"
+        );
+        assert_eq!(
+            fs::read_to_string(tmp.path().join("n/b.txt")).unwrap(),
+            "new b"
+        );
+        let j: serde_json::Value =
+            serde_json::from_slice(&fs::read(dir.join("recovery.json")).unwrap()).unwrap();
+        assert_eq!(j["phase"], "publishing_outputs");
+        // The next start asks the session store, and goes by its answer.
+        let rec = recover(tmp.path(), &|_, _| Ok(committed)).unwrap();
+        assert_eq!(rec.len(), 1, "{rec:?}");
+        assert!(job_dirs(tmp.path()).is_empty());
+        if committed {
+            assert_eq!(
+                fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
+                "new a"
+            );
+            assert_eq!(
+                fs::read_to_string(tmp.path().join("n/b.txt")).unwrap(),
+                "new b"
+            );
+        } else {
+            assert_eq!(snapshot(tmp.path()), before);
+        }
+    }
+}
