@@ -387,16 +387,16 @@ fn an_undecided_commit_is_left_for_recovery_which_decides_by_the_session() {
             .publish_and_commit_with(|_| Err(UndecidedCommit))
             .unwrap_err();
         assert!(matches!(err, PublishError::CommitUndecided(_)), "{err:?}");
+        let holds_the_new_outputs = || {
+            let read = |p: &str| fs::read_to_string(tmp.path().join(p)).unwrap();
+            assert_eq!(
+                (read("a.txt"), read("n/b.txt")),
+                ("new a".into(), "new b".into())
+            );
+        };
         // Nothing rolled back, nothing finished: the outputs in place, the journal still
         // `publishing_outputs`, the job dir where recovery finds it.
-        assert_eq!(
-            fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
-            "new a"
-        );
-        assert_eq!(
-            fs::read_to_string(tmp.path().join("n/b.txt")).unwrap(),
-            "new b"
-        );
+        holds_the_new_outputs();
         let j: serde_json::Value =
             serde_json::from_slice(&fs::read(dir.join("recovery.json")).unwrap()).unwrap();
         assert_eq!(j["phase"], "publishing_outputs");
@@ -405,14 +405,7 @@ fn an_undecided_commit_is_left_for_recovery_which_decides_by_the_session() {
         assert_eq!(rec.len(), 1, "{rec:?}");
         assert!(job_dirs(tmp.path()).is_empty());
         if committed {
-            assert_eq!(
-                fs::read_to_string(tmp.path().join("a.txt")).unwrap(),
-                "new a"
-            );
-            assert_eq!(
-                fs::read_to_string(tmp.path().join("n/b.txt")).unwrap(),
-                "new b"
-            );
+            holds_the_new_outputs();
         } else {
             assert_eq!(snapshot(tmp.path()), before);
         }
