@@ -327,6 +327,20 @@ impl SessionStore {
     /// version past `meta`'s) is not that: the committed version is then the spare's, read
     /// under the same hold of the `file` lock (the spare is only written under it).
     fn load(&self, meta: &Meta) -> Result<Snapshot, SessionError> {
+        let file = self.read_committed(meta)?;
+        if file.destroyed {
+            return Err(SessionError::Destroyed(meta.id.clone()));
+        }
+        Ok(Snapshot {
+            id: file.id,
+            version: file.version,
+            state: file.state,
+            owner: file.owner,
+        })
+    }
+
+    /// The file of the version `meta` names ([`SessionStore::load`]).
+    fn read_committed(&self, meta: &Meta) -> Result<SessionFile, SessionError> {
         let live = lock(&self.sessions).get(&meta.id).cloned();
         let _reading = live.as_ref().map(|s| read(&s.file));
         let spare = self.dir.join(format!(".{}.json.tmp", meta.id));
@@ -363,15 +377,7 @@ impl SessionStore {
                 }
             }
         };
-        if file.destroyed {
-            return Err(SessionError::Destroyed(meta.id.clone()));
-        }
-        Ok(Snapshot {
-            id: file.id,
-            version: file.version,
-            state: file.state,
-            owner: file.owner,
-        })
+        Ok(file)
     }
 
     /// The state of the session `guard` holds, read from its file under the lock: the
@@ -708,10 +714,19 @@ impl SessionStore {
     }
 
     /// The version of the session file and the job whose commit wrote it (`None` for a
-    /// session never committed to by a job), read from the file: which commit is the latest.
+    /// session never committed to by a job), read from the file: which commit is the latest
+    /// (for a live session, the one memory has taken, as [`SessionStore::snapshot`] reads).
     pub fn latest_commit(&self, id: &str) -> Result<(u64, Option<String>), SessionError> {
         check_id(id)?;
-        let file = self.read_current(id)?;
+        let live = lock(&self.sessions).get(id).cloned();
+        let file = match live {
+            // A live one's committed version (not a file exchanged in by a commit under way).
+            Some(session) => {
+                let meta = read(&session.current).clone();
+                self.read_committed(&meta)?
+            }
+            None => self.read_current(id)?,
+        };
         if file.destroyed {
             return Err(SessionError::Destroyed(id.to_string()));
         }

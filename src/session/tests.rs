@@ -581,6 +581,7 @@ async fn a_reader_sees_no_version_before_its_commit_point_nor_one_that_is_undone
     // sees the version committed before, and after it what committed.
     for (fails, job) in [(false, "j2"), (true, "j3")] {
         let before = store.snapshot("s1").unwrap();
+        let before_latest = store.latest_commit("s1").unwrap();
         let (entered_tx, entered_rx) = std::sync::mpsc::channel();
         let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
         {
@@ -600,10 +601,15 @@ async fn a_reader_sees_no_version_before_its_commit_point_nor_one_that_is_undone
                 String::from_utf8_lossy(&name).contains(&format!("\"{job}\"")),
                 "the exchange is made"
             );
-            let seen = store.snapshot("s1");
+            let (seen, latest) = (store.snapshot("s1"), store.latest_commit("s1"));
             go_tx.send(()).unwrap();
             let r = committer.join().unwrap();
             let seen = seen.unwrap();
+            assert_eq!(
+                latest.unwrap(),
+                before_latest,
+                "the latest commit, as `job_get` asks"
+            );
             assert_eq!((seen.version, &seen.state), (before.version, &before.state));
             assert_eq!(r.is_err(), fails, "{r:?}");
         });
