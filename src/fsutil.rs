@@ -98,7 +98,8 @@ pub fn exchange_temp(dir: &Path, name: &str, point: &'static str) -> std::io::Re
     .map_err(std::io::Error::from)
 }
 
-fn temp_path(dir: &Path, name: &str) -> std::path::PathBuf {
+/// Where [`write_temp`] writes the file that becomes `name` in `dir`.
+pub fn temp_path(dir: &Path, name: &str) -> std::path::PathBuf {
     dir.join(format!(".{name}.tmp"))
 }
 

@@ -343,18 +343,12 @@ impl SessionStore {
     fn read_committed(&self, meta: &Meta) -> Result<SessionFile, SessionError> {
         let live = lock(&self.sessions).get(&meta.id).cloned();
         let _reading = live.as_ref().map(|s| read(&s.file));
-        let spare = self.dir.join(format!(".{}.json.tmp", meta.id));
+        let spare = fsutil::temp_path(&self.dir, &format!("{}.json", meta.id));
         let mut want = meta.version;
         let mut tries = 0;
         let file = loop {
-            let file = match read_file(&self.path(&meta.id)) {
-                Ok(file) => file,
-                Err(SessionError::Io { source, .. })
-                    if source.kind() == std::io::ErrorKind::NotFound =>
-                {
-                    return Err(SessionError::NotFound(meta.id.clone()));
-                }
-                Err(e) => return Err(e),
+            let Some(file) = existing(read_file(&self.path(&meta.id)))? else {
+                return Err(SessionError::NotFound(meta.id.clone()));
             };
             if file.destroyed || file.version <= want {
                 break file;
@@ -793,14 +787,7 @@ impl SessionStore {
 
     /// [`SessionStore::read_current`], `None` when the session has no file.
     fn read_existing(&self, id: &str) -> Result<Option<SessionFile>, SessionError> {
-        match self.read_current(id) {
-            Err(SessionError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                Ok(None)
-            }
-            r => r.map(Some),
-        }
+        existing(self.read_current(id))
     }
 
     fn io_error(&self, id: &str, source: std::io::Error) -> SessionError {
@@ -859,6 +846,16 @@ impl Session {
 type Pause = (PathBuf, Box<dyn FnOnce() + Send>);
 #[cfg(test)]
 static AFTER_OPEN: Mutex<Option<Pause>> = Mutex::new(None);
+
+/// A read of a session file, `None` when the file does not exist.
+fn existing(read: Result<SessionFile, SessionError>) -> Result<Option<SessionFile>, SessionError> {
+    match read {
+        Err(SessionError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Ok(None)
+        }
+        r => r.map(Some),
+    }
+}
 
 fn read_file(path: &Path) -> Result<SessionFile, SessionError> {
     let io = |source| SessionError::Io {
