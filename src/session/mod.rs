@@ -53,16 +53,18 @@ pub enum SessionError {
     },
     #[error(transparent)]
     Quota(#[from] QuotaError),
-    /// The commit point's fsync failed after the session's file was exchanged, and putting
-    /// the previous version back failed too: the commit may or may not be durable.
-    #[error("the commit of session {id:?} may or may not be durable (the fsync of the sessions dir failed after its file was exchanged, and putting the previous version back failed too); every call on it fails until the daemon restarts and recovery decides")]
+    /// The fsync of the sessions dir failed after a change put the session's new file in
+    /// place, and putting the previous one back failed too: the change (`what`: a commit, a
+    /// creation, a destruction) may or may not be durable.
+    #[error("the {what} of session {id:?} may or may not be durable (the fsync of the sessions dir failed after its file was put in place, and putting the previous one back failed too); every call on it fails until the daemon restarts and reads what is on disk")]
     Undecided {
         id: String,
+        what: &'static str,
         #[source]
         source: std::io::Error,
     },
-    /// An earlier commit of the session is undecided ([`SessionError::Undecided`]).
-    #[error("session {0:?} is blocked: an earlier commit's durability is unknown after a disk error; restart the daemon so that recovery decides it")]
+    /// An earlier change of the session is undecided ([`SessionError::Undecided`]).
+    #[error("session {0:?} is blocked: an earlier change's durability is unknown after a disk error; restart the daemon so that it reads what is on disk (and recovery decides a job)")]
     Blocked(String),
 }
 
@@ -402,7 +404,10 @@ impl SessionStore {
         // Holding the map lock across the write keeps two creators of one id apart, and
         // two creates of one owner from both taking its last room.
         let mut sessions = lock(&self.sessions);
-        if sessions.contains_key(id) {
+        if let Some(s) = sessions.get(id) {
+            if s.undecided.load(Ordering::SeqCst) {
+                return Err(SessionError::Blocked(id.to_string()));
+            }
             return Err(SessionError::Exists(id.to_string()));
         }
         if self.tombstone(id)?.is_some() {
@@ -424,7 +429,21 @@ impl SessionStore {
             state,
             owner: Some(owner),
         };
-        if let Err(e) = self.persist(&snap, None, false) {
+        let meta = Meta {
+            id: snap.id.clone(),
+            version: 0,
+            owner: snap.owner,
+            bytes,
+        };
+        if let Err(e) = self.persist_created(&snap) {
+            if let SessionError::Undecided { .. } = e {
+                // It may be on disk: its id stays taken, and counted, but blocked until
+                // the next start reads what is there.
+                let session = Session::new(meta);
+                session.undecided.store(true, Ordering::SeqCst);
+                sessions.insert(id.to_string(), Arc::new(session));
+                return Err(e);
+            }
             let mut usage = lock(&self.usage);
             if let Some(u) = usage.get_mut(&owner) {
                 u.sessions = u.sessions.saturating_sub(1);
@@ -432,12 +451,6 @@ impl SessionStore {
             }
             return Err(e);
         }
-        let meta = Meta {
-            id: snap.id.clone(),
-            version: 0,
-            owner: snap.owner,
-            bytes,
-        };
         sessions.insert(id.to_string(), Arc::new(Session::new(meta)));
         Ok(snap)
     }
@@ -628,31 +641,19 @@ impl SessionStore {
         let id = &staged.next.id;
         fsutil::exchange_temp(&self.dir, &staged.name, "session.write")
             .map_err(|source| self.io_error(id, source))?;
-        // The session's name holds the new version now, in the page cache at least.
-        let durable = crate::failpoint::hit("session.fsync_dir")
-            .and_then(|()| self.dir_sync.after_rename(&self.dir));
-        if let Err(source) = durable {
-            // Whether the exchange is on disk is unknown. The commit fails only once the
-            // previous version is back under the name and that is durable; if that cannot
-            // be done either, the commit is undecided: the session is blocked, and recovery
-            // at the next start decides by what is on disk.
-            let back = fsutil::exchange_temp(&self.dir, &staged.name, "session.unexchange")
-                .and_then(|()| self.dir_sync.after_rename(&self.dir));
-            return Err(match back {
-                Ok(()) => SessionError::Io {
-                    op: "fsync (after its exchange, now undone)",
-                    path: self.path(id),
-                    source,
-                },
-                Err(again) => {
-                    guard.session.undecided.store(true, Ordering::SeqCst);
-                    tracing::error!(session = %id, error = %source, undo = %again, "a commit's durability is unknown; the session is blocked until recovery at the next start");
-                    SessionError::Undecided {
-                        id: id.clone(),
-                        source,
-                    }
-                }
-            });
+        // The session's name holds the new version now, in the page cache at least. Whether
+        // the exchange is on disk is unknown until the dir's fsync succeeds: if it fails, the
+        // commit fails only once the previous version is back under the name and that is
+        // durable; if that cannot be done either, the commit is undecided: the session is
+        // blocked, and recovery at the next start decides by what is on disk.
+        let durable = self.durable_or_put_back(id, "commit", || {
+            fsutil::exchange_temp(&self.dir, &staged.name, "session.unexchange")
+        });
+        if let Err(e) = durable {
+            if let SessionError::Undecided { .. } = e {
+                guard.session.undecided.store(true, Ordering::SeqCst);
+            }
+            return Err(e);
         }
         guard.session.spare.store(true, Ordering::SeqCst);
         Ok(self.took(guard, reserved, staged.next))
@@ -677,8 +678,9 @@ impl SessionStore {
         next
     }
 
-    /// Destroys a session under its lock: marks it destroyed, writes the tombstone, then
-    /// forgets it (its count and bytes leave its owner's usage; the tombstone stays on disk).
+    /// Destroys a session under its lock: writes the tombstone and makes it durable, marks
+    /// the session destroyed, then forgets it (its count and bytes leave its owner's usage;
+    /// the tombstone stays on disk).
     pub fn destroy(&self, guard: SessionGuard) -> Result<Meta, SessionError> {
         let meta = guard.meta();
         let tomb = Snapshot {
@@ -687,8 +689,19 @@ impl SessionStore {
             state: Map::new(),
             owner: meta.owner,
         };
-        self.persist(&tomb, None, true)?;
-        guard.session.destroyed.store(true, Ordering::SeqCst);
+        {
+            // No reader sees the tombstone before it is durable, nor the previous state
+            // under the temp name while it is there.
+            let _writing = write(&guard.session.file);
+            if let Err(e) = self.persist_tombstone(&tomb) {
+                if let SessionError::Undecided { .. } = e {
+                    guard.session.undecided.store(true, Ordering::SeqCst);
+                }
+                return Err(e);
+            }
+            guard.session.spare.store(false, Ordering::SeqCst);
+            guard.session.destroyed.store(true, Ordering::SeqCst);
+        }
         lock(&self.sessions).remove(&meta.id);
         if let Some(uid) = meta.owner {
             if let Some(u) = lock(&self.usage).get_mut(&uid) {
@@ -727,15 +740,12 @@ impl SessionStore {
         Ok((file.version, file.last_job))
     }
 
-    /// Writes the file of a session made (`create`) or its tombstone (`destroy`): a fresh
-    /// temp file renamed over the name, so that no spare holding an earlier state is left.
-    fn persist(
-        &self,
-        snap: &Snapshot,
-        job: Option<&str>,
-        destroyed: bool,
-    ) -> Result<(), SessionError> {
-        let (name, bytes) = self.file_bytes(snap, job, destroyed)?;
+    /// Writes the file of a session made (`create`): a fresh temp file renamed into place,
+    /// then the dir's fsync. If that fsync fails, the name is removed again and that made
+    /// durable, so that a failed create leaves no session for the next start to find; if
+    /// that fails too, the creation is undecided.
+    fn persist_created(&self, snap: &Snapshot) -> Result<(), SessionError> {
+        let (name, bytes) = self.file_bytes(snap, None, false)?;
         fsutil::write_temp(
             &self.dir,
             &name,
@@ -746,8 +756,72 @@ impl SessionStore {
         )
         .and_then(|f| f.sync_all())
         .and_then(|()| fsutil::rename_temp(&self.dir, &name, "session.write"))
-        .and_then(|()| self.dir_sync.after_rename(&self.dir))
-        .map_err(|source| self.io_error(&snap.id, source))
+        .map_err(|source| self.io_error(&snap.id, source))?;
+        self.durable_or_put_back(&snap.id, "creation", || {
+            crate::failpoint::hit("session.unlink_created")
+                .and_then(|()| std::fs::remove_file(self.path(&snap.id)))
+        })
+    }
+
+    /// Writes the tombstone of a session (`destroy`): a fresh temp file exchanged with the
+    /// session's file, then the dir's fsync; if it fails, exchanged back (or the destruction
+    /// is undecided). Once it is durable, the previous version under the temp name is
+    /// removed, so that no file holding the destroyed state is left (a removal a crash
+    /// undoes is done again at the next start, which removes a destroyed session's temp
+    /// file).
+    fn persist_tombstone(&self, tomb: &Snapshot) -> Result<(), SessionError> {
+        let (name, bytes) = self.file_bytes(tomb, None, true)?;
+        fsutil::write_temp(
+            &self.dir,
+            &name,
+            &bytes,
+            0o600,
+            "session.write",
+            fsutil::Temp::Fresh,
+        )
+        .and_then(|f| f.sync_all())
+        .and_then(|()| fsutil::exchange_temp(&self.dir, &name, "session.write"))
+        .map_err(|source| self.io_error(&tomb.id, source))?;
+        self.durable_or_put_back(&tomb.id, "destruction", || {
+            fsutil::exchange_temp(&self.dir, &name, "session.unexchange")
+        })?;
+        let previous = fsutil::temp_path(&self.dir, &name);
+        if let Err(e) = std::fs::remove_file(&previous) {
+            tracing::warn!(session = %tomb.id, path = %previous.display(), error = %e, "destroyed, but cannot remove its previous version; the next start will");
+        }
+        Ok(())
+    }
+
+    /// After a rename that put session `id`'s new file in place: the fsync of the dir that
+    /// makes it durable. If it fails, `put_back` restores the previous name and that is made
+    /// durable, and the change fails (`Io`); if that fails too, the change (`what`) is
+    /// undecided.
+    fn durable_or_put_back(
+        &self,
+        id: &str,
+        what: &'static str,
+        put_back: impl FnOnce() -> std::io::Result<()>,
+    ) -> Result<(), SessionError> {
+        let durable = crate::failpoint::hit("session.fsync_dir")
+            .and_then(|()| self.dir_sync.after_rename(&self.dir));
+        let Err(source) = durable else {
+            return Ok(());
+        };
+        match put_back().and_then(|()| self.dir_sync.after_rename(&self.dir)) {
+            Ok(()) => Err(SessionError::Io {
+                op: "fsync (after its file was put in place, now undone)",
+                path: self.path(id),
+                source,
+            }),
+            Err(again) => {
+                tracing::error!(session = %id, %what, error = %source, undo = %again, "a change's durability is unknown; the session is blocked until the next start");
+                Err(SessionError::Undecided {
+                    id: id.to_string(),
+                    what,
+                    source,
+                })
+            }
+        }
     }
 
     /// The session file of `snap` (its name and bytes).

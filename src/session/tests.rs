@@ -509,7 +509,7 @@ async fn a_commit_that_can_be_neither_made_durable_nor_undone_blocks_its_session
     lock(&store.dir_sync.state).fail_next = 2;
     let e = store.commit(&g, n_state(2), "j2").unwrap_err();
     assert!(
-        matches!(&e, SessionError::Undecided { id, source } if id == "s1" && source.raw_os_error() == Some(libc::EIO)),
+        matches!(&e, SessionError::Undecided { id, what: "commit", source } if id == "s1" && source.raw_os_error() == Some(libc::EIO)),
         "{e:?}"
     );
     assert_eq!(
@@ -530,6 +530,156 @@ async fn a_commit_that_can_be_neither_made_durable_nor_undone_blocks_its_session
     assert!(reopened.committed("s1", "j1").unwrap());
     let g = reopened.lock("s1").await.unwrap();
     assert_eq!(reopened.commit(&g, n_state(3), "j3").unwrap().version, 2);
+}
+
+/// The names in the sessions dir, sorted.
+fn names_in(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn a_create_whose_dir_fsync_fails_leaves_no_session_now_or_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    lock(&store.dir_sync.state).fail_next = 1;
+    let e = store.create("s1", n_state(1), 7).unwrap_err();
+    assert!(
+        matches!(&e, SessionError::Io { source, .. } if source.raw_os_error() == Some(libc::EIO)),
+        "{e:?}"
+    );
+    // Not live, not counted, not on disk: the name was removed again.
+    assert!(!store.is_live("s1"));
+    assert_eq!(store.usage(7).sessions, 0);
+    assert_eq!(store.usage(7).bytes, 0);
+    assert!(
+        names_in(&dir.path().join("sessions")).is_empty(),
+        "{:?}",
+        names_in(&dir.path().join("sessions"))
+    );
+    assert!(matches!(
+        store.lock("s1").await,
+        Err(SessionError::NotFound(_))
+    ));
+    let reopened = SessionStore::open(dir.path()).unwrap();
+    assert!(!reopened.is_live("s1"));
+    // The id is free: a create now succeeds and survives a restart.
+    drop(reopened);
+    store.create("s1", n_state(2), 7).unwrap();
+    drop(store);
+    let reopened = SessionStore::open(dir.path()).unwrap();
+    let snap = reopened.snapshot("s1").unwrap();
+    assert_eq!((snap.version, &snap.state), (0, &n_state(2)));
+}
+
+#[tokio::test]
+async fn a_create_that_can_be_neither_made_durable_nor_removed_blocks_its_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    // The fsync after the rename and the one after removing the name both fail.
+    lock(&store.dir_sync.state).fail_next = 2;
+    let e = store.create("s1", n_state(1), 7).unwrap_err();
+    assert!(
+        matches!(&e, SessionError::Undecided { id, what: "creation", source } if id == "s1" && source.raw_os_error() == Some(libc::EIO)),
+        "{e:?}"
+    );
+    // It may be on disk: the id stays taken and counted, and every use of it says why.
+    assert_eq!(store.usage(7).sessions, 1);
+    assert!(matches!(store.lock("s1").await, Err(SessionError::Blocked(id)) if id == "s1"));
+    assert!(matches!(
+        store.snapshot("s1"),
+        Err(SessionError::Blocked(_))
+    ));
+    assert!(matches!(
+        store.create("s1", n_state(1), 7),
+        Err(SessionError::Blocked(_))
+    ));
+    // Another session serves on.
+    store.create("s2", n_state(2), 7).unwrap();
+    let g2 = store.lock("s2").await.unwrap();
+    assert_eq!(store.commit(&g2, n_state(3), "k1").unwrap().version, 1);
+    drop(g2);
+    // The next start reads what is on disk (here the removal was made, only its fsync
+    // failed): no s1, and the id is free again.
+    drop(store);
+    let reopened = SessionStore::open(dir.path()).unwrap();
+    assert!(!reopened.is_live("s1"));
+    assert_eq!(reopened.usage(7).sessions, 1);
+    reopened.create("s1", n_state(4), 7).unwrap();
+}
+
+#[tokio::test]
+async fn a_destroy_whose_dir_fsync_fails_leaves_the_session_live_with_its_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    store.create("s1", Map::new(), 7).unwrap();
+    let g = store.lock("s1").await.unwrap();
+    store.commit(&g, n_state(1), "j1").unwrap();
+    lock(&store.dir_sync.state).fail_next = 1;
+    let e = store.destroy(g).unwrap_err();
+    assert!(
+        matches!(&e, SessionError::Io { source, .. } if source.raw_os_error() == Some(libc::EIO)),
+        "{e:?}"
+    );
+    // Live, counted, its state read by name and by a lock, no tombstone.
+    assert!(store.is_live("s1"));
+    assert_eq!(store.usage(7).sessions, 1);
+    let snap = store.snapshot("s1").unwrap();
+    assert_eq!((snap.version, &snap.state), (1, &n_state(1)));
+    assert_eq!(store.tombstone("s1").unwrap(), None);
+    assert!(store.committed("s1", "j1").unwrap());
+    // It serves on: a commit, then a destroy that succeeds.
+    let g = store.lock("s1").await.unwrap();
+    assert_eq!(store.commit(&g, n_state(2), "j2").unwrap().version, 2);
+    store.destroy(g).unwrap();
+    // A destroyed session leaves its tombstone only: no file holding its state.
+    assert_eq!(
+        names_in(&dir.path().join("sessions")),
+        vec!["s1.json".to_string()]
+    );
+    let tomb = std::fs::read_to_string(dir.path().join("sessions/s1.json")).unwrap();
+    assert!(!tomb.contains("\"n\""), "{tomb}");
+    let reopened = SessionStore::open(dir.path()).unwrap();
+    assert!(matches!(
+        reopened.snapshot("s1"),
+        Err(SessionError::Destroyed(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_destroy_that_can_be_neither_made_durable_nor_undone_blocks_its_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SessionStore::open(dir.path()).unwrap();
+    store.create("s1", Map::new(), 7).unwrap();
+    let g = store.lock("s1").await.unwrap();
+    store.commit(&g, n_state(1), "j1").unwrap();
+    lock(&store.dir_sync.state).fail_next = 2;
+    let e = store.destroy(g).unwrap_err();
+    assert!(
+        matches!(&e, SessionError::Undecided { id, what: "destruction", source } if id == "s1" && source.raw_os_error() == Some(libc::EIO)),
+        "{e:?}"
+    );
+    assert!(matches!(
+        store.lock("s1").await,
+        Err(SessionError::Blocked(_))
+    ));
+    assert!(matches!(
+        store.snapshot("s1"),
+        Err(SessionError::Blocked(_))
+    ));
+    assert_eq!(store.usage(7).sessions, 1, "still counted: it may be live");
+    // The next start reads what is on disk: here the exchange back was made, only its
+    // fsync failed, so the session is live at v1 and serves again.
+    drop(store);
+    let reopened = SessionStore::open(dir.path()).unwrap();
+    let snap = reopened.snapshot("s1").unwrap();
+    assert_eq!((snap.version, &snap.state), (1, &n_state(1)));
+    let g = reopened.lock("s1").await.unwrap();
+    assert_eq!(reopened.commit(&g, n_state(2), "j2").unwrap().version, 2);
 }
 
 #[test]

@@ -1244,3 +1244,101 @@ async fn crash_points_an_undo_of_a_deletion() {
     })
     .await;
 }
+
+/// The index of the `nth` (0-based) point named `name` in a failpoint log.
+fn nth_point(log: &Path, name: &str, nth: usize) -> u64 {
+    let text = std::fs::read_to_string(log).expect("failpoint log");
+    text.lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(_, n)| *n == name)
+        .nth(nth)
+        .unwrap_or_else(|| panic!("no {name} #{nth} in the failpoint log:\n{text}"))
+        .0
+        .parse()
+        .expect("point index")
+}
+
+/// `session_create` and `session_destroy` with a disk error at their durable point (the
+/// sessions dir's fsync after their rename): the client is told STATE_ERROR, and the
+/// session is as it was, in the daemon that answered and at its next start.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disk_error_at_a_session_create_or_destroy_leaves_the_session_as_it_was() {
+    // Where the points are: one reference run, create then destroy.
+    let mut d = Daemon::new();
+    let log = d.dir.path().join("points.log");
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(&c, "session_destroy", json!({"session": "s"})).await;
+    assert!(!is_error(&r), "{r}");
+    drop(c);
+    d.stop();
+    let (create_point, destroy_point) = (
+        nth_point(&log, "session.fsync_dir", 0),
+        nth_point(&log, "session.fsync_dir", 1),
+    );
+
+    // The create's fsync fails: no session, now or after a restart; the id is free.
+    let mut d = Daemon::new();
+    d.env = vec![
+        (
+            "AIRLOCK_FAILPOINT_ERROR_AT".into(),
+            create_point.to_string(),
+        ),
+        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
+    ];
+    d.start();
+    let c = d.client().await;
+    let r = call(&c, "session_create", json!({"id": "s"})).await;
+    assert_eq!(code(&r), "STATE_ERROR", "{r}");
+    let r = call(&c, "session_get", json!({"session": "s"})).await;
+    assert_eq!(code(&r), "NO_SUCH_SESSION", "{r}");
+    drop(c);
+    d.stop();
+    let names = tree_names(&d.state.join("sessions"));
+    assert!(names.is_empty(), "a failed create left {names:?}");
+    d.env.clear();
+    d.start();
+    let c = d.client().await;
+    let r = call(&c, "session_get", json!({"session": "s"})).await;
+    assert_eq!(code(&r), "NO_SUCH_SESSION", "{r}");
+    session(&c, "s").await;
+    drop(c);
+    d.stop();
+
+    // The destroy's fsync fails: the session stays live with its state, then and after a
+    // restart, and no tombstone is left.
+    let mut d = Daemon::new();
+    d.env = vec![
+        (
+            "AIRLOCK_FAILPOINT_ERROR_AT".into(),
+            destroy_point.to_string(),
+        ),
+        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
+    ];
+    d.start();
+    let c = d.client().await;
+    let r = call(&c, "session_create", json!({"id": "s", "state": {"k": 1}})).await;
+    assert!(!is_error(&r), "{r}");
+    let r = call(&c, "session_destroy", json!({"session": "s"})).await;
+    assert_eq!(code(&r), "STATE_ERROR", "{r}");
+    let r = call(&c, "session_get", json!({"session": "s"})).await;
+    assert_eq!(r["structuredContent"]["state"], json!({"k": 1}), "{r}");
+    drop(c);
+    d.stop();
+    d.env.clear();
+    d.start();
+    let c = d.client().await;
+    let r = call(&c, "session_get", json!({"session": "s"})).await;
+    assert_eq!(r["structuredContent"]["state"], json!({"k": 1}), "{r}");
+    let r = call(&c, "session_destroy", json!({"session": "s"})).await;
+    assert!(!is_error(&r), "{r}");
+    drop(c);
+    d.stop();
+    assert_eq!(
+        tree_names(&d.state.join("sessions")),
+        vec!["s.json".to_string()]
+    );
+    d.assert_audit_verifies("a session create and destroy with a disk error");
+}
