@@ -1263,8 +1263,29 @@ fn nth_point(log: &Path, name: &str, nth: usize) -> u64 {
 /// session is as it was, in the daemon that answered and at its next start.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_disk_error_at_a_session_create_or_destroy_leaves_the_session_as_it_was() {
-    // Where the points are: one reference run, create then destroy.
+    session_change_with_a_disk_error(false).await;
+}
+
+/// The same with the daemon as an unprivileged user (nobody).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disk_error_at_a_session_create_or_destroy_leaves_the_session_as_it_was_unprivileged() {
+    require_root_for("a daemon run as nobody");
+    session_change_with_a_disk_error(true).await;
+}
+
+/// A new daemon dir, owned by nobody and the daemon run as nobody if `unprivileged`.
+fn daemon_as(unprivileged: bool) -> Daemon {
     let mut d = Daemon::new();
+    if unprivileged {
+        chown_nobody(&d);
+        d.user = Some((65534, 65534));
+    }
+    d
+}
+
+async fn session_change_with_a_disk_error(unprivileged: bool) {
+    // Where the points are: one reference run, create then destroy.
+    let mut d = daemon_as(unprivileged);
     let log = d.dir.path().join("points.log");
     d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
     d.start();
@@ -1280,7 +1301,7 @@ async fn a_disk_error_at_a_session_create_or_destroy_leaves_the_session_as_it_wa
     );
 
     // The create's fsync fails: no session, now or after a restart; the id is free.
-    let mut d = Daemon::new();
+    let mut d = daemon_as(unprivileged);
     d.env = vec![
         (
             "AIRLOCK_FAILPOINT_ERROR_AT".into(),
@@ -1309,7 +1330,7 @@ async fn a_disk_error_at_a_session_create_or_destroy_leaves_the_session_as_it_wa
 
     // The destroy's fsync fails: the session stays live with its state, then and after a
     // restart, and no tombstone is left.
-    let mut d = Daemon::new();
+    let mut d = daemon_as(unprivileged);
     d.env = vec![
         (
             "AIRLOCK_FAILPOINT_ERROR_AT".into(),
@@ -1340,5 +1361,7 @@ async fn a_disk_error_at_a_session_create_or_destroy_leaves_the_session_as_it_wa
         tree_names(&d.state.join("sessions")),
         vec!["s.json".to_string()]
     );
-    d.assert_audit_verifies("a session create and destroy with a disk error");
+    d.assert_audit_verifies(&format!(
+        "a session create and destroy with a disk error (unprivileged: {unprivileged})"
+    ));
 }
