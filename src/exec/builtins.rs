@@ -142,7 +142,8 @@ impl Executor {
                             ran: cx.call.ran(),
                         },
                     )?;
-                    self.sessions.destroy(guard)?;
+                    // Off the async threads: its tombstone and the dir are fsynced.
+                    tokio::task::block_in_place(|| self.sessions.destroy(guard))?;
                     // Its undo data goes with it (a crash first leaves it for the next start,
                     // which removes every session's but the live ones' latest commits').
                     if let Err(e) = tokio::task::block_in_place(|| {

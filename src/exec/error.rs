@@ -225,6 +225,16 @@ pub enum CallError {
 }
 
 impl CallError {
+    /// Whether the call's change may or may not be durable (a disk error, and undoing it
+    /// failed too): nothing was rolled back, and the next start decides by what is on disk,
+    /// so the call's end records no `rollback`.
+    pub fn undecided(&self) -> bool {
+        matches!(
+            self,
+            CallError::Undecided(_) | CallError::Session(SessionError::Undecided { .. })
+        )
+    }
+
     pub fn code(&self) -> ErrorCode {
         match self {
             CallError::Argument(_) => ErrorCode::InvalidArgument,
@@ -293,6 +303,29 @@ impl CallError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A write's undecided commit and an undecided session create or destroy record no
+    /// rollback; a session change that was put back does.
+    #[test]
+    fn only_a_change_that_may_be_durable_is_undecided() {
+        let io = || std::io::Error::from_raw_os_error(libc::EIO);
+        for what in ["commit", "creation", "destruction"] {
+            let e = CallError::Session(SessionError::Undecided {
+                id: "s".into(),
+                what,
+                source: io(),
+            });
+            assert!(e.undecided(), "{what}");
+            assert_eq!(e.code(), ErrorCode::StateError);
+        }
+        let put_back = CallError::Session(SessionError::Io {
+            op: "fsync",
+            path: "sessions/s.json".into(),
+            source: io(),
+        });
+        assert!(!put_back.undecided());
+        assert!(!CallError::Session(SessionError::Blocked("s".into())).undecided());
+    }
 
     /// README's table of tool fault codes names every code and no other.
     #[test]

@@ -358,6 +358,23 @@ mod tests {
         assert_eq!(e[1].detail()["code"], "TOOL_FAILED");
     }
 
+    /// A change that may or may not be durable (a write's commit, a session create or
+    /// destroy) is an error and no rollback: the next start decides it.
+    #[test]
+    fn an_undecided_change_is_an_error_without_a_rollback() {
+        for code in ["COMMIT_UNDECIDED", "STATE_ERROR"] {
+            let undecided = Outcome::Fault {
+                code,
+                message: Some("m".into()),
+                timed_out: false,
+                undecided: true,
+                exception_type: None,
+            };
+            let e = ending(true, STARTED, false).events(undecided);
+            assert_eq!(kinds(&e), ["error"], "{code}");
+        }
+    }
+
     /// The commit event could not be made durable: error and rollback, AUDIT_FAILED.
     #[test]
     fn an_audit_failure_rolls_back() {

@@ -771,7 +771,7 @@ fn fault(cx: &Cx<'_>, e: CallError, timed_out: bool) -> (Outcome, Reply) {
         code: e.code().as_str(),
         message: error_message(&reply),
         timed_out,
-        undecided: matches!(e, CallError::Undecided(_)),
+        undecided: e.undecided(),
         exception_type: python::exception_type(&e).map(str::to_string),
     };
     (outcome, Reply::Result(reply))

@@ -352,7 +352,14 @@ impl SessionStore {
             let Some(file) = existing(read_file(&self.path(&meta.id)))? else {
                 return Err(SessionError::NotFound(meta.id.clone()));
             };
-            if file.destroyed || file.version <= want {
+            // A tombstone a destroy has exchanged in is not committed until the destroy has
+            // made it durable and marked the session destroyed: until then the committed
+            // version is the spare's, as for a commit under way.
+            let pending_tombstone = file.destroyed
+                && live
+                    .as_ref()
+                    .is_some_and(|s| !s.destroyed.load(Ordering::SeqCst));
+            if !pending_tombstone && (file.destroyed || file.version <= want) {
                 break file;
             }
             match read_file(&spare) {
@@ -689,20 +696,24 @@ impl SessionStore {
             state: Map::new(),
             owner: meta.owner,
         };
-        {
-            // No reader sees the tombstone before it is durable, nor the previous state
-            // under the temp name while it is there.
-            let _writing = write(&guard.session.file);
-            if let Err(e) = self.persist_tombstone(&tomb) {
-                if let SessionError::Undecided { .. } = e {
-                    guard.session.undecided.store(true, Ordering::SeqCst);
-                }
-                return Err(e);
+        // A reader meanwhile reads the previous version until the session is marked
+        // destroyed ([`SessionStore::read_committed`]).
+        if let Err(e) = self.persist_tombstone(&guard, &tomb) {
+            if let SessionError::Undecided { .. } = e {
+                guard.session.undecided.store(true, Ordering::SeqCst);
             }
-            guard.session.spare.store(false, Ordering::SeqCst);
-            guard.session.destroyed.store(true, Ordering::SeqCst);
+            return Err(e);
         }
+        guard.session.spare.store(false, Ordering::SeqCst);
+        guard.session.destroyed.store(true, Ordering::SeqCst);
         lock(&self.sessions).remove(&meta.id);
+        // No file holding the destroyed state is left: its previous version, exchanged out
+        // to the temp name, goes (a removal a crash undoes is done again at the next start,
+        // which removes a destroyed session's temp file).
+        let previous = fsutil::temp_path(&self.dir, &format!("{}.json", meta.id));
+        if let Err(e) = std::fs::remove_file(&previous) {
+            tracing::warn!(session = %meta.id, path = %previous.display(), error = %e, "destroyed, but cannot remove its previous version; the next start will");
+        }
         if let Some(uid) = meta.owner {
             if let Some(u) = lock(&self.usage).get_mut(&uid) {
                 u.sessions = u.sessions.saturating_sub(1);
@@ -765,31 +776,28 @@ impl SessionStore {
 
     /// Writes the tombstone of a session (`destroy`): a fresh temp file exchanged with the
     /// session's file, then the dir's fsync; if it fails, exchanged back (or the destruction
-    /// is undecided). Once it is durable, the previous version under the temp name is
-    /// removed, so that no file holding the destroyed state is left (a removal a crash
-    /// undoes is done again at the next start, which removes a destroyed session's temp
-    /// file).
-    fn persist_tombstone(&self, tomb: &Snapshot) -> Result<(), SessionError> {
+    /// is undecided). The previous version is then under the temp name, for readers until
+    /// the session is marked destroyed, and for [`SessionStore::destroy`] to remove.
+    fn persist_tombstone(&self, guard: &SessionGuard, tomb: &Snapshot) -> Result<(), SessionError> {
         let (name, bytes) = self.file_bytes(tomb, None, true)?;
-        fsutil::write_temp(
-            &self.dir,
-            &name,
-            &bytes,
-            0o600,
-            "session.write",
-            fsutil::Temp::Fresh,
-        )
-        .and_then(|f| f.sync_all())
-        .and_then(|()| fsutil::exchange_temp(&self.dir, &name, "session.write"))
-        .map_err(|source| self.io_error(&tomb.id, source))?;
+        let file = {
+            // Not while a reader that opened the spare reads it.
+            let _writing = write(&guard.session.file);
+            fsutil::write_temp(
+                &self.dir,
+                &name,
+                &bytes,
+                0o600,
+                "session.write",
+                fsutil::Temp::Fresh,
+            )
+        };
+        file.and_then(|f| f.sync_all())
+            .and_then(|()| fsutil::exchange_temp(&self.dir, &name, "session.write"))
+            .map_err(|source| self.io_error(&tomb.id, source))?;
         self.durable_or_put_back(&tomb.id, "destruction", || {
             fsutil::exchange_temp(&self.dir, &name, "session.unexchange")
-        })?;
-        let previous = fsutil::temp_path(&self.dir, &name);
-        if let Err(e) = std::fs::remove_file(&previous) {
-            tracing::warn!(session = %tomb.id, path = %previous.display(), error = %e, "destroyed, but cannot remove its previous version; the next start will");
-        }
-        Ok(())
+        })
     }
 
     /// After a rename that put session `id`'s new file in place: the fsync of the dir that

@@ -771,3 +771,58 @@ async fn a_reader_sees_no_version_before_its_commit_point_nor_one_that_is_undone
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reader_sees_no_tombstone_before_the_destroy_is_durable_nor_one_that_is_undone() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(SessionStore::open(dir.path()).unwrap());
+    store.create("s1", Map::new(), 0).unwrap();
+    let g = store.lock("s1").await.unwrap();
+    store.commit(&g, n_state(1), "j1").unwrap();
+    drop(g);
+    // Two destroys stopped inside the fsync of the dir, the tombstone already exchanged in:
+    // one whose fsync fails and is undone, then one that succeeds. A reader in either
+    // window sees the state committed before; after it, what the destroy decided.
+    for fails in [true, false] {
+        let g = store.lock("s1").await.unwrap();
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        {
+            let mut s = lock(&store.dir_sync.state);
+            s.pause = Some(Box::new(move || {
+                entered_tx.send(()).unwrap();
+                go_rx.recv().unwrap();
+            }));
+            s.fail_next = u32::from(fails);
+        }
+        std::thread::scope(|scope| {
+            let destroyer = scope.spawn(|| store.destroy(g));
+            entered_rx.recv().unwrap();
+            let name = std::fs::read(dir.path().join("sessions/s1.json")).unwrap();
+            assert!(
+                String::from_utf8_lossy(&name).contains("\"destroyed\":true"),
+                "the tombstone is exchanged in"
+            );
+            let (seen, latest) = (store.snapshot("s1"), store.latest_commit("s1"));
+            go_tx.send(()).unwrap();
+            let r = destroyer.join().unwrap();
+            let seen = seen.unwrap();
+            assert_eq!((seen.version, &seen.state), (1, &n_state(1)));
+            assert_eq!(latest.unwrap(), (1, Some("j1".to_string())));
+            assert_eq!(r.is_err(), fails, "{r:?}");
+        });
+        if fails {
+            let seen = store.snapshot("s1").unwrap();
+            assert_eq!((seen.version, &seen.state), (1, &n_state(1)));
+        } else {
+            assert!(matches!(
+                store.snapshot("s1"),
+                Err(SessionError::Destroyed(_))
+            ));
+        }
+    }
+    assert_eq!(
+        names_in(&dir.path().join("sessions")),
+        vec!["s1.json".to_string()]
+    );
+}

@@ -1273,6 +1273,23 @@ async fn a_disk_error_at_a_session_create_or_destroy_leaves_the_session_as_it_wa
     session_change_with_a_disk_error(true).await;
 }
 
+/// The kinds of the audit events after `allow` and `start` of the last call of `tool`.
+fn last_word(d: &Daemon, tool: &str) -> Vec<String> {
+    let events = audit_events(d);
+    let job = events
+        .iter()
+        .rev()
+        .find(|e| e["tool"] == tool)
+        .map(|e| e["job"].clone())
+        .unwrap_or_else(|| panic!("no {tool} call in the audit log"));
+    events
+        .iter()
+        .filter(|e| e["job"] == job)
+        .map(|e| e["kind"].as_str().unwrap_or("").to_string())
+        .filter(|k| k != "allow" && k != "start")
+        .collect()
+}
+
 /// A new daemon dir, owned by nobody and the daemon run as nobody if `unprivileged`.
 fn daemon_as(unprivileged: bool) -> Daemon {
     let mut d = Daemon::new();
@@ -1319,6 +1336,10 @@ async fn session_change_with_a_disk_error(unprivileged: bool) {
     d.stop();
     let names = tree_names(&d.state.join("sessions"));
     assert!(names.is_empty(), "a failed create left {names:?}");
+    assert_eq!(
+        last_word(&d, "session_create"),
+        ["commit", "error", "rollback"]
+    );
     d.env.clear();
     d.start();
     let c = d.client().await;
@@ -1344,6 +1365,10 @@ async fn session_change_with_a_disk_error(unprivileged: bool) {
     assert!(!is_error(&r), "{r}");
     let r = call(&c, "session_destroy", json!({"session": "s"})).await;
     assert_eq!(code(&r), "STATE_ERROR", "{r}");
+    assert_eq!(
+        last_word(&d, "session_destroy"),
+        ["commit", "error", "rollback"]
+    );
     let r = call(&c, "session_get", json!({"session": "s"})).await;
     assert_eq!(r["structuredContent"]["state"], json!({"k": 1}), "{r}");
     drop(c);
