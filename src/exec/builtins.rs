@@ -117,7 +117,8 @@ impl Executor {
                     }
                     Ok(ToolReply::ok(format!("created session {id}"), view(&snap)))
                 };
-                Run::started(None, created())
+                // Off the async threads: its commit event and its file are fsynced.
+                Run::started(None, tokio::task::block_in_place(created))
             }
             BuiltinCall::Destroy { session: id } => {
                 let queued = async {
@@ -142,13 +143,12 @@ impl Executor {
                             ran: cx.call.ran(),
                         },
                     )?;
-                    // Off the async threads: its tombstone and the dir are fsynced.
-                    tokio::task::block_in_place(|| self.sessions.destroy(guard))?;
+                    self.sessions.destroy(guard)?;
                     // Its undo data goes with it (a crash first leaves it for the next start,
                     // which removes every session's but the live ones' latest commits').
-                    if let Err(e) = tokio::task::block_in_place(|| {
+                    if let Err(e) =
                         crate::publish::undo::drop_generations(&self.workspace, &id, None)
-                    }) {
+                    {
                         tracing::warn!(session = %id, error = %crate::report::chain(&e), "cannot remove the destroyed session's undo data; the next start will");
                     }
                     Ok(ToolReply::ok(
@@ -156,7 +156,9 @@ impl Executor {
                         json!({"id": id, "destroyed": true}),
                     ))
                 };
-                Run::started(None, destroyed())
+                // Off the async threads: its commit event and its tombstone are fsynced,
+                // its undo data removed.
+                Run::started(None, tokio::task::block_in_place(destroyed))
             }
             BuiltinCall::Get { session: id } => {
                 // The state is read from its file into memory: a call slot bounds how many

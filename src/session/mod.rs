@@ -143,6 +143,8 @@ impl SessionGuard {
 pub struct SessionStore {
     dir: PathBuf,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
+    /// Ids whose create is writing their file (not yet live); taken after `sessions`.
+    creating: Mutex<std::collections::HashSet<String>>,
     /// Each owner's live sessions and state bytes (recounted from the files at open).
     usage: Mutex<HashMap<u32, Usage>>,
     limits: SessionLimits,
@@ -244,6 +246,7 @@ impl SessionStore {
         Ok(SessionStore {
             dir,
             sessions: Mutex::new(sessions),
+            creating: Mutex::default(),
             usage: Mutex::new(usage),
             limits: SessionLimits::default(),
             dir_sync: DirSync::default(),
@@ -408,27 +411,34 @@ impl SessionStore {
         owner: u32,
     ) -> Result<Snapshot, SessionError> {
         check_id(id)?;
-        // Holding the map lock across the write keeps two creators of one id apart, and
-        // two creates of one owner from both taking its last room.
-        let mut sessions = lock(&self.sessions);
-        if let Some(s) = sessions.get(id) {
-            if s.undecided.load(Ordering::SeqCst) {
-                return Err(SessionError::Blocked(id.to_string()));
-            }
-            return Err(SessionError::Exists(id.to_string()));
-        }
-        if self.tombstone(id)?.is_some() {
-            return Err(SessionError::Destroyed(id.to_string()));
-        }
         let bytes = state_bytes(&state);
         {
+            // The id is claimed and its owner's room taken under the map lock, which is not
+            // held across the file's write and fsyncs: a slow disk holds up this create,
+            // not every call on other sessions.
+            let sessions = lock(&self.sessions);
+            if let Some(s) = sessions.get(id) {
+                if s.undecided.load(Ordering::SeqCst) {
+                    return Err(SessionError::Blocked(id.to_string()));
+                }
+                return Err(SessionError::Exists(id.to_string()));
+            }
+            let mut creating = lock(&self.creating);
+            if creating.contains(id) {
+                return Err(SessionError::Exists(id.to_string()));
+            }
+            // Not live: any destroy of it is over, its tombstone on disk.
+            if self.tombstone(id)?.is_some() {
+                return Err(SessionError::Destroyed(id.to_string()));
+            }
             let mut usage = lock(&self.usage);
             let u = usage.entry(owner).or_default();
             self.quota_for_create(id, bytes, owner, *u)?;
-            // Counted before the write (under the map lock, so no other create of this
-            // owner runs), given back if it fails.
+            // Counted before the write (so that two creates of one owner cannot both take
+            // its last room), given back if it fails.
             u.sessions += 1;
             u.bytes = u.bytes.saturating_add(bytes);
+            creating.insert(id.to_string());
         }
         let snap = Snapshot {
             id: id.to_string(),
@@ -442,24 +452,31 @@ impl SessionStore {
             owner: snap.owner,
             bytes,
         };
-        if let Err(e) = self.persist_created(&snap) {
-            if let SessionError::Undecided { .. } = e {
-                // It may be on disk: its id stays taken, and counted, but blocked until
-                // the next start reads what is there.
+        let made = self.persist_created(&snap);
+        let mut sessions = lock(&self.sessions);
+        lock(&self.creating).remove(id);
+        match made {
+            Ok(()) => {
+                sessions.insert(id.to_string(), Arc::new(Session::new(meta)));
+                Ok(snap)
+            }
+            Err(e @ SessionError::Undecided { .. }) => {
+                // It may be on disk: its id stays taken, and counted, but blocked until the
+                // next start reads what is there.
                 let session = Session::new(meta);
                 session.undecided.store(true, Ordering::SeqCst);
                 sessions.insert(id.to_string(), Arc::new(session));
-                return Err(e);
+                Err(e)
             }
-            let mut usage = lock(&self.usage);
-            if let Some(u) = usage.get_mut(&owner) {
-                u.sessions = u.sessions.saturating_sub(1);
-                u.bytes = u.bytes.saturating_sub(bytes);
+            Err(e) => {
+                let mut usage = lock(&self.usage);
+                if let Some(u) = usage.get_mut(&owner) {
+                    u.sessions = u.sessions.saturating_sub(1);
+                    u.bytes = u.bytes.saturating_sub(bytes);
+                }
+                Err(e)
             }
-            return Err(e);
         }
-        sessions.insert(id.to_string(), Arc::new(Session::new(meta)));
-        Ok(snap)
     }
 
     /// Whether `owner` may create session `id` with `state` now: the id is not destroyed

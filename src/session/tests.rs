@@ -826,3 +826,53 @@ async fn a_reader_sees_no_tombstone_before_the_destroy_is_durable_nor_one_that_i
         vec!["s1.json".to_string()]
     );
 }
+
+#[test]
+fn a_create_waiting_on_its_fsync_holds_up_no_other_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(SessionStore::open(dir.path()).unwrap());
+    store.create("s2", n_state(2), 7).unwrap();
+    // The create of s1 stops inside the fsync of the dir (a slow disk), its file renamed.
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    lock(&store.dir_sync.state).pause = Some(Box::new(move || {
+        entered_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+    }));
+    let creator = {
+        let store = Arc::clone(&store);
+        std::thread::spawn(move || store.create("s1", n_state(1), 7))
+    };
+    entered_rx.recv().unwrap();
+    // Meanwhile, on another thread: s2 is read, listed and its usage counted; s1 is not
+    // live yet, and a second create of it is refused (not queued behind the first).
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    let reader = {
+        let store = Arc::clone(&store);
+        std::thread::spawn(move || {
+            let snap = store.snapshot("s2").map(|s| (s.version, s.state));
+            let listed: Vec<String> = store.list().into_iter().map(|m| m.id).collect();
+            let again = store.create("s1", n_state(9), 7);
+            seen_tx
+                .send((snap, listed, store.is_live("s1"), again, store.usage(7)))
+                .unwrap();
+        })
+    };
+    let seen = seen_rx.recv_timeout(std::time::Duration::from_secs(20));
+    go_tx.send(()).unwrap();
+    let (snap, listed, live, again, usage) =
+        seen.expect("a read of another session waited for a create's fsync");
+    reader.join().unwrap();
+    assert_eq!(snap.unwrap(), (0, n_state(2)));
+    assert_eq!(listed, ["s2"]);
+    assert!(!live);
+    assert!(matches!(again, Err(SessionError::Exists(_))), "{again:?}");
+    assert_eq!(
+        usage.sessions, 2,
+        "the create's room is taken before its write"
+    );
+    creator.join().unwrap().unwrap();
+    let snap = store.snapshot("s1").unwrap();
+    assert_eq!((snap.version, snap.state), (0, n_state(1)));
+    assert_eq!(store.usage(7).sessions, 2);
+}
