@@ -157,6 +157,19 @@ pub(super) async fn serve(
             return Exit::Error;
         }
     };
+    // Installed before the socket is bound: a client can connect as soon as it listens
+    // (before any accept), and a SIGTERM sent then must not find the default action, which
+    // would kill the daemon and leave its socket file.
+    let signals = match Signals::install() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!(
+                "airlock: cannot install signal handlers: {}",
+                crate::report::chain(&e)
+            );
+            return Exit::Error;
+        }
+    };
     let d = &policy.daemon;
     // Socket-activated: systemd owns the socket file (mode, group, removal); otherwise the
     // daemon binds it and removes it at exit.
@@ -195,17 +208,6 @@ pub(super) async fn serve(
     let socket_path = d.socket.clone();
     let shutdown_timeout = d.shutdown_timeout;
     drop(policy);
-    // Installed before the first client can connect, so no signal finds the default action.
-    let signals = match Signals::install() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!(
-                "airlock: cannot install signal handlers: {}",
-                crate::report::chain(&e)
-            );
-            return Exit::Error;
-        }
-    };
     // Policies loaded, recovery done, the socket listening: ready.
     notify.ready(&status_line(&exec));
     let reload = Reload {
