@@ -7,13 +7,15 @@ use super::lock;
 
 /// Group commit of the sessions dir: every commit renames its own file into place, then
 /// needs the dir fsynced. Concurrent commits share one fsync: a commit returns once an fsync
-/// of the dir that began after its rename has succeeded, and while one runs, the commits
+/// of the dir that began after its rename has ended, and while one runs, the commits
 /// renamed meanwhile wait for the next one, which one of them runs for all.
 ///
-/// A failed fsync fails every commit it was to cover, not only its runner's: an fsync after
-/// it could succeed without having written anything (a failed writeback leaves its blocks
-/// clean, and a fresh descriptor is not told of an error another one was), so none of those
-/// renames may be taken as durable.
+/// Runs are one at a time, so each covers a range of tickets (the renames since the run
+/// before it began), and a rename's fate is its covering run's, whatever ran later: a failed
+/// fsync fails every commit it was to cover, not only its runner's, and a later fsync that
+/// succeeds does not vouch for them (a failed writeback leaves its blocks clean, and a fresh
+/// descriptor is not told of an error another one was, so that fsync may have written
+/// nothing of those renames).
 #[derive(Default)]
 pub struct DirSync {
     pub(super) state: Mutex<SyncState>,
@@ -24,21 +26,47 @@ pub struct DirSync {
 pub(super) struct SyncState {
     /// Renames done so far (each commit's ticket).
     pub(super) renamed: u64,
-    /// Every rename up to this ticket is durable.
-    pub(super) durable: u64,
+    /// Every rename up to this ticket was covered by a run that has ended.
+    pub(super) covered: u64,
     /// An fsync of the dir is running.
     pub(super) running: bool,
-    /// Every rename up to this ticket, and after `durable`, was covered by an fsync that
-    /// failed.
-    pub(super) failed: u64,
-    /// The errno of that fsync (EIO if it had none).
-    pub(super) errno: i32,
+    /// The ranges of tickets (after `.0`, up to `.1`) whose covering run failed, with its
+    /// errno (EIO if it had none); a range goes once no ticket in it is waiting.
+    pub(super) failed: Vec<(u64, u64, i32)>,
+    /// Tickets not yet returned.
+    waiting: std::collections::BTreeSet<u64>,
     /// Runs a test makes fail (EIO), in place of running them.
     #[cfg(test)]
     pub(super) fail_next: u32,
     /// A test's pause inside the next run, before its fsync (the state unlocked).
     #[cfg(test)]
     pub(super) pause: Option<Box<dyn FnOnce() + Send>>,
+    /// A test's pause of the ticket it names, once woken, before it looks at the state
+    /// (the state unlocked): a waiter the scheduler is slow to run.
+    #[cfg(test)]
+    pub(super) slow_waiter: Option<(u64, Box<dyn FnOnce() + Send>)>,
+}
+
+impl SyncState {
+    /// The fate of ticket `mine` once a run covering it has ended: the errno of its
+    /// covering run if that failed.
+    fn fate(&self, mine: u64) -> Result<(), i32> {
+        match self
+            .failed
+            .iter()
+            .find(|(after, upto, _)| *after < mine && mine <= *upto)
+        {
+            Some((_, _, errno)) => Err(*errno),
+            None => Ok(()),
+        }
+    }
+
+    /// Ticket `mine` returns: failed ranges no waiting ticket is in are forgotten.
+    fn leave(&mut self, mine: u64) {
+        self.waiting.remove(&mine);
+        let lowest = self.waiting.first().copied().unwrap_or(u64::MAX);
+        self.failed.retain(|(_, upto, _)| *upto >= lowest);
+    }
 }
 
 impl DirSync {
@@ -48,17 +76,16 @@ impl DirSync {
         let mut s = lock(&self.state);
         s.renamed += 1;
         let mine = s.renamed;
+        s.waiting.insert(mine);
         loop {
-            if s.durable >= mine {
-                return Ok(());
-            }
-            if s.failed >= mine {
-                // The fsync that was to cover this rename failed (another commit ran it).
-                return Err(std::io::Error::from_raw_os_error(s.errno));
+            if s.covered >= mine {
+                let fate = s.fate(mine);
+                s.leave(mine);
+                return fate.map_err(std::io::Error::from_raw_os_error);
             }
             if !s.running {
                 // Every ticket up to `upto` has finished its rename: this fsync covers them.
-                let upto = s.renamed;
+                let (after, upto) = (s.covered, s.renamed);
                 s.running = true;
                 #[cfg(test)]
                 let fail = s.fail_next > 0;
@@ -85,18 +112,25 @@ impl DirSync {
                 };
                 s = lock(&self.state);
                 s.running = false;
-                match &r {
-                    Ok(()) => s.durable = s.durable.max(upto),
-                    Err(e) => {
-                        s.failed = s.failed.max(upto);
-                        s.errno = e.raw_os_error().unwrap_or(libc::EIO);
-                    }
+                s.covered = upto;
+                if let Err(e) = &r {
+                    let errno = e.raw_os_error().unwrap_or(libc::EIO);
+                    s.failed.push((after, upto, errno));
                 }
                 self.synced.notify_all();
-                r?;
                 continue;
             }
             s = self.synced.wait(s).unwrap_or_else(|p| p.into_inner());
+            #[cfg(test)]
+            if let Some(slow) = s.slow_waiter.take() {
+                if slow.0 == mine {
+                    drop(s);
+                    (slow.1)();
+                    s = lock(&self.state);
+                } else {
+                    s.slow_waiter = Some(slow);
+                }
+            }
         }
     }
 }

@@ -27,7 +27,8 @@ async fn concurrent_commits_through_the_group_dir_sync_all_persist() {
     });
     let sync = lock(&store.dir_sync.state);
     assert_eq!(sync.renamed, 16 + 16 * 20, "one ticket per write");
-    assert_eq!(sync.durable, sync.renamed, "every write made durable");
+    assert_eq!(sync.covered, sync.renamed, "every write made durable");
+    assert!(sync.failed.is_empty());
     assert!(!sync.running);
     drop(sync);
     drop(guards);
@@ -712,11 +713,60 @@ fn a_failed_dir_fsync_fails_every_rename_it_was_to_cover() {
         assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e:?}");
     }
     let s = lock(&sync.state);
-    assert_eq!((s.renamed, s.durable, s.failed), (3, 1, 3));
+    assert_eq!((s.renamed, s.covered), (3, 3));
+    assert!(s.failed.is_empty(), "forgotten once no ticket in it waits");
     drop(s);
     // A rename after the failure is covered by a run of its own.
     sync.after_rename(dir.path()).unwrap();
-    assert_eq!(lock(&sync.state).durable, 4);
+    assert_eq!(lock(&sync.state).covered, 4);
+}
+
+#[test]
+fn a_rename_whose_covering_fsync_failed_is_not_vouched_for_by_a_later_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let sync = Arc::new(DirSync::default());
+    let path = dir.path().to_path_buf();
+    let rename = |sync: &Arc<DirSync>| {
+        let (sync, path) = (Arc::clone(sync), path.clone());
+        std::thread::spawn(move || sync.after_rename(&path))
+    };
+    // Run 1 (ticket 1) waits until ticket 2 has renamed and waits behind it; it succeeds.
+    // Ticket 2, woken, is slow to run (the scheduler): meanwhile run 2 covers tickets 2 and
+    // 3 and fails, then run 3 covers ticket 4 and succeeds. Ticket 2's fate is run 2's.
+    let watched = Arc::clone(&sync);
+    let (slow_tx, slow_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    {
+        let mut s = lock(&sync.state);
+        s.pause = Some(Box::new(move || {
+            while lock(&watched.state).renamed < 2 {
+                std::thread::yield_now();
+            }
+        }));
+        s.slow_waiter = Some((
+            2,
+            Box::new(move || {
+                slow_tx.send(()).unwrap();
+                go_rx.recv().unwrap();
+            }),
+        ));
+    }
+    let first = rename(&sync);
+    while lock(&sync.state).renamed < 1 {
+        std::thread::yield_now();
+    }
+    let second = rename(&sync);
+    slow_rx.recv().unwrap();
+    first.join().unwrap().unwrap();
+    lock(&sync.state).fail_next = 1;
+    let third = rename(&sync).join().unwrap();
+    assert_eq!(third.unwrap_err().raw_os_error(), Some(libc::EIO));
+    rename(&sync).join().unwrap().unwrap();
+    assert_eq!(lock(&sync.state).covered, 4);
+    go_tx.send(()).unwrap();
+    let e = second.join().unwrap().unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e:?}");
+    assert!(lock(&sync.state).failed.is_empty());
 }
 
 #[tokio::test]
