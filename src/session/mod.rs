@@ -268,20 +268,10 @@ impl SessionStore {
     /// The owner recorded in the tombstone of `id`, if `id` was destroyed (`Ok(None)` if
     /// there is no tombstone; `Ok(Some(None))` a tombstone from before owners were recorded).
     fn tombstone(&self, id: &str) -> Result<Option<Option<u32>>, SessionError> {
-        let path = self.path(id);
-        match std::fs::symlink_metadata(&path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => {
-                return Err(SessionError::Io {
-                    op: "stat",
-                    path,
-                    source,
-                })
-            }
-            Ok(_) => {}
-        }
-        let file = read_file(&path)?;
-        Ok(file.destroyed.then_some(file.owner))
+        // One read, no stat first: a file a failed create removes again between the two
+        // would read as an I/O error, not as no tombstone.
+        let file = existing(read_file(&self.path(id)))?;
+        Ok(file.and_then(|f| f.destroyed.then_some(f.owner)))
     }
 
     fn path(&self, id: &str) -> PathBuf {
