@@ -327,9 +327,21 @@ impl Job {
                     )
                 }),
             };
-            // The mode (0700 under umask) already is right; only the owner changes. The job
-            // dir (0711) lets the worker through, nobody else in.
-            give(fd.as_fd(), STAGE, &stage)?;
+            // The job dir (0711) lets the worker through, nobody else in. The staging dir
+            // stays the daemon's, with the worker's group and 0770: the worker writes in it
+            // (as its group) but cannot loosen its mode (not its owner), so no other uid
+            // reaches the slots beneath it by path, whatever the worker does to the slots it
+            // owns. A pooled dir serves later calls: nobody outside may ever have opened it.
+            if let Some((_, gid)) = spec.stage_owner {
+                mutate("publish.chown_stage", &stage, || {
+                    rustix::fs::fchown(
+                        stage_fd.as_fd(),
+                        None,
+                        Some(rustix::process::Gid::from_raw(gid)),
+                    )?;
+                    rustix::fs::fchmod(stage_fd.as_fd(), Mode::from_raw_mode(0o770))
+                })?;
+            }
             let mut targets = Vec::with_capacity(spec.targets.len());
             let mut trees = Vec::with_capacity(spec.targets.len());
             for (i, target) in spec.targets.iter().enumerate() {

@@ -918,9 +918,12 @@ async fn a_hostile_workers_staging_dir_reaches_the_next_call_clean() {
             )
             .await;
             assert!(!is_error(&r), "[{profile}, {who}] {r}");
+            // The staging dir is the daemon's with the worker's group (0770) for a worker
+            // under a uid of its own, the daemon's own (0700) for one under its uid.
+            let stage_mode = if nobody { 700 } else { 770 };
             assert_eq!(
-                d.read("v.txt").as_deref(),
-                Some(".:\n0\n\n0:\n700 .\n700 0\n"),
+                d.read("v.txt"),
+                Some(format!(".:\n0\n\n0:\n{stage_mode} .\n700 0\n")),
                 "[{profile}, {who}]"
             );
             let idle = d.idle_job_dirs();
@@ -939,6 +942,93 @@ async fn a_hostile_workers_staging_dir_reaches_the_next_call_clean() {
             );
             d.assert_audit_verifies(&format!("[{profile}, {who}]"));
         }
+    }
+}
+
+/// A worker under a uid of its own cannot open its staging dirs up to another uid: it may
+/// loosen the modes of the slots it owns, but the staging dir above them is the daemon's
+/// (with the worker's group, 0770), so no other uid reaches them by path, and none can hold
+/// a descriptor of a dir that the pool hands to a later call. Checked while publication is
+/// held (a failpoint pause), as `nobody`, with every dir above the job dir searchable.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_outsider_cannot_reach_a_workers_staging_dir_even_if_the_worker_opens_it_up() {
+    require_root();
+    require_program("/usr/bin/setpriv", "util-linux");
+    let opener = "chmod 0755 0; chmod 0755 . 2>/dev/null; echo \"chmod of .: $?\" > \"$1\"; \
+                  stat -c '%a %u %g' . >> \"$1\"";
+    for profile in PROFILES {
+        let mut d = daemon(profile);
+        let mark = d.pause_at_failpoint("publish.journal_write", 1);
+        // Every dir above the job dir searchable by others (checked below): only the
+        // staging dir's own mode can keep an outsider out.
+        let mut m = std::fs::metadata(d.dir.path()).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut m, 0o711);
+        std::fs::set_permissions(d.dir.path(), m).unwrap();
+        d.start();
+        let c = d.client().await;
+        session(&c, "h").await;
+        let pending = {
+            let c = d.client().await;
+            tokio::spawn(async move {
+                call(
+                    &c,
+                    "hs",
+                    json!({"session": "h", "script": opener, "out": "h.txt"}),
+                )
+                .await
+            })
+        };
+        wait_until("publication to stop before its journal", || mark.exists()).await;
+        let jobs = d.job_dirs();
+        assert_eq!(jobs.len(), 1, "[{profile}] {jobs:?}");
+        let stage = d.workspace.join(&jobs[0]).join("stage");
+        assert!(
+            reachable_by_others(&stage),
+            "[{profile}] the test needs every dir above the staging dir searchable"
+        );
+        let as_nobody = |args: &[&str]| {
+            std::process::Command::new("/usr/bin/setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+                .args(args)
+                .output()
+                .unwrap()
+        };
+        // The outsider reaches the job dir's entries, not what is beneath the staging dir.
+        let seen = as_nobody(&["stat", "-c", "%a %u", &stage.display().to_string()]);
+        assert!(seen.status.success(), "[{profile}] {seen:?}");
+        let slot = stage.join("0");
+        for target in [&stage, &slot] {
+            let listed = as_nobody(&["ls", "-A", &target.display().to_string()]);
+            assert!(
+                !listed.status.success(),
+                "[{profile}] nobody listed {}: {}",
+                target.display(),
+                String::from_utf8_lossy(&listed.stdout)
+            );
+            assert!(
+                String::from_utf8_lossy(&listed.stderr).contains("Permission denied"),
+                "[{profile}] {listed:?}"
+            );
+        }
+        let st = std::fs::metadata(&stage).unwrap();
+        assert_eq!(st.mode() & 0o7777, 0o770, "[{profile}]");
+        assert_eq!(st.uid(), 0, "[{profile}] the daemon's");
+        assert_ne!(st.gid(), 0, "[{profile}] the worker's group");
+        assert_eq!(
+            std::fs::metadata(&slot).unwrap().mode() & 0o777,
+            0o755,
+            "[{profile}] the worker opened its slot up"
+        );
+        std::fs::remove_file(&mark).unwrap();
+        let r = pending.await.unwrap();
+        assert!(!is_error(&r), "[{profile}] {r}");
+        let said = d.read("h.txt").unwrap_or_default();
+        assert!(
+            said.starts_with("chmod of .: 1\n770 0 "),
+            "[{profile}] the worker could not loosen the staging dir: {said}"
+        );
+        d.stop();
+        d.assert_audit_verifies(&format!("[{profile}] an outsider and a staging dir"));
     }
 }
 
