@@ -577,7 +577,7 @@ impl Job {
         // `publishing_outputs` journal left behind would make recovery ask the session again,
         // after later commits of it no longer record this job. If it cannot be blanked, it
         // is replaced by a `committed` one, and the dir left for startup recovery.
-        match self.blank_journal(true) {
+        match self.blank_journal() {
             Ok(()) => {
                 if let Err(e) = self.retire() {
                     tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not remove the job dir; startup recovery will");
@@ -607,21 +607,23 @@ impl Job {
         Ok(())
     }
 
-    /// Blanks the journal, if one was written ([`Journal::blank`]): from then on the job dir
-    /// reads as "never published". `durable`: after a commit.
-    fn blank_journal(&self, durable: bool) -> Result<(), PublishError> {
+    /// Blanks the journal, if one was written ([`Journal::blank`], durably): from then on the
+    /// job dir reads as "never published".
+    fn blank_journal(&self) -> Result<(), PublishError> {
         match &self.journal_file {
-            Some(file) => Journal::blank(file, &self.dir.join(JOURNAL), durable),
+            Some(file) => Journal::blank(file, &self.dir.join(JOURNAL)),
             None => Ok(()),
         }
     }
 
     /// Ends a job whose targets are final (all-old after a rollback): the journal blanked
-    /// first, without fsync (a journal that comes back is harmless, its rollback by
-    /// identity being idempotent), so that a job dir left half-removed reads as "never
-    /// published"; then the dir set aside or removed.
+    /// and made durable first, so that a job dir left half-removed reads as "never
+    /// published"; then the dir set aside or removed. The blank must be durable: a journal
+    /// that came back after a power loss would be rolled back again by identity, and the
+    /// inode numbers of the rolled-back new files are free for the files of later calls
+    /// (a later commit of the same target could take the very number its journal names).
     fn remove_dir(&self) -> Result<(), PublishError> {
-        self.blank_journal(false)?;
+        self.blank_journal()?;
         self.retire()
     }
 

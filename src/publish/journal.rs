@@ -204,12 +204,12 @@ impl Journal {
     /// Blanks the job's journal `file` (at `path`) once its targets are settled: `null`
     /// written over it, padded to its length (cut to nothing first if it is longer than a
     /// block: see the module doc), so that what remains of the dir reads as "never
-    /// published" and the file can carry the next job's journal. `durable`: made durable
-    /// (after a commit: under the session's lock, a `publishing_outputs` journal left behind
-    /// would make recovery ask the session again after later commits no longer record the
-    /// job; after a rollback a journal that comes back is harmless, its rollback by identity
-    /// being idempotent).
-    pub fn blank(file: &std::fs::File, path: &Path, durable: bool) -> Result<(), PublishError> {
+    /// published" and the file can carry the next job's journal. Made durable, after a
+    /// commit (under the session's lock: a `publishing_outputs` journal left behind would
+    /// make recovery ask the session again after later commits no longer record the job) as
+    /// after a rollback (a journal that came back after a power loss would be rolled back
+    /// again by identity, when the inode numbers it names may be later calls' files).
+    pub fn blank(file: &std::fs::File, path: &Path) -> Result<(), PublishError> {
         mutate("publish.journal_blank", path, || {
             let len = rustix::fs::fstat(file)?.st_size.max(0) as u64;
             match blank_marker(len) {
@@ -220,11 +220,9 @@ impl Journal {
                 }
             }
         })?;
-        if durable {
-            mutate("publish.fsync_journal_blank", path, || {
-                rustix::fs::fdatasync(file)
-            })?;
-        }
+        mutate("publish.fsync_journal_blank", path, || {
+            rustix::fs::fdatasync(file)
+        })?;
         Ok(())
     }
 

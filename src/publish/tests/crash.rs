@@ -143,6 +143,29 @@ fn failpoints_of_a_typical_call_are_named_and_ordered() {
 /// Crash at every point of the call (nothing after it happens, not even the in-process
 /// rollback), then recover: all-old or all-new by the session, no job dir, and a second
 /// recovery is a no-op.
+/// A call that fails after its journal was written makes the journal's blank durable
+/// before its dir is set aside or removed: its rollback by identity must never run again
+/// after a power loss, when the inode numbers of its rolled-back files may be a later
+/// call's.
+#[test]
+fn a_failed_call_makes_its_journal_blank_durable_before_its_dir_goes() {
+    let s = Scenario::new();
+    testsim::arm(Mode::Off);
+    let r = s.run(false);
+    let names = testsim::disarm();
+    assert!(r.is_err(), "the commit was refused");
+    assert_eq!(snapshot(s.root()), old_state());
+    let blank = names
+        .iter()
+        .position(|n| *n == "publish.journal_blank")
+        .unwrap_or_else(|| panic!("no blank: {names:?}"));
+    assert_eq!(
+        names.get(blank + 1),
+        Some(&"publish.fsync_journal_blank"),
+        "{names:?}"
+    );
+}
+
 #[test]
 fn crash_at_every_point_then_recover() {
     let old = old_state();

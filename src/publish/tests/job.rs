@@ -111,9 +111,15 @@ fn published_outputs_are_sealed() {
     s.modes = vec![Some(crate::policy::DEFAULT_OUTPUT_MODE), Some(0o755)];
     s.stage_owner = Some((60999, 60999));
     let job = Job::create(&ws, s).unwrap();
-    // The staging dirs are the worker's; the job dir lets it through, nobody else in.
+    // The staging dir is the daemon's, with the worker's group (0770: the worker writes in
+    // it, cannot open it up); its slots are the worker's; the job dir lets the worker
+    // through, nobody else in.
     let stage_meta = fs::metadata(job.stage_dir()).unwrap();
-    assert_eq!((stage_meta.uid(), stage_meta.gid()), (60999, 60999));
+    let euid = rustix::process::geteuid().as_raw();
+    assert_eq!((stage_meta.uid(), stage_meta.gid()), (euid, 60999));
+    assert_eq!(stage_meta.mode() & 0o7777, 0o770);
+    let slot_meta = fs::metadata(job.staged_path(0).parent().unwrap()).unwrap();
+    assert_eq!((slot_meta.uid(), slot_meta.gid()), (60999, 60999));
     assert_eq!(fs::metadata(job.dir()).unwrap().mode() & 0o777, 0o711);
     for i in 0..2 {
         let p = job.staged_path(i);
