@@ -51,7 +51,19 @@ pub enum JobError {
         #[source]
         source: serde_json::Error,
     },
+    /// A pending record cannot be settled: its session cannot say whether the job committed.
+    #[error("cannot settle the pending record of job {job}: its session {session:?} cannot say whether it committed")]
+    Settle {
+        job: String,
+        session: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
+
+/// Whether session `.0` records job `.1` as its last commit, or why it cannot say.
+pub type CommittedBySession<'a> =
+    &'a dyn Fn(&str, &str) -> Result<bool, Box<dyn std::error::Error + Send + Sync>>;
 
 /// Why an idempotency key was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -338,7 +350,7 @@ impl JobStore {
         state_dir: &Path,
         ttl: Duration,
         per_uid: usize,
-        committed: &dyn Fn(&str, &str) -> bool,
+        committed: CommittedBySession<'_>,
     ) -> Result<JobStore, JobError> {
         let dir = state_dir.join("jobs");
         crate::fsutil::create_private_dir(&dir).map_err(|source| JobError::Io {
@@ -364,12 +376,14 @@ impl JobStore {
         let now = now_ms();
         for entry in entries.flatten() {
             let path = entry.path();
-            let Some(job) = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| n.strip_suffix(".json"))
-                .map(str::to_string)
-            else {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if name.starts_with('.') && name.ends_with(".json.tmp") {
+                // A settle's replacement that a crash cut short: the record it was to
+                // replace is still there, pending.
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let Some(job) = name.strip_suffix(".json").map(str::to_string) else {
                 continue;
             };
             let mut rec = match read_record(&path) {
@@ -378,7 +392,14 @@ impl JobStore {
                     if mark == PENDING {
                         // A crash between the record and the end of its call: the session
                         // file says whether it committed, as recovery decided.
-                        if committed(&rec.session, &rec.job) {
+                        let said = committed(&rec.session, &rec.job).map_err(|source| {
+                            JobError::Settle {
+                                job: rec.job.clone(),
+                                session: rec.session.clone(),
+                                source,
+                            }
+                        })?;
+                        if said {
                             rec.state = JobState::Committed;
                         } else {
                             rec.state = JobState::RolledBack;
@@ -388,13 +409,11 @@ impl JobStore {
                         }
                         rec.recovered = true;
                         rec.ended_ms.get_or_insert(now);
-                        store.write(&rec, TERMINAL)?.sync_data().map_err(|source| {
-                            JobError::Io {
-                                op: "fsync",
-                                path: path.clone(),
-                                source,
-                            }
-                        })?;
+                        // Replaced whole (a temp file, fsynced, renamed over it), never
+                        // rewritten in place: a crash meanwhile leaves the pending record,
+                        // settled again at the next start, not a torn one that would lose a
+                        // committed call's key and result.
+                        store.replace(&rec, TERMINAL)?;
                     } else if mark == COMMITTED {
                         rec.state = JobState::Committed;
                     }
@@ -537,9 +556,12 @@ impl JobStore {
     }
 
     /// The call committed (after the commit point, under its session lock): its record is
-    /// marked so, durably if `durable`, and indexed. A failure is logged: the record stays
-    /// pending, which the next start settles by the session file.
-    pub fn committed(&self, rec: &JobRecord, durable: bool) {
+    /// marked so, durably if `durable`, and indexed. Returns whether it is marked: if not,
+    /// the record stays pending, which the next start settles by the session file, so the
+    /// caller keeps any later commit of the session from coming first (a later one would
+    /// make the session no longer record this job, and the call read as rolled back).
+    #[must_use]
+    pub fn committed(&self, rec: &JobRecord, durable: bool) -> bool {
         let path = self.path(&rec.job);
         let marked = crate::failpoint::hit("jobs.mark_committed")
             .and_then(|()| std::fs::OpenOptions::new().write(true).open(&path))
@@ -550,10 +572,11 @@ impl JobStore {
                 }
                 Ok(())
             });
-        if let Err(e) = marked {
-            tracing::warn!(job = %rec.job, path = %path.display(), error = %e, "cannot mark the job record committed; the next start settles it by the session file");
+        if let Err(e) = &marked {
+            tracing::error!(job = %rec.job, path = %path.display(), error = %e, "cannot mark the job record committed; its session is blocked until the next start settles it by the session file");
         }
         self.settle(rec);
+        marked.is_ok()
     }
 
     /// A call ended without committing (failed, cancelled): its record is written (never
@@ -675,13 +698,34 @@ impl JobStore {
     }
 
     /// Writes the record (`mark`, then its JSON); returns the file, not synced.
+    /// Replaces the record of `rec` whole with `mark`: written to a temp file, fsynced,
+    /// renamed over it.
+    fn replace(&self, rec: &JobRecord, mark: u8) -> Result<(), JobError> {
+        let path = self.path(&rec.job);
+        let temp = crate::fsutil::temp_path(&self.inner.dir, &format!("{}.json", rec.job));
+        let bytes = encode(rec, mark)?;
+        let io = |op, source| JobError::Io {
+            op,
+            path: temp.clone(),
+            source,
+        };
+        crate::failpoint::hit("jobs.write").map_err(|e| io("write", e))?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&temp)
+            .map_err(|e| io("create", e))?;
+        f.write_all(&bytes).map_err(|e| io("write", e))?;
+        f.sync_data().map_err(|e| io("fsync", e))?;
+        std::fs::rename(&temp, &path).map_err(|e| io("rename", e))
+    }
+
     fn write(&self, rec: &JobRecord, mark: u8) -> Result<std::fs::File, JobError> {
         let path = self.path(&rec.job);
-        let mut bytes = vec![mark, b'\n'];
-        serde_json::to_writer(&mut bytes, rec).map_err(|source| JobError::Encode {
-            job: rec.job.clone(),
-            source,
-        })?;
+        let bytes = encode(rec, mark)?;
         let io = |op, source| JobError::Io {
             op,
             path: path.clone(),
@@ -699,6 +743,16 @@ impl JobStore {
         f.write_all(&bytes).map_err(|e| io("write", e))?;
         Ok(f)
     }
+}
+
+/// A record's bytes: its mark, a newline, its JSON.
+fn encode(rec: &JobRecord, mark: u8) -> Result<Vec<u8>, JobError> {
+    let mut bytes = vec![mark, b'\n'];
+    serde_json::to_writer(&mut bytes, rec).map_err(|source| JobError::Encode {
+        job: rec.job.clone(),
+        source,
+    })?;
+    Ok(bytes)
 }
 
 fn read_record(path: &Path) -> Option<(u8, JobRecord)> {
@@ -773,7 +827,10 @@ mod tests {
     fn pending_records_are_settled_by_the_commit_point() {
         let dir = tempfile::tempdir().unwrap();
         let open = |committed: bool| {
-            JobStore::open(dir.path(), Duration::from_secs(60), 10, &|_, _| committed).unwrap()
+            JobStore::open(dir.path(), Duration::from_secs(60), 10, &|_, _| {
+                Ok(committed)
+            })
+            .unwrap()
         };
         let s = open(false);
         s.prepare_commit(&rec("j1", Some("k"), JobState::Committed), true)
@@ -799,11 +856,78 @@ mod tests {
         assert!(matches!(s.claim(5, "s", "k3", "d", "j4"), Claim::Run(_)));
     }
 
+    /// A pending record whose session cannot be read is not settled: the start fails,
+    /// naming the job and the session, and the record stays pending on disk (not marked
+    /// rolled back for good); once the session answers, it is settled.
+    #[test]
+    fn a_pending_record_is_not_settled_when_its_session_cannot_say() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = JobStore::open(dir.path(), Duration::from_secs(60), 10, &|_, _| Ok(false)).unwrap();
+        s.prepare_commit(&rec("j1", Some("k"), JobState::Committed), true)
+            .unwrap();
+        drop(s);
+        let unreadable =
+            |_: &str, _: &str| -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
+                Err(Box::new(std::io::Error::from_raw_os_error(libc::EIO)))
+            };
+        let e = JobStore::open(dir.path(), Duration::from_secs(60), 10, &unreadable)
+            .err()
+            .expect("the start fails");
+        assert!(
+            matches!(&e, JobError::Settle { job, session, .. } if job == "j1" && session == "s"),
+            "{e:?}"
+        );
+        let on_disk = std::fs::read(dir.path().join("jobs/j1.json")).unwrap();
+        assert_eq!(on_disk[0], PENDING);
+        let s = JobStore::open(dir.path(), Duration::from_secs(60), 10, &|_, _| Ok(true)).unwrap();
+        assert_eq!(s.get("j1").unwrap().state, JobState::Committed);
+    }
+
+    /// Settling replaces a record whole (a new file renamed over it), never rewrites it in
+    /// place, and a replacement a crash cut short is removed at the next open.
+    #[test]
+    fn a_settled_record_replaces_the_pending_one_whole() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let s = JobStore::open(dir.path(), Duration::from_secs(60), 10, &|_, _| Ok(false)).unwrap();
+        s.prepare_commit(&rec("j1", Some("k"), JobState::Committed), true)
+            .unwrap();
+        drop(s);
+        let path = dir.path().join("jobs/j1.json");
+        let pending = std::fs::metadata(&path).unwrap().ino();
+        let cut_short = dir.path().join("jobs/.j0.json.tmp");
+        std::fs::write(&cut_short, b"T\n{").unwrap();
+        let s = JobStore::open(dir.path(), Duration::from_secs(60), 10, &|_, _| Ok(true)).unwrap();
+        assert_eq!(s.get("j1").unwrap().state, JobState::Committed);
+        assert_ne!(std::fs::metadata(&path).unwrap().ino(), pending);
+        assert_eq!(std::fs::read(&path).unwrap()[0], TERMINAL);
+        assert!(!cut_short.exists());
+        assert!(!dir.path().join("jobs/.j1.json.tmp").exists());
+    }
+
+    /// A committed record that cannot be marked says so to its caller (which blocks the
+    /// session).
+    #[test]
+    fn a_record_that_cannot_be_marked_committed_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = JobStore::open(dir.path(), Duration::from_secs(60), 10, &|_, _| Ok(false)).unwrap();
+        let r = rec("j1", Some("k"), JobState::Committed);
+        s.prepare_commit(&r, true).unwrap();
+        assert!(s.committed(&r, true));
+        let r2 = rec("j2", Some("k2"), JobState::Committed);
+        s.prepare_commit(&r2, true).unwrap();
+        // Its file replaced by a directory: the mark cannot be written.
+        let path = dir.path().join("jobs/j2.json");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(!s.committed(&r2, true));
+    }
+
     /// The bound per uid drops the oldest records first, their keys with them.
     #[test]
     fn the_oldest_records_go_first() {
         let dir = tempfile::tempdir().unwrap();
-        let s = JobStore::open(dir.path(), Duration::from_secs(60), 2, &|_, _| false).unwrap();
+        let s = JobStore::open(dir.path(), Duration::from_secs(60), 2, &|_, _| Ok(false)).unwrap();
         for (j, k) in [("a", "ka"), ("b", "kb"), ("c", "kc")] {
             s.ended(&rec(j, Some(k), JobState::Failed), true);
         }
@@ -824,7 +948,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
         std::fs::write(dir.path().join("jobs/j.json"), b"P\n{\"job\": \"j\", \"ui").unwrap();
-        let s = JobStore::open(dir.path(), Duration::from_secs(60), 2, &|_, _| true).unwrap();
+        let s = JobStore::open(dir.path(), Duration::from_secs(60), 2, &|_, _| Ok(true)).unwrap();
         assert!(s.get("j").is_none());
         assert!(!dir.path().join("jobs/j.json").exists());
     }

@@ -234,7 +234,13 @@ fn open_jobs(
     recovered: &[publish::Recovered],
 ) -> Result<crate::jobs::JobStore, StartupError> {
     use crate::jobs::{JobRecord, JobState, JobStore};
-    let committed = |s: &str, j: &str| sessions.committed(s, j).unwrap_or(false);
+    // A session that cannot be read settles nothing: the start fails, naming it, rather
+    // than marking a committed job rolled back for good.
+    let committed = |s: &str, j: &str| {
+        sessions
+            .committed(s, j)
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+    };
     let jobs = JobStore::open(
         &d.state_dir,
         d.idempotency_ttl,

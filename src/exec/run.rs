@@ -444,7 +444,9 @@ impl Executor {
         }
         if let Some(rec) = record {
             // Under the session lock still: no later commit of the session comes first.
-            tokio::task::block_in_place(|| self.jobs.committed(&rec, keyed));
+            if !tokio::task::block_in_place(|| self.jobs.committed(&rec, keyed)) {
+                self.sessions.block(&guard);
+            }
         }
         Ok(reply)
     }

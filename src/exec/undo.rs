@@ -188,7 +188,9 @@ impl Executor {
         }
         if let Some(r) = &record {
             // Under the session lock still: no later commit of the session comes first.
-            self.jobs.committed(r, keyed);
+            if !self.jobs.committed(r, keyed) {
+                self.sessions.block(guard);
+            }
         }
         reply.ok_or_else(|| CallError::Internal("an undo committed without a reply".into()).into())
     }

@@ -673,6 +673,13 @@ impl SessionStore {
         Ok(self.took(guard, reserved, staged.next))
     }
 
+    /// Blocks the session `guard` holds until the next start (every later lock and read
+    /// fails with [`SessionError::Blocked`]): what a later commit would decide cannot be
+    /// decided now (a committed job's record that could not be marked).
+    pub fn block(&self, guard: &SessionGuard) {
+        guard.session.undecided.store(true, Ordering::SeqCst);
+    }
+
     /// The store's memory after a commit of `next`, whose file is durable.
     fn took(&self, guard: &SessionGuard, mut reserved: Reserved<'_>, next: Snapshot) -> Snapshot {
         let cur = guard.meta();

@@ -1390,3 +1390,61 @@ async fn session_change_with_a_disk_error(unprivileged: bool) {
         "a session create and destroy with a disk error (unprivileged: {unprivileged})"
     ));
 }
+
+/// A committed call whose job record cannot be marked committed (a disk error) is
+/// answered as committed, and its session is blocked until the next start: a later commit
+/// of it would make the session no longer name the job, and the next start would settle
+/// the record as rolled back. Another session serves on; after a restart the record says
+/// committed and the session serves again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_committed_call_whose_record_cannot_be_marked_blocks_its_session_until_restart() {
+    let write = |text: &str| json!({"session": "s", "text": text, "out": "a.txt"});
+    let mut d = Daemon::new();
+    let log = d.dir.path().join("points.log");
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(&c, "write_text", write("one")).await;
+    assert!(!is_error(&r), "{r}");
+    drop(c);
+    d.stop();
+    let mark = nth_point(&log, "jobs.mark_committed", 0);
+
+    let mut d = Daemon::new();
+    d.env = vec![
+        ("AIRLOCK_FAILPOINT_ERROR_AT".into(), mark.to_string()),
+        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
+    ];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(&c, "write_text", write("one")).await;
+    assert!(!is_error(&r), "committed, and answered so: {r}");
+    let job = r["structuredContent"]["job"].as_str().unwrap().to_string();
+    assert_eq!(d.read("a.txt").as_deref(), Some("one"));
+    let r = call(&c, "write_text", write("two")).await;
+    assert_eq!(code(&r), "STATE_ERROR", "{r}");
+    assert_eq!(d.read("a.txt").as_deref(), Some("one"));
+    session(&c, "t").await;
+    let r = call(
+        &c,
+        "write_text",
+        json!({"session": "t", "text": "t", "out": "t.txt"}),
+    )
+    .await;
+    assert!(!is_error(&r), "another session serves on: {r}");
+    drop(c);
+    d.stop();
+    d.env.clear();
+    d.start();
+    let c = d.client().await;
+    let g = call(&c, "job_get", json!({"job": job})).await;
+    assert_eq!(g["structuredContent"]["state"], "committed", "{g}");
+    let r = call(&c, "write_text", write("two")).await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("a.txt").as_deref(), Some("two"));
+    drop(c);
+    d.stop();
+    d.assert_audit_verifies("a record that could not be marked committed");
+}
