@@ -662,6 +662,15 @@ impl Executor {
     }
 
     fn record(&self, cx: &Cx<'_>, event: Event) {
+        if let Event::Rollback(_) = event {
+            // Durable, like the `commit` it may follow: after a power loss the log's last
+            // word on a job that recorded its commit and then rolled back must still be
+            // the rollback (its undoing of the targets may reach the disk first).
+            if let Err(e) = self.audit.record_durable(&cx.call.r, event) {
+                tracing::error!(call = %cx.call.call, error = %crate::report::chain(&e), "cannot make a rollback event durable in the audit log");
+            }
+            return;
+        }
         self.audit.record(&cx.call.r, event);
     }
 

@@ -1448,3 +1448,56 @@ async fn a_committed_call_whose_record_cannot_be_marked_blocks_its_session_until
     d.stop();
     d.assert_audit_verifies("a record that could not be marked committed");
 }
+
+/// A call that fails after its `commit` event was made durable (here the fsync of
+/// `sessions/` after its exchange fails, and the previous version is put back) records its
+/// `rollback` durably too: after a power loss, the log's last word on the job is still the
+/// rollback, never the commit.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rollback_after_a_recorded_commit_is_durable_in_the_audit_log() {
+    let write = json!({"session": "s", "text": "one", "out": "a.txt"});
+    let mut d = Daemon::new();
+    let log = d.dir.path().join("points.log");
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(&c, "write_text", write.clone()).await;
+    assert!(!is_error(&r), "{r}");
+    drop(c);
+    d.stop();
+    // The second exchange-and-fsync of the run: the call's commit (the first is the
+    // session's create).
+    let at = nth_point(&log, "session.fsync_dir", 1);
+
+    let mut d = Daemon::new();
+    let log = d.dir.path().join("points.log");
+    d.env = vec![
+        ("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string()),
+        ("AIRLOCK_FAILPOINT_ERROR_AT".into(), at.to_string()),
+        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
+    ];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(&c, "write_text", write).await;
+    assert_eq!(code(&r), "PUBLISH_FAILED", "{r}");
+    assert_eq!(d.read("a.txt"), None, "rolled back");
+    assert_eq!(last_word(&d, "write_text"), ["commit", "error", "rollback"]);
+    drop(c);
+    d.stop();
+    // Made durable after the error: an audit write with its fsync follows the failed
+    // point (the commit's own came before it).
+    let text = std::fs::read_to_string(&log).unwrap();
+    let after: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(n, _)| n.parse::<u64>().is_ok_and(|n| n > at))
+        .map(|(_, name)| name)
+        .collect();
+    assert!(
+        after.contains(&"audit.durable_write"),
+        "no durable audit write after the failure: {after:?}"
+    );
+    d.assert_audit_verifies("a rollback after a recorded commit");
+}
