@@ -6,7 +6,8 @@
 //!
 //! * `AIRLOCK_FAILPOINT_CRASH_AT=N`: `abort()` at point N, as a kill -9 would stop the daemon.
 //! * `AIRLOCK_FAILPOINT_ERROR_AT=N` with `AIRLOCK_FAILPOINT_ERRNO=EIO|ENOSPC|EXDEV|EINVAL`:
-//!   point N fails with that errno instead of mutating anything.
+//!   point N fails with that errno instead of mutating anything (`N,M,...`: each of them, for
+//!   a failure whose handling meets another).
 //! * `AIRLOCK_FAILPOINT_LOG=FILE`: append `N NAME` for every point reached, so that a harness
 //!   learns how many points a call has and what each one is.
 //! * `AIRLOCK_FAILPOINT_PAUSE_AT=N` with `AIRLOCK_FAILPOINT_PAUSE_MS=MS`: sleep before point N,
@@ -67,7 +68,10 @@ pub fn hit(name: &'static str) -> std::io::Result<()> {
     if var("AIRLOCK_FAILPOINT_CRASH_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {
         std::process::abort();
     }
-    if var("AIRLOCK_FAILPOINT_ERROR_AT").and_then(|v| v.parse::<u64>().ok()) == Some(n) {
+    if var("AIRLOCK_FAILPOINT_ERROR_AT").is_some_and(|v| {
+        v.split(',')
+            .any(|at| at.trim().parse::<u64>().ok() == Some(n))
+    }) {
         let errno = match var("AIRLOCK_FAILPOINT_ERRNO").as_deref() {
             Some("ENOSPC") => libc::ENOSPC,
             Some("EXDEV") => libc::EXDEV,

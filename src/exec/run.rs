@@ -432,7 +432,14 @@ impl Executor {
             )
         });
         let undo = match published {
-            Ok(u) => u,
+            Ok(publish::Committed { undo, settled }) => {
+                if !settled {
+                    // Its journal may still read as unsettled on disk: a later commit of the
+                    // session first would make recovery roll it back.
+                    self.sessions.block(&guard);
+                }
+                undo
+            }
             Err(e) => return Err(publish_failed(tool, &outputs, e)),
         };
         // Its backups could not be kept after the commit point: it is not undoable after all.

@@ -126,65 +126,71 @@ impl Executor {
         let undone = rec.job.clone();
         let mut reply = None;
         let mut record: Option<JobRecord> = None;
-        let published = job.publish_and_commit_undoable(|published, status| {
-            let outputs: Vec<_> = published.iter().map(|o| output(o, hash_limit)).collect();
-            let reason = match status {
-                publish::UndoStatus::NotKept(why) => why.to_string(),
-                publish::UndoStatus::Kept => String::new(),
-            };
-            self.record_commit(
-                cx,
-                Commit::Undone {
-                    version,
-                    undo_of: undone.clone(),
-                    outputs: outputs.clone(),
-                    ran: call.ran(),
-                },
-            )
-            .map_err(CommitFailed::Audit)?;
-            let structured = json!({
-                "job": call.call,
-                "undoOf": undone,
-                "session": session,
-                "version": version,
-                "outputs": published.iter().map(|o| json!({
-                    "path": o.target,
-                    "deleted": o.edit == Some(publish::Edit::Deleted),
-                })).collect::<Vec<_>>(),
-                "undoable": false,
-                "undoReason": reason,
-            });
-            let r = ToolReply::ok(
-                format!("undid job {undone}: session {session} is at version {version}"),
-                structured,
-            );
-            let mut rec_j = self.job_record(cx, JobState::Committed);
-            rec_j.outputs = outputs
-                .iter()
-                .map(|o| serde_json::to_value(o).unwrap_or_default())
-                .collect();
-            rec_j.version_before = Some(version - 1);
-            rec_j.version_after = Some(version);
-            rec_j.ended_ms = Some(crate::audit::time::now_ms());
-            rec_j.undo_of = Some(undone.clone());
-            rec_j.undo_reason = Some(reason.clone());
-            rec_j.reply = Some(crate::jobs::RecordedReply {
-                is_error: r.is_error,
-                content: r.content.clone(),
-                structured: r.structured.clone(),
-            });
-            self.jobs
-                .prepare_commit(&rec_j, keyed)
-                .map_err(CommitFailed::Job)?;
-            record = Some(rec_j);
-            reply = Some(r);
-            self.sessions
-                .commit_reserved(guard, reserved, rec.state_before.clone(), &call.call)
-                .map_err(CommitFailed::Session)?;
-            Ok::<(), CommitFailed>(())
-        });
-        if let Err(e) = published {
-            return Err(undo_failed(&self.workspace, &undone, e));
+        let published = job.publish_and_commit_staged(
+            |_, _| Ok(()),
+            |published, status, ()| {
+                let outputs: Vec<_> = published.iter().map(|o| output(o, hash_limit)).collect();
+                let reason = match status {
+                    publish::UndoStatus::NotKept(why) => why.to_string(),
+                    publish::UndoStatus::Kept => String::new(),
+                };
+                self.record_commit(
+                    cx,
+                    Commit::Undone {
+                        version,
+                        undo_of: undone.clone(),
+                        outputs: outputs.clone(),
+                        ran: call.ran(),
+                    },
+                )
+                .map_err(CommitFailed::Audit)?;
+                let structured = json!({
+                    "job": call.call,
+                    "undoOf": undone,
+                    "session": session,
+                    "version": version,
+                    "outputs": published.iter().map(|o| json!({
+                        "path": o.target,
+                        "deleted": o.edit == Some(publish::Edit::Deleted),
+                    })).collect::<Vec<_>>(),
+                    "undoable": false,
+                    "undoReason": reason,
+                });
+                let r = ToolReply::ok(
+                    format!("undid job {undone}: session {session} is at version {version}"),
+                    structured,
+                );
+                let mut rec_j = self.job_record(cx, JobState::Committed);
+                rec_j.outputs = outputs
+                    .iter()
+                    .map(|o| serde_json::to_value(o).unwrap_or_default())
+                    .collect();
+                rec_j.version_before = Some(version - 1);
+                rec_j.version_after = Some(version);
+                rec_j.ended_ms = Some(crate::audit::time::now_ms());
+                rec_j.undo_of = Some(undone.clone());
+                rec_j.undo_reason = Some(reason.clone());
+                rec_j.reply = Some(crate::jobs::RecordedReply {
+                    is_error: r.is_error,
+                    content: r.content.clone(),
+                    structured: r.structured.clone(),
+                });
+                self.jobs
+                    .prepare_commit(&rec_j, keyed)
+                    .map_err(CommitFailed::Job)?;
+                record = Some(rec_j);
+                reply = Some(r);
+                self.sessions
+                    .commit_reserved(guard, reserved, rec.state_before.clone(), &call.call)
+                    .map_err(CommitFailed::Session)?;
+                Ok::<(), CommitFailed>(())
+            },
+        );
+        match published {
+            Err(e) => return Err(undo_failed(&self.workspace, &undone, e)),
+            // Its journal may still read as unsettled on disk: no later commit first.
+            Ok(publish::Committed { settled: false, .. }) => self.sessions.block(guard),
+            Ok(_) => {}
         }
         if let Some(r) = &record {
             // Under the session lock still: no later commit of the session comes first.

@@ -32,6 +32,17 @@ pub use rollback::Unreached;
 pub(super) use rollback::{rollback, unreachable_targets, Rolled};
 pub use undo::{NotKept, UndoKeep, UndoStatus};
 
+/// What a committed job's publication returns.
+#[derive(Debug)]
+pub struct Committed {
+    /// Whether the job kept undo data.
+    pub undo: UndoStatus,
+    /// `false`: neither the journal's blank nor a `committed` journal could be made durable,
+    /// so the disk may still hold a `publishing_outputs` journal, which recovery decides by
+    /// the session: no later commit of the session may come before the next start.
+    pub settled: bool,
+}
+
 pub struct Job {
     spec: JobSpec,
     /// Absolute path of `.airlock-job-<id>/`, for messages and for the caller.
@@ -513,6 +524,7 @@ impl Job {
         commit: impl FnOnce(&[Published], &UndoStatus) -> Result<(), E>,
     ) -> Result<UndoStatus, PublishError> {
         self.publish_and_commit_staged(|_, _| Ok::<(), E>(()), |p, u, ()| commit(p, u))
+            .map(|c| c.undo)
     }
 
     /// As [`Job::publish_and_commit_undoable`], with the caller's own records that are due
@@ -526,7 +538,7 @@ impl Job {
         mut self,
         prepare: impl FnOnce(&[Published], &UndoStatus) -> Result<S, E>,
         commit: impl FnOnce(&[Published], &UndoStatus, S) -> Result<(), E>,
-    ) -> Result<UndoStatus, PublishError> {
+    ) -> Result<Committed, PublishError> {
         let renamed = match self.publish() {
             Ok(renamed) => renamed,
             Err(e) => return Err(self.fail(e)),
@@ -577,20 +589,25 @@ impl Job {
         // `publishing_outputs` journal left behind would make recovery ask the session again,
         // after later commits of it no longer record this job. If it cannot be blanked, it
         // is replaced by a `committed` one, and the dir left for startup recovery.
-        match self.blank_journal() {
+        let settled = match self.blank_journal() {
             Ok(()) => {
                 if let Err(e) = self.retire() {
                     tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not remove the job dir; startup recovery will");
                 }
+                true
             }
             Err(e) => {
                 tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not blank its journal; startup recovery will remove the job dir");
-                if let Err(e) = self.journal.write(self.fd.as_fd(), &self.dir) {
-                    tracing::warn!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not journal it");
+                match self.journal.write(self.fd.as_fd(), &self.dir) {
+                    Ok(_) => true,
+                    Err(e) => {
+                        tracing::error!(job = %self.spec.id, error = %crate::report::chain(&e), "committed, but could not journal it; its session must take no later commit before the next start");
+                        false
+                    }
                 }
             }
-        }
-        Ok(undo)
+        };
+        Ok(Committed { undo, settled })
     }
 
     /// Writes the job's journal ([`Journal::create`]), over the blank one of a reused dir if

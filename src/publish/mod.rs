@@ -70,8 +70,8 @@ use std::path::PathBuf;
 
 pub use crate::policy::OutputKind;
 pub use copy::{Conflict, CopyRefusal};
-pub use job::Job;
 pub use job::Unreached;
+pub use job::{Committed, Job};
 pub use job::{NotKept, UndoKeep, UndoStatus};
 pub use journal::Phase;
 pub use journal::{Damage, JournalError};

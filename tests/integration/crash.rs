@@ -1501,3 +1501,57 @@ async fn a_rollback_after_a_recorded_commit_is_durable_in_the_audit_log() {
     );
     d.assert_audit_verifies("a rollback after a recorded commit");
 }
+
+/// A committed call whose journal can be neither blanked nor rewritten as `committed`
+/// afterwards (two disk errors) is answered as committed and blocks its session until the
+/// next start: a later commit of the session first would make the next start's recovery
+/// read the job's journal as uncommitted and roll it back. After a restart the output and
+/// the session are the call's, and the session serves again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_whose_journal_cannot_be_settled_blocks_its_session_until_restart() {
+    let write = |text: &str| json!({"session": "s", "text": text, "out": "a.txt"});
+    let mut d = Daemon::new();
+    let log = d.dir.path().join("points.log");
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(&c, "write_text", write("one")).await;
+    assert!(!is_error(&r), "{r}");
+    drop(c);
+    d.stop();
+    // The blank after the commit fails, and so does the `committed` journal written in its
+    // place (the next point then).
+    let blank = nth_point(&log, "publish.journal_blank", 0);
+
+    let mut d = Daemon::new();
+    d.env = vec![
+        (
+            "AIRLOCK_FAILPOINT_ERROR_AT".into(),
+            format!("{blank},{}", blank + 1),
+        ),
+        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
+    ];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    let r = call(&c, "write_text", write("one")).await;
+    assert!(!is_error(&r), "committed, and answered so: {r}");
+    assert_eq!(d.read("a.txt").as_deref(), Some("one"));
+    let r = call(&c, "write_text", write("two")).await;
+    assert_eq!(code(&r), "STATE_ERROR", "{r}");
+    assert_eq!(d.read("a.txt").as_deref(), Some("one"));
+    drop(c);
+    d.stop();
+    d.env.clear();
+    d.start();
+    let c = d.client().await;
+    assert_eq!(version(&c, "s").await, 1);
+    assert_eq!(d.read("a.txt").as_deref(), Some("one"));
+    let r = call(&c, "write_text", write("two")).await;
+    assert!(!is_error(&r), "{r}");
+    assert_eq!(d.read("a.txt").as_deref(), Some("two"));
+    drop(c);
+    d.stop();
+    d.assert_audit_verifies("a commit whose journal could not be settled");
+}

@@ -417,3 +417,35 @@ fn an_undecided_commit_is_left_for_recovery_which_decides_by_the_session() {
         }
     }
 }
+
+/// A committed job whose journal can be neither blanked nor rewritten as `committed` (the
+/// disk fails from the blank on) says so: the caller must keep its session from a later
+/// commit before the next start. Its outputs stay published; with a working disk it is
+/// settled.
+#[test]
+fn a_commit_whose_journal_can_be_neither_blanked_nor_rewritten_is_not_settled() {
+    use crate::publish::testsim::{self, Mode};
+    let run = |mode: Mode| {
+        let tmp = tempfile::tempdir().unwrap();
+        let ws = open(&tmp);
+        testsim::arm(mode);
+        let job = Job::create(&ws, spec("j", &["a.txt"])).unwrap();
+        stage(&job, 0, "new");
+        let r =
+            job.publish_and_commit_staged(|_, _| Ok::<(), CallbackError>(()), |_, _, ()| Ok(()));
+        let names = testsim::disarm();
+        let a = fs::read_to_string(tmp.path().join("a.txt")).ok();
+        (r, names, a)
+    };
+    let (r, names, a) = run(Mode::Off);
+    assert!(r.unwrap().settled);
+    assert_eq!(a.as_deref(), Some("new"));
+    let blank = names
+        .iter()
+        .position(|n| *n == "publish.journal_blank")
+        .unwrap_or_else(|| panic!("no blank: {names:?}"));
+    let (r, _, a) = run(Mode::Crash(blank));
+    let c = r.expect("committed");
+    assert!(!c.settled, "{c:?}");
+    assert_eq!(a.as_deref(), Some("new"));
+}
