@@ -133,7 +133,9 @@ impl Executor {
         let waited = match self.wait(cx, worker, ext.timeout, &mut lease).await {
             Ok(w) => w,
             Err((end, stop)) => {
-                discard(q.job).await;
+                // Not set aside for reuse: a worker that timed out, was cancelled, or whose
+                // end could not be confirmed, may have left a process behind for a while.
+                discard_unpooled(q.job).await;
                 drop(lease);
                 return Run::started(end, Err(stop));
             }
@@ -798,8 +800,17 @@ fn path_names(paths: &[(String, PathRole, PathBuf)]) -> impl Iterator<Item = &st
 }
 
 async fn discard(job: Job) {
+    remove_job_dir(job, Job::discard).await
+}
+
+/// [`discard`], never setting the dir aside for reuse ([`Job::discard_unpooled`]).
+async fn discard_unpooled(job: Job) {
+    remove_job_dir(job, Job::discard_unpooled).await
+}
+
+async fn remove_job_dir(job: Job, remove: fn(Job) -> Result<(), publish::PublishError>) {
     let dir = job.dir().to_path_buf();
-    let done = tokio::task::spawn_blocking(move || job.discard()).await;
+    let done = tokio::task::spawn_blocking(move || remove(job)).await;
     match done {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::error!(

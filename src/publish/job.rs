@@ -703,9 +703,17 @@ impl Job {
         Ok(u)
     }
 
-    /// Removes the job dir of a call that will not publish.
+    /// Removes the job dir of a call that will not publish (or sets it aside for reuse).
     pub fn discard(self) -> Result<(), PublishError> {
         self.retire()
+    }
+
+    /// Removes the job dir of a call that will not publish, never setting it aside: for a
+    /// call whose worker's end was not confirmed, one of whose processes could still reach
+    /// its staging dir (by its cwd, or its Landlock rule on that inode), which a later call
+    /// must not be handed.
+    pub fn discard_unpooled(self) -> Result<(), PublishError> {
+        remove_tree(self.root.as_fd(), OsStr::new(&self.name), &self.dir)
     }
 
     /// Everything before the commit point but the fsyncs of the renames, which it returns

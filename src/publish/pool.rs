@@ -103,6 +103,10 @@ enum Unfit {
     Flags(&'static str, u32),
     #[error("its journal is not blank")]
     NotBlank,
+    #[error(
+        "{0} is {1} bytes, more than a block: it held many entries once (a dir never shrinks)"
+    )]
+    Size(&'static str, i64),
 }
 
 impl Pool {
@@ -230,7 +234,14 @@ impl Pool {
         mutate("publish.pool_keep", &root_path.join(&idle), || {
             rustix::fs::renameat_with(root, name, root, &idle, RenameFlags::NOREPLACE)
         })?;
-        self.lock().push((idle, entry_durable));
+        let mut idle_dirs = self.lock();
+        if idle_dirs.len() >= self.cap.load(Ordering::Relaxed) {
+            // Others were set aside meanwhile: the pool is full after all.
+            drop(idle_dirs);
+            discard(root, &idle, &root_path.join(&idle));
+            return Ok(true);
+        }
+        idle_dirs.push((idle, entry_durable));
         Ok(true)
     }
 
@@ -312,6 +323,12 @@ fn check_dir(
     let st = check_owner(what, fd)?;
     if file_type(&st) != rustix::fs::FileType::Directory || st.st_mode & 0o7777 != 0o700 {
         return Err(Unfit::Mode(what, st.st_mode));
+    }
+    // A dir a worker filled with entries keeps its size once emptied (ext4 never shrinks
+    // one): kept, it would hold that room for as long as it idles, read again at each take,
+    // and tell the next call how much its predecessor made.
+    if st.st_size > st.st_blksize.max(4096) {
+        return Err(Unfit::Size(what, st.st_size));
     }
     let found = names(fd, Path::new(what)).map_err(|_| Unfit::Io("read", rustix::io::Errno::IO))?;
     let required = entries

@@ -333,6 +333,11 @@ async fn timeout_leaves_state_workspace_and_process_table_unchanged() {
     assert_eq!(version(&c, "t").await, 0);
     assert!(d.job_dirs().is_empty());
     assert!(
+        d.idle_job_dirs().is_empty(),
+        "a timed-out call's dir is removed, never set aside for reuse: {:?}",
+        d.idle_job_dirs()
+    );
+    assert!(
         processes_with("sleep 31.4159").is_empty(),
         "the worker outlived its call"
     );

@@ -622,3 +622,27 @@ fn a_reused_dir_that_lost_its_new_name_is_recovered_as_its_journals_job() {
         }
     }
 }
+
+/// A dir a worker filled with many entries keeps its size once emptied (ext4 never shrinks
+/// a dir): it is removed, not set aside, so it neither holds that room while idle nor tells
+/// the next call how much its predecessor made. A dir of ordinary use is kept.
+#[test]
+fn a_staging_dir_grown_by_many_entries_is_removed_not_set_aside() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = pooled(&tmp);
+    let job = Job::create(&ws, spec("j1", &["a.txt"])).unwrap();
+    let slot = job.staged_path(0).parent().unwrap().to_path_buf();
+    for i in 0..400 {
+        fs::write(slot.join(format!("{i:0>200}")), "x").unwrap();
+    }
+    let grown = fs::metadata(&slot).unwrap().len();
+    assert!(grown > 4096, "the slot grew: {grown} bytes");
+    job.discard().unwrap();
+    assert!(idle(tmp.path()).is_empty(), "{:?}", idle(tmp.path()));
+    assert!(job_dirs(tmp.path()).is_empty());
+    // An ordinary job's dir is set aside.
+    let job = Job::create(&ws, spec("j2", &["a.txt"])).unwrap();
+    fs::write(job.staged_path(0), "x").unwrap();
+    job.discard().unwrap();
+    assert_eq!(idle(tmp.path()).len(), 1);
+}
