@@ -697,52 +697,48 @@ impl JobStore {
         Some(rec)
     }
 
-    /// Writes the record (`mark`, then its JSON); returns the file, not synced.
     /// Replaces the record of `rec` whole with `mark`: written to a temp file, fsynced,
     /// renamed over it.
     fn replace(&self, rec: &JobRecord, mark: u8) -> Result<(), JobError> {
         let path = self.path(&rec.job);
         let temp = crate::fsutil::temp_path(&self.inner.dir, &format!("{}.json", rec.job));
-        let bytes = encode(rec, mark)?;
-        let io = |op, source| JobError::Io {
-            op,
+        let f = create(&temp, &encode(rec, mark)?)?;
+        f.sync_data().map_err(|source| JobError::Io {
+            op: "fsync",
             path: temp.clone(),
             source,
-        };
-        crate::failpoint::hit("jobs.write").map_err(|e| io("write", e))?;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&temp)
-            .map_err(|e| io("create", e))?;
-        f.write_all(&bytes).map_err(|e| io("write", e))?;
-        f.sync_data().map_err(|e| io("fsync", e))?;
-        std::fs::rename(&temp, &path).map_err(|e| io("rename", e))
+        })?;
+        std::fs::rename(&temp, &path).map_err(|source| JobError::Io {
+            op: "rename",
+            path: temp.clone(),
+            source,
+        })
     }
 
+    /// Writes the record (`mark`, then its JSON); returns the file, not synced.
     fn write(&self, rec: &JobRecord, mark: u8) -> Result<std::fs::File, JobError> {
-        let path = self.path(&rec.job);
-        let bytes = encode(rec, mark)?;
-        let io = |op, source| JobError::Io {
-            op,
-            path: path.clone(),
-            source,
-        };
-        crate::failpoint::hit("jobs.write").map_err(|e| io("write", e))?;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(|e| io("create", e))?;
-        f.write_all(&bytes).map_err(|e| io("write", e))?;
-        Ok(f)
+        create(&self.path(&rec.job), &encode(rec, mark)?)
     }
+}
+
+/// A record file at `path` (0600, made or cut) holding `bytes`, not yet synced.
+fn create(path: &Path, bytes: &[u8]) -> Result<std::fs::File, JobError> {
+    let io = |op, source| JobError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    };
+    crate::failpoint::hit("jobs.write").map_err(|e| io("write", e))?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| io("create", e))?;
+    f.write_all(bytes).map_err(|e| io("write", e))?;
+    Ok(f)
 }
 
 /// A record's bytes: its mark, a newline, its JSON.

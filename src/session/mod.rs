@@ -771,21 +771,26 @@ impl SessionStore {
     /// that fails too, the creation is undecided.
     fn persist_created(&self, snap: &Snapshot) -> Result<(), SessionError> {
         let (name, bytes) = self.file_bytes(snap, None, false)?;
-        fsutil::write_temp(
-            &self.dir,
-            &name,
-            &bytes,
-            0o600,
-            "session.write",
-            fsutil::Temp::Fresh,
-        )
-        .and_then(|f| f.sync_all())
-        .and_then(|()| fsutil::rename_temp(&self.dir, &name, "session.write"))
-        .map_err(|source| self.io_error(&snap.id, source))?;
+        self.write_fresh(&name, &bytes)
+            .and_then(|f| f.sync_all())
+            .and_then(|()| fsutil::rename_temp(&self.dir, &name, "session.write"))
+            .map_err(|source| self.io_error(&snap.id, source))?;
         self.durable_or_put_back(&snap.id, "creation", || {
             crate::failpoint::hit("session.unlink_created")
                 .and_then(|()| std::fs::remove_file(self.path(&snap.id)))
         })
+    }
+
+    /// `bytes` in a fresh temp file of `name` (whatever the temp name held is unlinked).
+    fn write_fresh(&self, name: &str, bytes: &[u8]) -> std::io::Result<std::fs::File> {
+        fsutil::write_temp(
+            &self.dir,
+            name,
+            bytes,
+            0o600,
+            "session.write",
+            fsutil::Temp::Fresh,
+        )
     }
 
     /// Writes the tombstone of a session (`destroy`): a fresh temp file exchanged with the
@@ -797,14 +802,7 @@ impl SessionStore {
         let file = {
             // Not while a reader that opened the spare reads it.
             let _writing = write(&guard.session.file);
-            fsutil::write_temp(
-                &self.dir,
-                &name,
-                &bytes,
-                0o600,
-                "session.write",
-                fsutil::Temp::Fresh,
-            )
+            self.write_fresh(&name, &bytes)
         };
         file.and_then(|f| f.sync_all())
             .and_then(|()| fsutil::exchange_temp(&self.dir, &name, "session.write"))
