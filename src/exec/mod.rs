@@ -666,7 +666,10 @@ impl Executor {
             // Durable, like the `commit` it may follow: after a power loss the log's last
             // word on a job that recorded its commit and then rolled back must still be
             // the rollback (its undoing of the targets may reach the disk first).
-            if let Err(e) = self.audit.record_durable(&cx.call.r, event) {
+            // Off the async threads: the fsync may be slow on a failing disk.
+            let durable =
+                tokio::task::block_in_place(|| self.audit.record_durable(&cx.call.r, event));
+            if let Err(e) = durable {
                 tracing::error!(call = %cx.call.call, error = %crate::report::chain(&e), "cannot make a rollback event durable in the audit log");
             }
             return;
