@@ -373,6 +373,7 @@ impl JobStore {
             source,
         })?;
         let mut records = Vec::new();
+        let mut replaced = false;
         let now = now_ms();
         for entry in entries.flatten() {
             let path = entry.path();
@@ -414,6 +415,7 @@ impl JobStore {
                         // settled again at the next start, not a torn one that would lose a
                         // committed call's key and result.
                         store.replace(&rec, TERMINAL)?;
+                        replaced = true;
                     } else if mark == COMMITTED {
                         rec.state = JobState::Committed;
                     }
@@ -432,6 +434,18 @@ impl JobStore {
             }
             rec.ended_ms.get_or_insert(now);
             records.push(rec);
+        }
+        // The settled records' renames durable before any new commit: one lost to a power
+        // loss would bring a pending record back, to be settled again after later commits
+        // of its session no longer name its job.
+        if replaced {
+            std::fs::File::open(&dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|source| JobError::Io {
+                    op: "fsync",
+                    path: dir.clone(),
+                    source,
+                })?;
         }
         records.sort_by_key(|r| r.created_ms);
         for r in records {

@@ -107,6 +107,9 @@ struct Cx<'a> {
     caller: Caller,
     cancel: &'a CancellationToken,
     progress: Option<&'a progress::Progress>,
+    /// A `commit` event of the call was written (or tried): its `rollback`, if one
+    /// follows, must be durable too.
+    commit_recorded: std::sync::atomic::AtomicBool,
 }
 
 /// The terminal result of a call.
@@ -432,6 +435,7 @@ impl Executor {
             caller,
             cancel: &cancel,
             progress,
+            commit_recorded: std::sync::atomic::AtomicBool::new(false),
         };
         // The session checked is the one the call names: `session`, or the id
         // `session_create` would take (an id another principal holds or held is theirs:
@@ -662,11 +666,12 @@ impl Executor {
     }
 
     fn record(&self, cx: &Cx<'_>, event: Event) {
-        if let Event::Rollback(_) = event {
-            // Durable, like the `commit` it may follow: after a power loss the log's last
-            // word on a job that recorded its commit and then rolled back must still be
-            // the rollback (its undoing of the targets may reach the disk first).
-            // Off the async threads: the fsync may be slow on a failing disk.
+        let after_commit = cx.commit_recorded.load(std::sync::atomic::Ordering::SeqCst);
+        if let (Event::Rollback(_), true) = (&event, after_commit) {
+            // Durable, like the `commit` it follows: after a power loss the log's last word
+            // on a job that recorded its commit and then rolled back must still be the
+            // rollback (its undoing of the targets may reach the disk first). Off the async
+            // threads: the fsync may be slow on a failing disk.
             let durable =
                 tokio::task::block_in_place(|| self.audit.record_durable(&cx.call.r, event));
             if let Err(e) = durable {
@@ -705,6 +710,8 @@ impl Executor {
 
     /// [`Executor::commit_event`] inside publication, where the error goes back to the job.
     fn record_commit(&self, cx: &Cx<'_>, commit: Commit) -> Result<(), crate::audit::AuditError> {
+        cx.commit_recorded
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         self.audit.record_durable(&cx.call.r, Event::Commit(commit))
     }
 

@@ -327,7 +327,10 @@ fn check_dir(
     // A dir a worker filled with entries keeps its size once emptied (ext4 never shrinks
     // one): kept, it would hold that room for as long as it idles, read again at each take,
     // and tell the next call how much its predecessor made.
-    if st.st_size > st.st_blksize.max(4096) {
+    // `st_blksize` is an i64 on x86_64, a narrower or unsigned type elsewhere.
+    #[allow(clippy::unnecessary_cast)]
+    let block = (st.st_blksize as i64).max(4096);
+    if st.st_size > block {
         return Err(Unfit::Size(what, st.st_size));
     }
     let found = names(fd, Path::new(what)).map_err(|_| Unfit::Io("read", rustix::io::Errno::IO))?;
