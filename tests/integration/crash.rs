@@ -1245,9 +1245,25 @@ async fn crash_points_an_undo_of_a_deletion() {
     .await;
 }
 
-/// The index of the `nth` (0-based) point named `name` in a failpoint log.
-fn nth_point(log: &Path, name: &str, nth: usize) -> u64 {
-    let text = std::fs::read_to_string(log).expect("failpoint log");
+/// The failpoint log of a reference run: daemon `d` started, session `s` created, then
+/// each of `calls` (a tool and its arguments) made and succeeding, the daemon stopped.
+async fn reference_points(mut d: Daemon, calls: &[(&str, Value)]) -> String {
+    let log = d.dir.path().join("points.log");
+    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
+    d.start();
+    let c = d.client().await;
+    session(&c, "s").await;
+    for (tool, args) in calls {
+        let r = call(&c, tool, args.clone()).await;
+        assert!(!is_error(&r), "{tool}: {r}");
+    }
+    drop(c);
+    d.stop();
+    std::fs::read_to_string(&log).expect("failpoint log")
+}
+
+/// The index of the `nth` (0-based) point named `name` in a failpoint log's `text`.
+fn nth_point(text: &str, name: &str, nth: usize) -> u64 {
     text.lines()
         .filter_map(|l| l.split_once(' '))
         .filter(|(_, n)| *n == name)
@@ -1302,16 +1318,11 @@ fn daemon_as(unprivileged: bool) -> Daemon {
 
 async fn session_change_with_a_disk_error(unprivileged: bool) {
     // Where the points are: one reference run, create then destroy.
-    let mut d = daemon_as(unprivileged);
-    let log = d.dir.path().join("points.log");
-    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
-    d.start();
-    let c = d.client().await;
-    session(&c, "s").await;
-    let r = call(&c, "session_destroy", json!({"session": "s"})).await;
-    assert!(!is_error(&r), "{r}");
-    drop(c);
-    d.stop();
+    let log = reference_points(
+        daemon_as(unprivileged),
+        &[("session_destroy", json!({"session": "s"}))],
+    )
+    .await;
     let (create_point, destroy_point) = (
         nth_point(&log, "session.fsync_dir", 0),
         nth_point(&log, "session.fsync_dir", 1),
@@ -1399,16 +1410,7 @@ async fn session_change_with_a_disk_error(unprivileged: bool) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_committed_call_whose_record_cannot_be_marked_blocks_its_session_until_restart() {
     let write = |text: &str| json!({"session": "s", "text": text, "out": "a.txt"});
-    let mut d = Daemon::new();
-    let log = d.dir.path().join("points.log");
-    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
-    d.start();
-    let c = d.client().await;
-    session(&c, "s").await;
-    let r = call(&c, "write_text", write("one")).await;
-    assert!(!is_error(&r), "{r}");
-    drop(c);
-    d.stop();
+    let log = reference_points(Daemon::new(), &[("write_text", write("one"))]).await;
     let mark = nth_point(&log, "jobs.mark_committed", 0);
 
     let mut d = Daemon::new();
@@ -1456,16 +1458,7 @@ async fn a_committed_call_whose_record_cannot_be_marked_blocks_its_session_until
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rollback_after_a_recorded_commit_is_durable_in_the_audit_log() {
     let write = json!({"session": "s", "text": "one", "out": "a.txt"});
-    let mut d = Daemon::new();
-    let log = d.dir.path().join("points.log");
-    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
-    d.start();
-    let c = d.client().await;
-    session(&c, "s").await;
-    let r = call(&c, "write_text", write.clone()).await;
-    assert!(!is_error(&r), "{r}");
-    drop(c);
-    d.stop();
+    let log = reference_points(Daemon::new(), &[("write_text", write.clone())]).await;
     // The second exchange-and-fsync of the run: the call's commit (the first is the
     // session's create).
     let at = nth_point(&log, "session.fsync_dir", 1);
@@ -1510,16 +1503,7 @@ async fn a_rollback_after_a_recorded_commit_is_durable_in_the_audit_log() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_commit_whose_journal_cannot_be_settled_blocks_its_session_until_restart() {
     let write = |text: &str| json!({"session": "s", "text": text, "out": "a.txt"});
-    let mut d = Daemon::new();
-    let log = d.dir.path().join("points.log");
-    d.env = vec![("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string())];
-    d.start();
-    let c = d.client().await;
-    session(&c, "s").await;
-    let r = call(&c, "write_text", write("one")).await;
-    assert!(!is_error(&r), "{r}");
-    drop(c);
-    d.stop();
+    let log = reference_points(Daemon::new(), &[("write_text", write("one"))]).await;
     // The blank after the commit fails, and so does the `committed` journal written in its
     // place (the next point then).
     let blank = nth_point(&log, "publish.journal_blank", 0);
