@@ -665,7 +665,7 @@ impl SessionStore {
         });
         if let Err(e) = durable {
             if let SessionError::Undecided { .. } = e {
-                guard.session.undecided.store(true, Ordering::SeqCst);
+                self.block(guard);
             }
             return Err(e);
         }
@@ -674,8 +674,9 @@ impl SessionStore {
     }
 
     /// Blocks the session `guard` holds until the next start (every later lock and read
-    /// fails with [`SessionError::Blocked`]): what a later commit would decide cannot be
-    /// decided now (a committed job's record that could not be marked).
+    /// fails with [`SessionError::Blocked`]): a change of it is undecided, or what a later
+    /// commit would decide cannot be decided now (a committed job's record or journal that
+    /// could not be settled).
     pub fn block(&self, guard: &SessionGuard) {
         guard.session.undecided.store(true, Ordering::SeqCst);
     }
@@ -714,7 +715,7 @@ impl SessionStore {
         // destroyed ([`SessionStore::read_committed`]).
         if let Err(e) = self.persist_tombstone(&guard, &tomb) {
             if let SessionError::Undecided { .. } = e {
-                guard.session.undecided.store(true, Ordering::SeqCst);
+                self.block(&guard);
             }
             return Err(e);
         }

@@ -462,6 +462,16 @@ async fn a_reader_without_the_session_lock_never_reads_a_spare_being_written() {
     assert_eq!(store.snapshot("s").unwrap().version, 2);
 }
 
+/// A store in `dir` holding session `s1` of `owner`, committed once (v1, `{"n": 1}`, job
+/// `j1`), and the guard of its lock.
+async fn s1_at_v1(dir: &std::path::Path, owner: u32) -> (SessionStore, SessionGuard) {
+    let store = SessionStore::open(dir).unwrap();
+    store.create("s1", Map::new(), owner).unwrap();
+    let g = store.lock("s1").await.unwrap();
+    store.commit(&g, n_state(1), "j1").unwrap();
+    (store, g)
+}
+
 /// The state `{"n": n}`.
 fn n_state(n: u64) -> Map<String, Value> {
     let mut st = Map::new();
@@ -472,10 +482,7 @@ fn n_state(n: u64) -> Map<String, Value> {
 #[tokio::test]
 async fn a_failed_fsync_after_the_exchange_puts_the_previous_version_back() {
     let dir = tempfile::tempdir().unwrap();
-    let store = SessionStore::open(dir.path()).unwrap();
-    store.create("s1", Map::new(), 0).unwrap();
-    let g = store.lock("s1").await.unwrap();
-    store.commit(&g, n_state(1), "j1").unwrap();
+    let (store, g) = s1_at_v1(dir.path(), 0).await;
     // The fsync of the dir after the exchange fails; the one after putting v1 back runs.
     lock(&store.dir_sync.state).fail_next = 1;
     let e = store.commit(&g, n_state(2), "j2").unwrap_err();
@@ -616,10 +623,7 @@ async fn a_create_that_can_be_neither_made_durable_nor_removed_blocks_its_id() {
 #[tokio::test]
 async fn a_destroy_whose_dir_fsync_fails_leaves_the_session_live_with_its_state() {
     let dir = tempfile::tempdir().unwrap();
-    let store = SessionStore::open(dir.path()).unwrap();
-    store.create("s1", Map::new(), 7).unwrap();
-    let g = store.lock("s1").await.unwrap();
-    store.commit(&g, n_state(1), "j1").unwrap();
+    let (store, g) = s1_at_v1(dir.path(), 7).await;
     lock(&store.dir_sync.state).fail_next = 1;
     let e = store.destroy(g).unwrap_err();
     assert!(
@@ -654,10 +658,7 @@ async fn a_destroy_whose_dir_fsync_fails_leaves_the_session_live_with_its_state(
 #[tokio::test]
 async fn a_destroy_that_can_be_neither_made_durable_nor_undone_blocks_its_session() {
     let dir = tempfile::tempdir().unwrap();
-    let store = SessionStore::open(dir.path()).unwrap();
-    store.create("s1", Map::new(), 7).unwrap();
-    let g = store.lock("s1").await.unwrap();
-    store.commit(&g, n_state(1), "j1").unwrap();
+    let (store, g) = s1_at_v1(dir.path(), 7).await;
     lock(&store.dir_sync.state).fail_next = 2;
     let e = store.destroy(g).unwrap_err();
     assert!(

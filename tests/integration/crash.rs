@@ -1262,6 +1262,15 @@ async fn reference_points(mut d: Daemon, calls: &[(&str, Value)]) -> String {
     std::fs::read_to_string(&log).expect("failpoint log")
 }
 
+/// Daemon `d` with an EIO injected at each failpoint of `points` (`N` or `N,M,...`).
+fn failing_at(mut d: Daemon, points: &str) -> Daemon {
+    d.env = vec![
+        ("AIRLOCK_FAILPOINT_ERROR_AT".into(), points.into()),
+        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
+    ];
+    d
+}
+
 /// The index of the `nth` (0-based) point named `name` in a failpoint log's `text`.
 fn nth_point(text: &str, name: &str, nth: usize) -> u64 {
     text.lines()
@@ -1329,14 +1338,7 @@ async fn session_change_with_a_disk_error(unprivileged: bool) {
     );
 
     // The create's fsync fails: no session, now or after a restart; the id is free.
-    let mut d = daemon_as(unprivileged);
-    d.env = vec![
-        (
-            "AIRLOCK_FAILPOINT_ERROR_AT".into(),
-            create_point.to_string(),
-        ),
-        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
-    ];
+    let mut d = failing_at(daemon_as(unprivileged), &create_point.to_string());
     d.start();
     let c = d.client().await;
     let r = call(&c, "session_create", json!({"id": "s"})).await;
@@ -1362,14 +1364,7 @@ async fn session_change_with_a_disk_error(unprivileged: bool) {
 
     // The destroy's fsync fails: the session stays live with its state, then and after a
     // restart, and no tombstone is left.
-    let mut d = daemon_as(unprivileged);
-    d.env = vec![
-        (
-            "AIRLOCK_FAILPOINT_ERROR_AT".into(),
-            destroy_point.to_string(),
-        ),
-        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
-    ];
+    let mut d = failing_at(daemon_as(unprivileged), &destroy_point.to_string());
     d.start();
     let c = d.client().await;
     let r = call(&c, "session_create", json!({"id": "s", "state": {"k": 1}})).await;
@@ -1413,11 +1408,7 @@ async fn a_committed_call_whose_record_cannot_be_marked_blocks_its_session_until
     let log = reference_points(Daemon::new(), &[("write_text", write("one"))]).await;
     let mark = nth_point(&log, "jobs.mark_committed", 0);
 
-    let mut d = Daemon::new();
-    d.env = vec![
-        ("AIRLOCK_FAILPOINT_ERROR_AT".into(), mark.to_string()),
-        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
-    ];
+    let mut d = failing_at(Daemon::new(), &mark.to_string());
     d.start();
     let c = d.client().await;
     session(&c, "s").await;
@@ -1463,13 +1454,10 @@ async fn a_rollback_after_a_recorded_commit_is_durable_in_the_audit_log() {
     // session's create).
     let at = nth_point(&log, "session.fsync_dir", 1);
 
-    let mut d = Daemon::new();
+    let mut d = failing_at(Daemon::new(), &at.to_string());
     let log = d.dir.path().join("points.log");
-    d.env = vec![
-        ("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string()),
-        ("AIRLOCK_FAILPOINT_ERROR_AT".into(), at.to_string()),
-        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
-    ];
+    d.env
+        .push(("AIRLOCK_FAILPOINT_LOG".into(), log.display().to_string()));
     d.start();
     let c = d.client().await;
     session(&c, "s").await;
@@ -1508,14 +1496,7 @@ async fn a_commit_whose_journal_cannot_be_settled_blocks_its_session_until_resta
     // place (the next point then).
     let blank = nth_point(&log, "publish.journal_blank", 0);
 
-    let mut d = Daemon::new();
-    d.env = vec![
-        (
-            "AIRLOCK_FAILPOINT_ERROR_AT".into(),
-            format!("{blank},{}", blank + 1),
-        ),
-        ("AIRLOCK_FAILPOINT_ERRNO".into(), "EIO".into()),
-    ];
+    let mut d = failing_at(Daemon::new(), &format!("{blank},{}", blank + 1));
     d.start();
     let c = d.client().await;
     session(&c, "s").await;
